@@ -1,0 +1,200 @@
+"""Token-level Lexical Alignment (paper section 3.1, Algorithm 1) and the paper's chunk baseline.
+
+For a student token with characters [st, ed):
+  j = the first teacher token whose end > st,
+  k = the last teacher token whose start < ed,
+and the mapping is the inclusive teacher range (j, k), or -1 (unmapped) where no teacher token
+overlaps. Two `searchsorted` calls over the whole sequence: O(N log M), no Python loop.
+
+Rules for real-world offsets (each has a test):
+  - Zero-width spans (BOS/EOS and other special tokens, any span with end == start) carry no
+    characters: a zero-width student token is unmapped, and a zero-width teacher token is never
+    the end of a range (it is skipped by the searches).
+  - Several tokens sharing one span (byte-fallback / byte-level pieces of one character) are all
+    mapped together: every one of them overlaps the student token.
+  - Overlapping spans (SentencePiece's prepended `▁` with span (0, 1) next to a token that also
+    starts at 0) are handled by searching over the running maximum of teacher ends and the running
+    minimum (from the right) of teacher starts, which gives exactly "first end > st" and "last
+    start < ed" even when the raw arrays are not monotone.
+  - Leading-space tokens (`▁x`, `Ġx`) include the space in their span; alignment uses spans as the
+    tokenizer reports them.
+  - Normalizers (NFC/NFKC, space rewriting) are undone by the tokenizers library: offsets always
+    index the original text, so both sides agree on characters.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+Aggregation = Literal["max", "mean", "sum"]
+AGGREGATIONS: tuple[str, ...] = ("max", "mean", "sum")
+UNMAPPED = -1
+
+
+def align(
+    student_start: np.ndarray,
+    student_end: np.ndarray,
+    teacher_start: np.ndarray,
+    teacher_end: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Map each student token to its minimal covering teacher range; returns (map_start, map_end).
+
+    Both are int64 arrays of the student's length, inclusive, -1 where unmapped.
+    """
+    s_start = np.asarray(student_start, dtype=np.int64)
+    s_end = np.asarray(student_end, dtype=np.int64)
+    t_start = np.asarray(teacher_start, dtype=np.int64)
+    t_end = np.asarray(teacher_end, dtype=np.int64)
+    map_start = np.full(s_start.shape, UNMAPPED, dtype=np.int64)
+    map_end = np.full(s_start.shape, UNMAPPED, dtype=np.int64)
+
+    wide = np.flatnonzero(t_end > t_start)  # zero-width teacher tokens cover nothing
+    if wide.size == 0 or s_start.size == 0:
+        return map_start, map_end
+    ends_so_far = np.maximum.accumulate(t_end[wide])
+    starts_from_here = np.minimum.accumulate(t_start[wide][::-1])[::-1]
+
+    low = np.searchsorted(ends_so_far, s_start, side="right")  # first with end > st
+    high = np.searchsorted(starts_from_here, s_end, side="left") - 1  # last with start < ed
+    mapped = (low <= high) & (s_end > s_start)
+    map_start[mapped] = wide[low[mapped]]
+    map_end[mapped] = wide[high[mapped]]
+    return map_start, map_end
+
+
+def aggregate_teacher_loss(
+    teacher_loss: np.ndarray,
+    map_start: np.ndarray,
+    map_end: np.ndarray,
+    how: Aggregation = "max",
+) -> np.ndarray:
+    """Φ over each student token's teacher range (paper eq. 2), NaN-aware; float32.
+
+    Unscored teacher tokens (NaN) are ignored; a range with no scored token, and an unmapped
+    student token, give NaN.
+    """
+    if how not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {how!r}")
+    loss = np.asarray(teacher_loss, dtype=np.float64)
+    map_start = np.asarray(map_start, dtype=np.int64)
+    map_end = np.asarray(map_end, dtype=np.int64)
+    mapped = map_start >= 0
+    out = np.full(map_start.shape, np.nan, dtype=np.float64)
+    if loss.size == 0 or not mapped.any():
+        return out.astype(np.float32)
+    first = np.where(mapped, map_start, 0)
+    stop = np.where(mapped, map_end + 1, 0)
+    scored = ~np.isnan(loss)
+
+    if how == "max":
+        # reduceat over interleaved (first, stop) pairs gives max(loss[first:stop]) at even slots;
+        # a trailing -inf lets `stop` equal len(loss).
+        values = np.append(np.where(scored, loss, -np.inf), -np.inf)
+        bounds = np.empty(2 * first.size, dtype=np.int64)
+        bounds[0::2], bounds[1::2] = first, stop
+        result = np.maximum.reduceat(values, bounds)[0::2]
+        result[np.isneginf(result)] = np.nan
+    else:
+        # Prefix sums in float64 keep long documents exact enough; count decides "no scored token".
+        total = np.concatenate(([0.0], np.cumsum(np.where(scored, loss, 0.0))))
+        count = np.concatenate(([0], np.cumsum(scored)))
+        sums = total[stop] - total[first]
+        counts = count[stop] - count[first]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            result = sums if how == "sum" else sums / counts
+        result = np.where(counts > 0, result, np.nan)
+    out[mapped] = result[mapped]
+    return out.astype(np.float32)
+
+
+def chunk_bounds(length: int, num_chunks: int) -> np.ndarray:
+    """Token boundaries of `num_chunks` equal chunks (sizes differ by at most one)."""
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be at least 1, not {num_chunks}")
+    return (np.arange(num_chunks + 1, dtype=np.int64) * length) // num_chunks
+
+
+def equal_chunk_alignment(
+    num_student: int, num_teacher: int, num_chunks: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The paper's chunking baseline (section 2, Table 2): student chunk c maps to teacher chunk c.
+
+    Returned in the same (map_start, map_end) form as `align`, so aggregation and selection are
+    shared: every student token of chunk c maps to the whole teacher chunk c (-1 if it is empty).
+    """
+    s_bounds = chunk_bounds(num_student, num_chunks)
+    t_bounds = chunk_bounds(num_teacher, num_chunks)
+    chunk = np.searchsorted(s_bounds, np.arange(num_student), side="right") - 1
+    map_start = t_bounds[chunk]
+    map_end = t_bounds[chunk + 1] - 1
+    empty = map_end < map_start
+    map_start[empty] = UNMAPPED
+    map_end[empty] = UNMAPPED
+    return map_start, map_end
+
+
+def span_overlap(
+    a_start: np.ndarray, a_end: np.ndarray, b_start: np.ndarray, b_end: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Character IoU and IoS (intersection over the `a` side) of paired spans [start, end)."""
+    a_start, a_end, b_start, b_end = (np.asarray(x, dtype=np.int64) for x in (a_start, a_end, b_start, b_end))
+    inter = np.clip(np.minimum(a_end, b_end) - np.maximum(a_start, b_start), 0, None)
+    union = (a_end - a_start) + (b_end - b_start) - inter
+    with np.errstate(invalid="ignore", divide="ignore"):
+        iou = np.where(union > 0, inter / np.maximum(union, 1), np.nan)
+        ios = np.where(a_end > a_start, inter / np.maximum(a_end - a_start, 1), np.nan)
+    return iou, ios
+
+
+def token_alignment_overlap(
+    student_start: np.ndarray,
+    student_end: np.ndarray,
+    teacher_start: np.ndarray,
+    teacher_end: np.ndarray,
+    map_start: np.ndarray,
+    map_end: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per student token: character IoU / IoS against the span of its mapped teacher range.
+
+    The teacher side of a range (j, k) is [start of j, end of k); NaN for unmapped tokens.
+    """
+    map_start = np.asarray(map_start)
+    mapped = map_start >= 0
+    j = np.where(mapped, map_start, 0)
+    k = np.where(mapped, map_end, 0)
+    t_start = np.asarray(teacher_start)[j] if len(teacher_start) else np.zeros_like(j)
+    t_end = np.asarray(teacher_end)[k] if len(teacher_end) else np.zeros_like(k)
+    iou, ios = span_overlap(student_start, student_end, t_start, t_end)
+    return np.where(mapped, iou, np.nan), np.where(mapped, ios, np.nan)
+
+
+def chunk_alignment_overlap(
+    student_start: np.ndarray,
+    student_end: np.ndarray,
+    teacher_start: np.ndarray,
+    teacher_end: np.ndarray,
+    num_chunks: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per chunk pair (paper Figure 3): character IoU / IoS of student chunk c vs teacher chunk c.
+
+    A chunk's characters are [first token's start, last token's end); NaN for an empty chunk.
+    """
+    s_bounds = chunk_bounds(len(student_start), num_chunks)
+    t_bounds = chunk_bounds(len(teacher_start), num_chunks)
+
+    def chunk_spans(start, end, bounds):
+        start, end = np.asarray(start, dtype=np.int64), np.asarray(end, dtype=np.int64)
+        nonempty = bounds[1:] > bounds[:-1]
+        first = np.where(nonempty, bounds[:-1], 0)
+        last = np.where(nonempty, bounds[1:] - 1, 0)
+        lo = start[first] if start.size else np.zeros_like(first)
+        hi = end[last] if end.size else np.zeros_like(last)
+        return np.where(nonempty, lo, 0), np.where(nonempty, hi, 0), nonempty
+
+    s_lo, s_hi, s_ok = chunk_spans(student_start, student_end, s_bounds)
+    t_lo, t_hi, t_ok = chunk_spans(teacher_start, teacher_end, t_bounds)
+    iou, ios = span_overlap(s_lo, s_hi, t_lo, t_hi)
+    ok = s_ok & t_ok
+    return np.where(ok, iou, np.nan), np.where(ok, ios, np.nan)

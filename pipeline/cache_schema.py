@@ -1,0 +1,102 @@
+"""The cache contract: one Parquet shard per work unit, one row per document (see DESIGN.md).
+
+Column names are what outside tools rely on; more columns may be added, never renamed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import CacheError
+from pipeline.io import atomic_path, sha256_file
+
+SCHEMA_VERSION = 1
+METADATA_KEY = b"vocagno"
+
+DOC_ID = "doc_id"
+TEXT = "text"
+TEXT_SHA256 = "text_sha256"
+TOKEN_IDS = "token_ids"
+TOKEN_START = "token_start"
+TOKEN_END = "token_end"
+LOSS = "loss"
+COLUMNS = (DOC_ID, TEXT, TEXT_SHA256, TOKEN_IDS, TOKEN_START, TOKEN_END, LOSS)
+LOSS_DTYPES = {"float16": pa.float16(), "float32": pa.float32()}
+
+
+def cache_schema(loss_dtype: str = "float32") -> pa.Schema:
+    if loss_dtype not in LOSS_DTYPES:
+        raise ValueError(f"loss dtype must be one of {sorted(LOSS_DTYPES)}, not {loss_dtype!r}")
+    return pa.schema(
+        [
+            pa.field(DOC_ID, pa.string(), nullable=False),
+            pa.field(TEXT, pa.large_string(), nullable=False),
+            pa.field(TEXT_SHA256, pa.string(), nullable=False),
+            pa.field(TOKEN_IDS, pa.list_(pa.int32()), nullable=False),
+            pa.field(TOKEN_START, pa.list_(pa.int32()), nullable=False),
+            pa.field(TOKEN_END, pa.list_(pa.int32()), nullable=False),
+            pa.field(LOSS, pa.list_(LOSS_DTYPES[loss_dtype]), nullable=False),
+        ]
+    )
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.parquet"
+
+
+def write_shard(path: Path, table: pa.Table, metadata: dict) -> tuple[int, str]:
+    """Write `table` atomically with our metadata in the Parquet footer; returns (bytes, sha256).
+
+    Offsets grow slowly within a document, so delta encoding stores them in a few bits each.
+    """
+    table = table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata, sort_keys=True)})
+    with atomic_path(path) as tmp:
+        pq.write_table(
+            table,
+            tmp,
+            compression="zstd",
+            compression_level=9,
+            use_dictionary=[DOC_ID],
+            column_encoding={
+                TOKEN_IDS: "DELTA_BINARY_PACKED",
+                TOKEN_START: "DELTA_BINARY_PACKED",
+                TOKEN_END: "DELTA_BINARY_PACKED",
+                LOSS: "BYTE_STREAM_SPLIT",
+                TEXT_SHA256: "PLAIN",
+            },
+            write_statistics=False,
+            # A stable writer string keeps shards byte-identical across pyarrow builds of one version.
+            store_schema=True,
+        )
+    return path.stat().st_size, sha256_file(path)
+
+
+def read_shard_metadata(path: Path) -> dict:
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except Exception as exc:
+        raise CacheError(f"shard {path} is not a readable Parquet file: {exc}") from exc
+    if METADATA_KEY not in meta:
+        raise CacheError(f"shard {path} has no vocagno metadata: not written by stage 1")
+    return json.loads(meta[METADATA_KEY])
+
+
+def iter_shard_batches(
+    path: Path, columns: list[str] | None = None, batch_size: int = 256
+) -> Iterator[pa.RecordBatch]:
+    """Stream a shard in record batches; every failure to decode becomes a CacheError naming it."""
+    try:
+        parquet = pq.ParquetFile(path)
+        missing = set(columns or COLUMNS) - set(parquet.schema_arrow.names)
+        if missing:
+            raise CacheError(f"shard {path} lacks columns {sorted(missing)}")
+        yield from parquet.iter_batches(batch_size=batch_size, columns=columns)
+    except CacheError:
+        raise
+    except Exception as exc:
+        raise CacheError(f"shard {path} is corrupt: {exc}") from exc

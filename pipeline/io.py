@@ -1,0 +1,110 @@
+"""Atomic writes, hashing, canonical JSON and transparent zstd: the I/O every output goes through."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import zstandard
+
+_CHUNK = 1 << 20
+
+
+def canonical_json(obj: Any) -> str:
+    """One spelling per value, so that hashes of configs and tokenizers are stable."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint(obj: Any) -> str:
+    """Short, stable id of a JSON-able value (configs, settings, tokenizer JSON)."""
+    return sha256_text(canonical_json(obj))[:16]
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename durable: the directory entry must reach the disk too."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `dest`; on success fsync it and rename it into place.
+
+    On any error the temporary file is removed, so readers only ever see complete files.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_bytes(dest: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(dest) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(dest: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(dest, text.encode("utf-8"))
+
+
+def atomic_write_json(dest: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(dest, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def is_zstd(path: str | os.PathLike) -> bool:
+    return str(path).endswith((".zst", ".zstd"))
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    """Whole-file read that undoes zstd compression when the name says so (small files only)."""
+    data = Path(path).read_bytes()
+    if is_zstd(path):
+        return zstandard.ZstdDecompressor().decompressobj().decompress(data)
+    return data
+
+
+@contextlib.contextmanager
+def open_binary_stream(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+    """Stream a file's bytes, decompressing zstd on the fly, without loading it whole."""
+    with open(path, "rb") as raw:
+        if is_zstd(path):
+            with zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True) as reader:
+                yield io.BufferedReader(reader, buffer_size=_CHUNK)
+        else:
+            yield raw

@@ -1,0 +1,133 @@
+"""`manifest.json`: what produced a cache, and every shard's size and checksum. Written last."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipeline.cache_schema import SCHEMA_VERSION
+from pipeline.errors import CacheError
+from pipeline.io import atomic_write_json, fingerprint
+
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    index: int
+    file: str
+    rows: int
+    teacher_tokens: int
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class SkippedDocument:
+    """A corpus record that is in no shard, and why: nothing is dropped silently."""
+
+    source: str
+    record: int
+    doc_id: str | None
+    reason: str
+
+
+@dataclass
+class CacheManifest:
+    """Producer identity (teacher, tokenizer, settings, corpus) plus the shard table.
+
+    `producer_fingerprint` is the hash of the producer fields: two caches with the same value were
+    made by the same teacher, tokenizer, settings and corpus, and may be mixed; others may not.
+    """
+
+    teacher: dict
+    tokenizer: dict
+    settings: dict
+    corpus: dict
+    shards: list[ShardRecord] = field(default_factory=list)
+    skipped: list[SkippedDocument] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+    software: dict = field(default_factory=dict)
+
+    @property
+    def producer(self) -> dict:
+        return {
+            "schema_version": self.schema_version,
+            "teacher": self.teacher,
+            "tokenizer": self.tokenizer,
+            "settings": self.settings,
+            "corpus": self.corpus,
+        }
+
+    @property
+    def producer_fingerprint(self) -> str:
+        return fingerprint(self.producer)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    @property
+    def total_teacher_tokens(self) -> int:
+        return sum(s.teacher_tokens for s in self.shards)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["producer_fingerprint"] = self.producer_fingerprint
+        data["totals"] = {
+            "shards": len(self.shards),
+            "rows": self.total_rows,
+            "teacher_tokens": self.total_teacher_tokens,
+            "skipped": len(self.skipped),
+        }
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict, where: str = "manifest") -> CacheManifest:
+        try:
+            version = data["schema_version"]
+            if version != SCHEMA_VERSION:
+                raise CacheError(
+                    f"{where}: cache schema version {version}, this vocagno reads {SCHEMA_VERSION}"
+                )
+            manifest = cls(
+                teacher=data["teacher"],
+                tokenizer=data["tokenizer"],
+                settings=data["settings"],
+                corpus=data["corpus"],
+                shards=[ShardRecord(**s) for s in data["shards"]],
+                skipped=[SkippedDocument(**s) for s in data["skipped"]],
+                schema_version=version,
+                software=data.get("software", {}),
+            )
+        except CacheError:
+            raise
+        except (KeyError, TypeError) as exc:
+            raise CacheError(f"{where}: malformed manifest ({exc!r})") from exc
+        recorded = data.get("producer_fingerprint")
+        if recorded != manifest.producer_fingerprint:
+            raise CacheError(
+                f"{where}: producer fingerprint {recorded} does not match its contents "
+                f"({manifest.producer_fingerprint}); the manifest was edited or corrupted"
+            )
+        return manifest
+
+
+def write_manifest(cache_dir: Path, manifest: CacheManifest) -> None:
+    atomic_write_json(Path(cache_dir) / MANIFEST_NAME, manifest.to_json())
+
+
+def load_manifest(cache_dir: Path) -> CacheManifest:
+    path = Path(cache_dir) / MANIFEST_NAME
+    if not Path(cache_dir).is_dir():
+        raise CacheError(f"cache folder {cache_dir} does not exist")
+    if not path.exists():
+        raise CacheError(f"{path} does not exist: stage 1 has not finished writing this cache")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CacheError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CacheError(f"{path} is not a JSON object")
+    return CacheManifest.from_json(data, where=str(path))

@@ -1,0 +1,225 @@
+"""Load any tokenizer people use into one shape: token ids with character offsets, and a fingerprint.
+
+A spec is one of:
+  - a shipped name (`tinyllama`, `mistral`, `qwen2.5`, `deepseek`, `smollm2`; see assets/tokenizers.toml),
+  - a `tokenizer.json` file, plain or `.zst`,
+  - a Hugging Face folder (its `tokenizer.json` and `tokenizer_config.json`),
+  - a GGUF file (converted by transformers),
+  - a hub id such as `TinyLlama/TinyLlama_v1.1` (where a hub is reachable).
+
+Offsets are Python `str` indices into the text as given (the tokenizers library maps them back
+through its normalizer, so NFC/NFKC and SentencePiece's space rewriting keep original positions).
+BOS/EOS are added here, not by the tokenizer's post-processor, so every family is framed the same
+way and the special tokens always carry the zero-width span (0, 0) or (len, len).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from pipeline.errors import TokenizerError
+from pipeline.io import fingerprint, read_bytes
+
+_ASSETS = resources.files("pipeline") / "assets"
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One document's tokens. `start`/`end` are character offsets into the text, end exclusive."""
+
+    ids: np.ndarray  # int32
+    start: np.ndarray  # int32
+    end: np.ndarray  # int32
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass(frozen=True)
+class FramingPolicy:
+    """How a model family frames a document: an optional BOS before it, an EOS after it."""
+
+    add_bos: bool
+    bos_token: str | None
+    eos_token: str | None
+
+
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` plus the framing policy and identity the pipeline needs."""
+
+    def __init__(self, backend: Tokenizer, policy: FramingPolicy, spec: str):
+        self.backend = backend
+        self.policy = policy
+        self.spec = spec
+        self.bos_id = self._special_id(policy.bos_token) if policy.add_bos else None
+        self.eos_id = self._special_id(policy.eos_token) if policy.eos_token else None
+        # Offsets are the whole point; a tokenizer that cannot give them is useless here.
+        probe = backend.encode("ab", add_special_tokens=False)
+        if probe.ids and not any(end > start for start, end in probe.offsets):
+            raise TokenizerError(f"tokenizer {spec!r} gives no character offsets")
+
+    def _special_id(self, token: str | None) -> int | None:
+        token_id = self.backend.token_to_id(token) if token else None
+        if token and token_id is None:
+            raise TokenizerError(f"tokenizer {self.spec!r} has no token {token!r} named in its policy")
+        return token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Hash of the canonical tokenizer JSON and the framing policy: what a cache records."""
+        return fingerprint(
+            {
+                "tokenizer": json.loads(self.backend.to_str()),
+                "add_bos": self.policy.add_bos,
+                "bos": self.policy.bos_token,
+                "eos": self.policy.eos_token,
+            }
+        )
+
+    def encode(self, text: str, *, add_bos: bool | None = None, add_eos: bool = False) -> Encoding:
+        return self.encode_batch([text], add_bos=add_bos, add_eos=add_eos)[0]
+
+    def encode_batch(
+        self, texts: list[str], *, add_bos: bool | None = None, add_eos: bool = False
+    ) -> list[Encoding]:
+        """Tokenize with offsets. `add_bos=None` follows the family's policy."""
+        use_bos = self.policy.add_bos if add_bos is None else add_bos
+        if use_bos and self.bos_id is None:
+            raise TokenizerError(f"tokenizer {self.spec!r} has no BOS token")
+        if add_eos and self.eos_id is None:
+            raise TokenizerError(f"tokenizer {self.spec!r} has no EOS token")
+        out = []
+        for text, enc in zip(texts, self.backend.encode_batch(texts, add_special_tokens=False), strict=True):
+            ids = np.asarray(enc.ids, dtype=np.int32)
+            offsets = np.asarray(enc.offsets, dtype=np.int32).reshape(-1, 2)
+            start, end = offsets[:, 0], offsets[:, 1]
+            if use_bos:
+                ids = np.concatenate(([self.bos_id], ids)).astype(np.int32)
+                start = np.concatenate(([0], start)).astype(np.int32)
+                end = np.concatenate(([0], end)).astype(np.int32)
+            if add_eos:
+                n = len(text)
+                ids = np.concatenate((ids, [self.eos_id])).astype(np.int32)
+                start = np.concatenate((start, [n])).astype(np.int32)
+                end = np.concatenate((end, [n])).astype(np.int32)
+            out.append(Encoding(ids=ids, start=np.ascontiguousarray(start), end=np.ascontiguousarray(end)))
+        return out
+
+    def vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer({self.spec!r}, vocab={self.vocab_size}, policy={self.policy})"
+
+
+@functools.cache
+def shipped_tokenizers() -> dict[str, dict]:
+    """Name -> provenance record of the tokenizers that ship inside the package."""
+    return tomllib.loads((_ASSETS / "tokenizers.toml").read_text(encoding="utf-8"))
+
+
+def _policy_from_template(backend: Tokenizer) -> FramingPolicy:
+    """Read BOS from a TemplateProcessing post-processor, the only place a bare file records it."""
+    post = json.loads(backend.to_str()).get("post_processor") or {}
+    processors = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    for proc in processors:
+        if proc.get("type") == "TemplateProcessing":
+            first = (proc.get("single") or [{}])[0]
+            if "SpecialToken" in first:
+                return FramingPolicy(True, first["SpecialToken"]["id"], None)
+    return FramingPolicy(False, None, None)
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json writes special tokens either as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _policy_from_config(config: dict, fallback: FramingPolicy) -> FramingPolicy:
+    bos = _token_text(config.get("bos_token")) or fallback.bos_token
+    eos = _token_text(config.get("eos_token")) or fallback.eos_token
+    add_bos = config.get("add_bos_token", fallback.add_bos)
+    return FramingPolicy(bool(add_bos and bos), bos if add_bos else None, eos)
+
+
+def _from_tokenizer_json(path: Path, config: dict | None, spec: str) -> TextTokenizer:
+    try:
+        backend = Tokenizer.from_str(read_bytes(path).decode("utf-8"))
+    except Exception as exc:  # the tokenizers library raises bare Exceptions on bad JSON
+        raise TokenizerError(f"cannot read tokenizer file {path}: {exc}") from exc
+    policy = _policy_from_template(backend)
+    if config is not None:
+        policy = _policy_from_config(config, policy)
+    return TextTokenizer(backend, policy, spec)
+
+
+def _from_transformers(spec: str, **kwargs) -> TextTokenizer:
+    """Hub ids, GGUF files and folders without a tokenizer.json go through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(spec, **kwargs)
+    except Exception as exc:
+        raise TokenizerError(f"cannot load tokenizer {spec!r}: {exc}") from exc
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise TokenizerError(
+            f"tokenizer {spec!r} is a slow (Python) tokenizer; it gives no character offsets"
+        )
+    policy = FramingPolicy(
+        add_bos=bool(getattr(hf, "add_bos_token", False) and hf.bos_token),
+        bos_token=hf.bos_token if getattr(hf, "add_bos_token", False) else None,
+        eos_token=hf.eos_token,
+    )
+    return TextTokenizer(backend, policy, spec)
+
+
+@functools.lru_cache(maxsize=16)
+def load_tokenizer(spec: str | os.PathLike) -> TextTokenizer:
+    """Load a tokenizer from any supported spec (see the module docstring)."""
+    spec = str(spec)
+    shipped = shipped_tokenizers()
+    if spec in shipped:
+        record = shipped[spec]
+        with resources.as_file(_ASSETS / "tokenizers" / record["file"]) as path:
+            backend = Tokenizer.from_str(read_bytes(path).decode("utf-8"))
+        policy = FramingPolicy(record["add_bos"], record.get("bos"), record.get("eos"))
+        return TextTokenizer(backend, policy, spec)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        config_path = path / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else None
+        if (path / "tokenizer.json").exists():
+            return _from_tokenizer_json(path / "tokenizer.json", config, spec)
+        return _from_transformers(str(path))
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise TokenizerError(f"GGUF file {path} does not exist")
+        return _from_transformers(str(path.parent), gguf_file=path.name)
+    if path.name.endswith((".json", ".json.zst")):
+        if not path.exists():
+            raise TokenizerError(f"tokenizer file {path} does not exist")
+        return _from_tokenizer_json(path, None, spec)
+    if path.exists():
+        raise TokenizerError(f"{path} is not a tokenizer.json, a GGUF file or a model folder")
+    if "/" not in spec or spec.startswith((".", "/", "~")):
+        raise TokenizerError(
+            f"no tokenizer at {spec!r}: not a file or folder, and not a shipped name "
+            f"({', '.join(sorted(shipped))})"
+        )
+    return _from_transformers(spec)
