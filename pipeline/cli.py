@@ -1,0 +1,40 @@
+"""The `vocagno` command. Each subcommand lives in its own module under `pipeline.commands` and
+exposes `add_parser(subparsers)`; heavy imports stay inside the command so `--help` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pipeline.errors import VocagnoError
+
+COMMAND_MODULES = (
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vocagno",
+        description="Vocabulary-agnostic teacher-guided language modeling: tools around the "
+        "teacher-loss cache (stage 1: stage1_score/run.py, stage 2: stage2_train/train.py).",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"pipeline.commands.{name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except VocagnoError as exc:
+        print(f"vocagno {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
