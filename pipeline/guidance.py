@@ -1,0 +1,207 @@
+"""Teacher-guided selective loss (paper section 3.2, eq. 3-4, and the ablations of section 6).
+
+Every student target token t has a per-token student loss L_S(t) and, from the data path, the
+aggregated loss of the teacher tokens it is aligned to, L_T(t) (NaN = unmapped: no teacher token
+covers it, or none of them was scored). The weight W(t) of eq. 4 is 1 for the kept tokens and 0
+otherwise; the loss is the mean student loss over the kept tokens.
+
+Modes (`GuidanceSettings.mode`):
+  token   the method: candidates are the mapped tokens, ranked by excess = L_S - L_T.
+  chunk   the paper's Table 2 baseline: the same selection; only the data path differs (L_T comes
+          from equal-chunk alignment instead of token alignment).
+  random  the control: the same candidates and the same number kept, ranked by seeded uniform
+          noise instead of excess.
+  none    plain continual pretraining: every valid token is kept.
+Same-vocabulary guidance (Rho-1) is `token` with the same tokenizer on both sides: alignment is
+then the identity and L_T is the teacher's own per-token loss.
+
+Unmapped tokens (`unmapped`, paper 6.2): `include` keeps all of them beside the top-k of the mapped
+tokens; `exclude` drops them; `mean` gives them the mean L_T of the mapped tokens in the selection
+scope and lets them compete in the top-k with everyone else (with no mapped token in scope the
+constant is 0: any constant ranks them among themselves by L_S alone).
+
+How many are kept, and ties: out of n candidates exactly k = ceil(topk * n) are kept (so any
+candidate set keeps at least one, and the kept count is known from the masks alone, before the
+forward pass). The k highest scores win; tokens tied at the threshold are taken in position
+order (earlier first), with positions in (rank, row, column) order for the global scope. Hence
+the selection is deterministic and never keeps more than k.
+
+Scope (`scope`): `microbatch` ranks each rank's micro-batch on its own; `global` ranks the union of
+the same micro-step on all ranks (one threshold across the data-parallel group, via all_gather).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+GUIDANCE_MODES = ("token", "chunk", "random", "none")
+UNMAPPED_STRATEGIES = ("include", "exclude", "mean")
+SELECTION_SCOPES = ("microbatch", "global")
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class GuidanceSettings:
+    mode: str = "token"
+    topk: float = 0.4
+    unmapped: str = "include"
+    scope: str = "microbatch"
+
+    def __post_init__(self) -> None:
+        if self.mode not in GUIDANCE_MODES:
+            raise ValueError(f"guidance must be one of {GUIDANCE_MODES}, not {self.mode!r}")
+        if not 0.0 < self.topk <= 1.0:
+            raise ValueError(f"topk must be in (0, 1], not {self.topk}")
+        if self.unmapped not in UNMAPPED_STRATEGIES:
+            raise ValueError(f"unmapped must be one of {UNMAPPED_STRATEGIES}, not {self.unmapped!r}")
+        if self.scope not in SELECTION_SCOPES:
+            raise ValueError(f"selection scope must be one of {SELECTION_SCOPES}, not {self.scope!r}")
+
+
+@dataclass(frozen=True)
+class GuidedLoss:
+    """One micro-batch's selective loss and the counts behind the logged statistics."""
+
+    kept_loss_sum: torch.Tensor  # sum of student loss over kept tokens; carries the gradient
+    loss_sum: torch.Tensor  # sum of student loss over all valid tokens (detached)
+    kept: int
+    mapped: int
+    valid: int
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """Mean over kept tokens (0 with a gradient path when nothing is kept)."""
+        return self.kept_loss_sum / max(self.kept, 1)
+
+    @property
+    def loss_all(self) -> float:
+        return float(self.loss_sum) / max(self.valid, 1)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy [B, T] in fp32; 0 where the label is IGNORE_INDEX."""
+    per_token = F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+    )
+    return per_token.view(labels.shape)
+
+
+def selection_size(num_candidates: int, topk: float) -> int:
+    """k = ceil(topk * n); rounded first so that 0.7 * 10 is 7, not 8 (float error)."""
+    return math.ceil(round(topk * num_candidates, 9))
+
+
+def planned_kept(mapped: int, valid: int, settings: GuidanceSettings) -> int:
+    """How many tokens one selection keeps, from the counts alone (no student loss needed)."""
+    if settings.mode == "none":
+        return valid
+    if settings.unmapped == "mean":
+        return selection_size(valid, settings.topk)
+    kept = selection_size(mapped, settings.topk)
+    return kept + (valid - mapped) if settings.unmapped == "include" else kept
+
+
+def kept_in_step(counts: torch.Tensor, settings: GuidanceSettings) -> int:
+    """Tokens one optimizer step keeps over all ranks, from counts [world, micro_steps, 2] of
+    (mapped, valid): the denominator that makes the step's loss a mean over its kept tokens."""
+    counts = counts.long()
+    if settings.scope == "global":
+        counts = counts.sum(dim=0, keepdim=True)  # one selection per micro-step across ranks
+    return sum(planned_kept(int(m), int(v), settings) for m, v in counts.reshape(-1, 2).tolist())
+
+
+def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int) -> torch.Tensor:
+    """Exactly min(k, #candidates) candidates with the highest score; ties go to earlier positions."""
+    keep = torch.zeros(candidate.numel(), dtype=torch.bool, device=candidate.device)
+    index = candidate.flatten().nonzero().squeeze(1)
+    order = torch.sort(score.flatten()[index], descending=True, stable=True).indices
+    keep[index[order[:k]]] = True
+    return keep.view(candidate.shape)
+
+
+def _select(
+    student_loss: torch.Tensor,
+    teacher_loss: torch.Tensor,
+    valid: torch.Tensor,
+    settings: GuidanceSettings,
+    noise: torch.Tensor | None,
+) -> torch.Tensor:
+    mapped = valid & ~torch.isnan(teacher_loss)
+    if settings.unmapped == "mean":
+        candidate = valid
+        mean = teacher_loss[mapped].mean() if mapped.any() else teacher_loss.new_zeros(())
+        teacher_loss = torch.where(mapped, teacher_loss, mean)
+    else:
+        candidate = mapped
+    score = noise if settings.mode == "random" else student_loss - teacher_loss
+    keep = top_k_mask(score, candidate, selection_size(int(candidate.sum()), settings.topk))
+    if settings.unmapped == "include":
+        keep |= valid & ~mapped
+    return keep
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def select_tokens(
+    student_loss: torch.Tensor,
+    teacher_loss: torch.Tensor,
+    valid: torch.Tensor,
+    settings: GuidanceSettings,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The keep mask W of eq. 4 for one micro-batch ([B, T] bool).
+
+    `student_loss` is detached here: selection decides which tokens count, it is not trained.
+    With the global scope every rank must call this at the same micro-step with the same shape.
+    """
+    if settings.mode == "none":
+        return valid
+    student_loss = student_loss.detach().float()
+    teacher_loss = teacher_loss.float()
+    noise = None
+    if settings.mode == "random":
+        noise = torch.rand(student_loss.shape, generator=generator, dtype=torch.float32)
+        noise = noise.to(student_loss.device)
+    rank, world = _world()
+    if settings.scope == "microbatch" or world == 1:
+        return _select(student_loss, teacher_loss, valid, settings, noise)
+    # One all_gather of the stacked inputs; every rank then makes the same global selection and
+    # keeps its own rows, so the threshold and the tie order are shared.
+    local = torch.stack(
+        [student_loss, teacher_loss, valid.float(), noise if noise is not None else student_loss]
+    )
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local)
+    joined = torch.cat(parts, dim=1)
+    keep = _select(joined[0], joined[1], joined[2].bool(), settings, joined[3])
+    rows = student_loss.shape[0]
+    return keep[rank * rows : (rank + 1) * rows]
+
+
+def guided_loss(
+    student_loss: torch.Tensor,
+    teacher_loss: torch.Tensor,
+    valid: torch.Tensor,
+    settings: GuidanceSettings,
+    generator: torch.Generator | None = None,
+) -> GuidedLoss:
+    """Select (eq. 4) and reduce (eq. 3): the student loss summed over kept tokens, with counts."""
+    keep = select_tokens(student_loss, teacher_loss, valid, settings, generator)
+    mapped = valid & ~torch.isnan(teacher_loss)
+    zero = student_loss.new_zeros(())
+    return GuidedLoss(
+        kept_loss_sum=torch.where(keep, student_loss, zero).sum(),
+        loss_sum=torch.where(valid, student_loss.detach(), zero).sum(),
+        kept=int(keep.sum()),
+        mapped=int(mapped.sum()),
+        valid=int(valid.sum()),
+    )
