@@ -1,0 +1,129 @@
+"""Hugging Face transformers backend: the reference for correctness, on any machine.
+
+Per batch of windows (stage1_score.windows, stage1_score.batching): one forward pass of the
+decoder body, right-padded with an attention mask; then the output head is applied only to the
+positions whose next token is scored, a chunk of rows at a time, and each loss is
+`logsumexp(logits) - logits[target]` in fp32. Full-vocabulary log-probabilities of all positions
+(batch x length x vocabulary) are never materialized.
+
+A model whose logits are not simply `head(body(x))` (soft-capping, scaling) is detected at load by
+comparing both ways on a probe sequence; such a model falls back to its own forward pass, still
+scored in chunks. Same input, same thread count -> bit-identical losses on the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from stage1_score.batching import plan_batches
+from stage1_score.teacher import TeacherSource, load_teacher_model
+from stage1_score.windows import WindowTable, plan_document_windows
+
+# Rows of logits computed at once: rows x vocabulary stays near 2**24 floats (64 MiB in fp32).
+LOGIT_BUDGET = 1 << 24
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log softmax(logits)[target] per row, in fp32."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None]).squeeze(1)
+
+
+def scored_positions(windows: WindowTable, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row in batch, position in row) of every position whose next token is scored."""
+    start, score_from, end = windows.start[rows], windows.score_from[rows], windows.end[rows]
+    counts = end - score_from
+    row = np.repeat(np.arange(len(rows)), counts)
+    first = np.repeat(score_from - start - 1, counts)  # the position that predicts token f
+    offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return row, first + offset
+
+
+class HFScorer:
+    """Scores token sequences with a transformers causal LM; one instance per worker."""
+
+    name = "hf"
+
+    def __init__(
+        self,
+        teacher: TeacherSource,
+        *,
+        dtype: str,
+        max_length: int,
+        stride: int,
+        batch_tokens: int,
+        device: str | None = None,
+    ):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = load_teacher_model(teacher, dtype, str(self.device))
+        self.max_length, self.stride, self.batch_tokens = max_length, stride, batch_tokens
+        self.body = self.model.base_model
+        self.head = self.model.get_output_embeddings()
+        self.vocab_size = self.head.weight.shape[0]
+        self.chunk_rows = max(1, LOGIT_BUDGET // self.vocab_size)
+        self.plain_head = self._head_reproduces_logits()
+
+    def describe(self) -> dict:
+        import transformers
+
+        return {
+            "backend": self.name,
+            "backend_version": transformers.__version__,
+            "torch_version": torch.__version__,
+            "model_dtype": str(self.model.dtype).removeprefix("torch."),
+            "head": "chunked" if self.plain_head else "model forward",
+        }
+
+    @torch.inference_mode()
+    def _head_reproduces_logits(self) -> bool:
+        probe = torch.arange(8, device=self.device)[None] * 7919 % self.vocab_size
+        full = self.model(input_ids=probe, use_cache=False).logits.float()
+        ours = self.head(self.body(input_ids=probe, use_cache=False).last_hidden_state).float()
+        return torch.allclose(full, ours, rtol=1e-3, atol=1e-3)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[np.ndarray]) -> list[np.ndarray]:
+        """Per-document float32 losses aligned with `token_ids`; NaN where nothing predicts."""
+        losses = [np.full(len(ids), np.nan, dtype=np.float32) for ids in token_ids]
+        windows = plan_document_windows(
+            [len(ids) for ids in token_ids], self.max_length, self.stride
+        )
+        for rows in plan_batches(windows.length, self.batch_tokens):
+            batch_loss = self._score_batch(token_ids, windows, rows)
+            scored = windows.scored[rows]
+            for loss, row in zip(np.split(batch_loss, np.cumsum(scored)[:-1]), rows, strict=True):
+                losses[windows.doc[row]][windows.score_from[row] : windows.end[row]] = loss
+        return losses
+
+    def _score_batch(self, token_ids: list[np.ndarray], windows: WindowTable, rows: np.ndarray):
+        lengths = windows.length[rows]
+        input_ids = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
+        for i, row in enumerate(rows):
+            input_ids[i, : lengths[i]] = token_ids[windows.doc[row]][
+                windows.start[row] : windows.end[row]
+            ]
+        mask = np.arange(input_ids.shape[1])[None, :] < lengths[:, None]
+        ids = torch.from_numpy(input_ids).to(self.device)
+        attention_mask = torch.from_numpy(mask.astype(np.int64)).to(self.device)
+        row, position = scored_positions(windows, rows)
+        row, position = (
+            torch.from_numpy(row).to(self.device),
+            torch.from_numpy(position).to(self.device),
+        )
+        targets = ids[row, position + 1]
+        if self.plain_head:
+            hidden = self.body(input_ids=ids, attention_mask=attention_mask, use_cache=False)
+            hidden = hidden.last_hidden_state[row, position]
+            project = self.head
+        else:
+            logits = self.model(
+                input_ids=ids, attention_mask=attention_mask, use_cache=False
+            ).logits
+            hidden = logits[row, position]
+            project = torch.nn.Identity()
+        out = torch.empty(len(targets), dtype=torch.float32, device=self.device)
+        for begin in range(0, len(targets), self.chunk_rows):
+            chunk = slice(begin, begin + self.chunk_rows)
+            out[chunk] = token_losses(project(hidden[chunk]), targets[chunk])
+        return out.cpu().numpy()

@@ -1,0 +1,157 @@
+"""Where a teacher comes from, what identifies it, and loading it (config, tokenizer, weights).
+
+A teacher spec is a local Hugging Face folder, a `.gguf` file, or a hub id (`owner/name`, with an
+optional revision; only where a hub is reachable). Its identity, recorded in every cache, is the
+sha256 of every file of a folder (weights, config and tokenizer), of the GGUF file, or the
+resolved commit of a hub id: a changed teacher can never mix into an existing cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pipeline.errors import TokenizerError, VocagnoError
+from pipeline.io import sha256_file, sha256_text
+from pipeline.tokenizer import TextTokenizer, load_tokenizer
+
+TORCH_DTYPES = ("float32", "bfloat16", "float16", "auto")
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+class TeacherError(VocagnoError):
+    """The teacher cannot be found, read or loaded, or does not fit its tokenizer."""
+
+
+@dataclass(frozen=True)
+class TeacherSource:
+    spec: str
+    kind: Literal["folder", "gguf", "hub"]
+    path: Path | None = None
+    revision: str | None = None
+
+    @property
+    def load_args(self) -> tuple[str, dict]:
+        """(name_or_path, kwargs) for transformers' from_pretrained."""
+        if self.kind == "gguf":
+            return str(self.path.parent), {"gguf_file": self.path.name}
+        if self.kind == "hub":
+            return self.spec, {"revision": self.revision} if self.revision else {}
+        return str(self.path), {}
+
+
+def resolve_teacher(spec: str, revision: str | None = None) -> TeacherSource:
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists() and not list(path.glob("*.gguf")):
+            raise TeacherError(f"teacher folder {path} has no config.json: not a model folder")
+        return TeacherSource(spec, "folder", path.resolve())
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise TeacherError(f"teacher GGUF file {path} does not exist")
+        return TeacherSource(spec, "gguf", path.resolve())
+    if path.exists():
+        raise TeacherError(f"teacher {path} is neither a model folder nor a .gguf file")
+    if spec.count("/") != 1 or spec.startswith((".", "/", "~")):
+        raise TeacherError(f"teacher {spec!r} does not exist (and is not a hub id owner/name)")
+    return TeacherSource(spec, "hub", None, revision)
+
+
+def _folder_digest(folder: Path) -> str:
+    """One hash over every (relative name, sha256) in the folder; hidden files are bookkeeping."""
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not p.relative_to(folder).as_posix().startswith(".")
+    )
+    lines = "".join(f"{p.relative_to(folder).as_posix()}\t{sha256_file(p)}\n" for p in files)
+    return sha256_text(lines)
+
+
+def teacher_identity(source: TeacherSource) -> dict:
+    """What a cache records about its teacher (see the module docstring)."""
+    if source.kind == "folder":
+        return {
+            "kind": "folder",
+            "name": source.path.name,
+            "content_sha256": _folder_digest(source.path),
+        }
+    if source.kind == "gguf":
+        return {
+            "kind": "gguf",
+            "name": source.path.name,
+            "content_sha256": sha256_file(source.path),
+        }
+    try:
+        from huggingface_hub import HfApi
+
+        commit = HfApi().model_info(source.spec, revision=source.revision).sha
+    except Exception as exc:
+        raise TeacherError(f"cannot resolve hub teacher {source.spec!r}: {exc}") from exc
+    return {"kind": "hub", "name": source.spec, "revision": commit}
+
+
+def load_teacher_config(source: TeacherSource):
+    from transformers import AutoConfig
+
+    name, kwargs = source.load_args
+    try:
+        return AutoConfig.from_pretrained(name, **kwargs)
+    except Exception as exc:
+        raise TeacherError(f"cannot read the config of teacher {source.spec!r}: {exc}") from exc
+
+
+def teacher_context_length(config) -> int | None:
+    """The longest sequence the teacher was built for, if its config says."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in _CONTEXT_KEYS:
+        value = getattr(text_config, key, None)
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
+
+
+def load_teacher_tokenizer(source: TeacherSource, override: str | None = None) -> TextTokenizer:
+    """The teacher's own tokenizer (or `override`), which must give character offsets."""
+    spec = override or (str(source.path) if source.kind == "gguf" else source.load_args[0])
+    try:
+        return load_tokenizer(spec)
+    except TokenizerError as exc:
+        raise TokenizerError(f"teacher {source.spec!r}: {exc}") from exc
+
+
+def check_tokenizer_fits(tokenizer: TextTokenizer, config) -> None:
+    """A tokenizer with ids beyond the model's embedding table would index garbage or crash."""
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    largest = max(tokenizer.vocab().values())
+    if vocab is not None and largest >= vocab:
+        raise TeacherError(
+            f"tokenizer {tokenizer.spec!r} has token ids up to {largest}, but the teacher's "
+            f"vocabulary has {vocab} entries: they do not belong together"
+        )
+
+
+def load_teacher_model(source: TeacherSource, dtype: str, device: str):
+    """The causal LM in eval mode on `device`; `dtype="auto"` keeps the checkpoint's dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in TORCH_DTYPES:
+        raise TeacherError(f"dtype must be one of {TORCH_DTYPES}, not {dtype!r}")
+    name, kwargs = source.load_args
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **kwargs
+        )
+    except Exception as exc:
+        raise TeacherError(f"cannot load teacher {source.spec!r}: {exc}") from exc
+    return model.to(device).eval()
+
+
+def describe_config(config) -> dict:
+    """The architecture facts worth keeping beside a cache (not its identity: that is the hash)."""
+    data = json.loads(config.to_json_string(use_diff=False))
+    keep = ("model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers")
+    return {k: data[k] for k in keep if k in data}

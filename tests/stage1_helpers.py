@@ -1,0 +1,81 @@
+"""Tiny, randomly initialized teachers with the shipped real tokenizers, as complete HF folders,
+and a direct transformers forward pass to check stage-1 losses against."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+
+from pipeline.io import read_bytes
+from pipeline.tokenizer import load_tokenizer, shipped_tokenizers
+
+ASSETS = Path(__file__).resolve().parents[1] / "pipeline" / "assets"
+
+
+def make_tiny_teacher(
+    folder: Path, tokenizer_name: str, *, arch: str = "llama", seed: int = 0
+) -> Path:
+    """Save a 2-layer model whose vocabulary is the shipped tokenizer's, plus that tokenizer."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    record = shipped_tokenizers()[tokenizer_name]
+    vocab = load_tokenizer(tokenizer_name).vocab_size
+    shape = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=True))
+    elif arch == "gemma2":  # its logits are soft-capped: not a plain linear head
+        model = Gemma2ForCausalLM(Gemma2Config(**shape, head_dim=16, final_logit_softcapping=3.0))
+    else:
+        raise ValueError(arch)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_bytes(read_bytes(ASSETS / "tokenizers" / record["file"]))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": record["add_bos"],
+        "eos_token": record["eos"],
+    }
+    if record["add_bos"]:
+        config["bos_token"] = record["bos"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def direct_losses(model, ids: np.ndarray) -> np.ndarray:
+    """-log P(x_j | x_<j) from one unpadded forward pass over `ids`; NaN at position 0."""
+    with torch.inference_mode():
+        logits = model(torch.as_tensor(ids, dtype=torch.long)[None]).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    picked = logprobs[torch.arange(len(ids) - 1), torch.as_tensor(ids[1:], dtype=torch.long)]
+    return np.concatenate(([np.nan], (-picked).numpy())).astype(np.float32)
+
+
+def windowed_direct_losses(model, ids: np.ndarray, max_length: int, stride: int) -> np.ndarray:
+    """The sliding-window reference, written as the plain loop the windows module describes."""
+    n = len(ids)
+    loss = np.full(n, np.nan, dtype=np.float32)
+    scored_until, start = 1, 0
+    while scored_until < n:
+        start = min(start, max(n - max_length, 0))
+        end = min(start + max_length, n)
+        window = direct_losses(model, ids[start:end])
+        loss[scored_until:end] = window[scored_until - start :]
+        scored_until, start = end, start + stride
+    return loss
+
+
+def load_model(folder: Path):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
