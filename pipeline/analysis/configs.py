@@ -1,0 +1,71 @@
+"""Options of each analysis, as typed dataclasses: they build `vocagno analyze ...`'s command
+line (kept free of heavy imports so that `--help` is instant) and are saved with every output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.config import option
+
+TOKENIZER_SPEC = (
+    "shipped name (tinyllama, mistral, qwen2.5, deepseek, smollm2), tokenizer.json[.zst], "
+    "Hugging Face folder, .gguf file or hub id"
+)
+
+
+@dataclass
+class VocabularyOverlapConfig:
+    student_tokenizer: str = option(help=f"student tokenizer: {TOKENIZER_SPEC}")
+    teacher_tokenizers: list[str] = option(help=f"one or more teacher tokenizers: {TOKENIZER_SPEC}")
+    out: Path = option("analysis", help="folder for vocab_overlap.{json,csv,md,png}")
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        if not self.teacher_tokenizers:
+            raise ValueError("give at least one teacher tokenizer")
+        if len(set(self.teacher_tokenizers)) != len(self.teacher_tokenizers):
+            raise ValueError(f"teacher tokenizers must not repeat: {self.teacher_tokenizers}")
+
+
+@dataclass
+class ChunkOverlapConfig:
+    student_tokenizer: str = option(help=f"student tokenizer: {TOKENIZER_SPEC}")
+    teacher_tokenizer: str = option(help=f"teacher tokenizer: {TOKENIZER_SPEC}")
+    input: str = option(
+        help="corpus to measure on: JSON lines (plain or .zst), Parquet, text files, a saved "
+        "`datasets` folder, or a folder or glob of these"
+    )
+    text_column: str = option("text", help="field or column holding each document's text")
+    num_docs: int = option(200, help="number of documents to measure, from the start of the corpus")
+    chunks: list[int] = option(
+        [1, 2, 4, 8, 16, 32, 64], help="numbers of equal chunks to cut each document into"
+    )
+    out: Path = option("analysis", help="folder for chunk_overlap.{json,md,png}")
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        if self.num_docs < 1:
+            raise ValueError(f"num_docs must be at least 1, not {self.num_docs}")
+        if not self.chunks or min(self.chunks) < 1:
+            raise ValueError(f"chunk counts must be at least 1, not {self.chunks}")
+        if len(set(self.chunks)) != len(self.chunks):
+            raise ValueError(f"chunk counts must not repeat: {self.chunks}")
+        self.chunks = sorted(self.chunks)
+
+
+@dataclass
+class TrainingCurvesConfig:
+    run_dirs: list[Path] = option(
+        help="training run folders, each with the metrics.jsonl stage 2 writes; a run still in "
+        "progress is fine"
+    )
+    out: Path = option("training_curves.png", help="PNG file to write")
+
+    def __post_init__(self) -> None:
+        self.run_dirs = [Path(d) for d in self.run_dirs]
+        self.out = Path(self.out)
+        if not self.run_dirs:
+            raise ValueError("give at least one run folder")
+        if len(set(self.run_dirs)) != len(self.run_dirs):
+            raise ValueError(f"run folders must not repeat: {[str(d) for d in self.run_dirs]}")

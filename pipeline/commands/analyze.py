@@ -1,0 +1,111 @@
+"""`vocagno analyze overlap|chunks|curves`: the paper's analyses as tables and PNG figures."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from pipeline.config import build_parser, from_dict, load_manifest_section
+
+SECTION = "analyze"
+
+
+def _add_config_parser(subparsers, name: str, config_cls: type, description: str) -> None:
+    """A subcommand whose options are the fields of `config_cls` (help text and all)."""
+    options = build_parser(config_cls, description, SECTION)
+    parser = subparsers.add_parser(
+        name,
+        parents=[options],
+        add_help=False,  # the parent parser brings -h/--help
+        help=description.split(".")[0],
+        description=description,
+        formatter_class=options.formatter_class,
+    )
+    parser.set_defaults(config_cls=config_cls)
+
+
+def _config(args: argparse.Namespace):
+    """The parsed options as a validated config; a --manifest [analyze] table fills the gaps."""
+    cls = args.config_cls
+    values = {}
+    where = "command line"
+    if getattr(args, "manifest", None) is not None:
+        values.update(load_manifest_section(args.manifest, SECTION))
+        where = f"{args.manifest} [{SECTION}] and command line"
+    reserved = {"command", "analysis", "func", "config_cls", "manifest"}
+    values.update({k: v for k, v in vars(args).items() if k not in reserved})
+    return from_dict(cls, values, where)
+
+
+def _chunks(args: argparse.Namespace) -> int:
+    from pipeline.analysis.chunk_overlap import MARKDOWN_NAME, PNG_NAME, run_chunk_overlap
+
+    config = _config(args)
+    report = run_chunk_overlap(config)
+    token = report["token_level"]
+    for row in report["chunks"]:
+        print(f"{row['num_chunks']:>5} chunks  IoU {_pct(row['iou'])}  IoS {_pct(row['ios'])}")
+    print(f"token-level  IoU {_pct(token['iou'])}  IoS {_pct(token['ios'])}")
+    print(f"wrote {config.out / MARKDOWN_NAME} and {config.out / PNG_NAME}")
+    return 0
+
+
+def _curves(args: argparse.Namespace) -> int:
+    from pipeline.analysis.configs import TrainingCurvesConfig
+    from pipeline.analysis.training_curves import plot_training_curves
+
+    config = from_dict(TrainingCurvesConfig, {"run_dirs": args.run_dirs, "out": args.out})
+    for run in plot_training_curves(config):
+        if run.warning:
+            print(f"vocagno analyze curves: warning: {run.warning}", file=sys.stderr)
+        print(f"{run.run_dir}: {run.steps} steps")
+    print(f"wrote {config.out}")
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return "   n/a" if value is None else f"{100 * value:5.1f}%"
+
+
+def add_parser(subparsers) -> None:
+    from pipeline.analysis.configs import ChunkOverlapConfig, TrainingCurvesConfig
+
+    parser = subparsers.add_parser(
+        "analyze",
+        help="the paper's analyses: vocabulary overlap, chunk overlap, training curves",
+        description="The paper's analyses as tables and PNG figures.",
+    )
+    analyses = parser.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
+    _add_config_parser(
+        analyses,
+        "chunks",
+        ChunkOverlapConfig,
+        "Character IoU/IoS of equal-chunk alignment against the number of chunks, with "
+        "token-level lexical alignment as the reference (paper Figures 3 and 6). Writes "
+        "chunk_overlap.json, .md and .png into --out.",
+    )
+    analyses.choices["chunks"].set_defaults(func=_chunks)
+
+    fields = {f.name: f for f in dataclasses.fields(TrainingCurvesConfig)}
+    curves = analyses.add_parser(
+        "curves",
+        help="training curves of runs from their metrics.jsonl",
+        description="Training curves from each run's metrics.jsonl: loss_all and loss over kept "
+        "tokens against training tokens, and the kept/mapped fractions, one colour per run "
+        "(labelled by folder name). A partly written last line (a run in progress) is skipped "
+        "with a warning.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    curves.add_argument(
+        "run_dirs",
+        nargs="+",
+        type=Path,
+        metavar="RUN_DIR",
+        help=fields["run_dirs"].metadata["help"],
+    )
+    curves.add_argument(
+        "--out", type=Path, default=fields["out"].default, help=fields["out"].metadata["help"]
+    )
+    curves.set_defaults(func=_curves)
