@@ -10,6 +10,7 @@ import sys
 from pipeline.errors import VocagnoError
 
 COMMAND_MODULES = (
+    "analyze",
 )
 
 
