@@ -11,6 +11,16 @@ Offsets are Python `str` indices into the text as given (the tokenizers library 
 through its normalizer, so NFC/NFKC and SentencePiece's space rewriting keep original positions).
 BOS/EOS are added here, not by the tokenizer's post-processor, so every family is framed the same
 way and the special tokens always carry the zero-width span (0, 0) or (len, len).
+
+Three repairs make the offsets honest (docs/alignment.md shows the real spans behind each):
+  - Special-token strings inside the text ("<s>", "<|endoftext|>") are tokenized as plain text: a
+    document that mentions "</s>" must not get an EOS in its middle.
+  - SentencePiece's dummy prefix: a token that is only the prepended "▁" is reported with the span
+    of the next character, which the next token also covers; it gets the zero-width span it has
+    in the text.
+  - Characters a normalizer drops (Qwen2.5's NFC folds "e" + U+0301 into "é" and reports only the
+    "e") belong to the token before them (to the first token at the start of the text), so every
+    character is covered by some token.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ from pipeline.errors import TokenizerError
 from pipeline.io import fingerprint, read_bytes
 
 _ASSETS = resources.files("pipeline") / "assets"
+# Bump when the offset repairs below change: offsets written by an older rule set are different data.
+OFFSET_RULES = 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,12 @@ class TextTokenizer:
         self.spec = spec
         self.bos_id = self._special_id(policy.bos_token) if policy.add_bos else None
         self.eos_id = self._special_id(policy.eos_token) if policy.eos_token else None
+        # A tokenizer.json may carry truncation/padding settings; documents must come back whole.
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = True
+        prefix = _dummy_prefix(_component(backend.normalizer), _component(backend.pre_tokenizer))
+        self.dummy_prefix_id = backend.token_to_id(prefix) if prefix else None
         # Offsets are the whole point; a tokenizer that cannot give them is useless here.
         probe = backend.encode("ab", add_special_tokens=False)
         if probe.ids and not any(end > start for start, end in probe.offsets):
@@ -70,7 +88,9 @@ class TextTokenizer:
     def _special_id(self, token: str | None) -> int | None:
         token_id = self.backend.token_to_id(token) if token else None
         if token and token_id is None:
-            raise TokenizerError(f"tokenizer {self.spec!r} has no token {token!r} named in its policy")
+            raise TokenizerError(
+                f"tokenizer {self.spec!r} has no token {token!r} named in its policy"
+            )
         return token_id
 
     @property
@@ -86,6 +106,8 @@ class TextTokenizer:
                 "add_bos": self.policy.add_bos,
                 "bos": self.policy.bos_token,
                 "eos": self.policy.eos_token,
+                "special_tokens_in_text": "as_text",
+                "offset_rules": OFFSET_RULES,
             }
         )
 
@@ -102,10 +124,15 @@ class TextTokenizer:
         if add_eos and self.eos_id is None:
             raise TokenizerError(f"tokenizer {self.spec!r} has no EOS token")
         out = []
-        for text, enc in zip(texts, self.backend.encode_batch(texts, add_special_tokens=False), strict=True):
+        for text, enc in zip(
+            texts, self.backend.encode_batch(texts, add_special_tokens=False), strict=True
+        ):
             ids = np.asarray(enc.ids, dtype=np.int32)
             offsets = np.asarray(enc.offsets, dtype=np.int32).reshape(-1, 2)
-            start, end = offsets[:, 0], offsets[:, 1]
+            start, end = offsets[:, 0].copy(), offsets[:, 1].copy()
+            if self.dummy_prefix_id is not None:
+                _zero_dummy_prefix(ids, start, end, self.dummy_prefix_id)
+            _cover_dropped_characters(start, end, len(text))
             if use_bos:
                 ids = np.concatenate(([self.bos_id], ids)).astype(np.int32)
                 start = np.concatenate(([0], start)).astype(np.int32)
@@ -115,7 +142,9 @@ class TextTokenizer:
                 ids = np.concatenate((ids, [self.eos_id])).astype(np.int32)
                 start = np.concatenate((start, [n])).astype(np.int32)
                 end = np.concatenate((end, [n])).astype(np.int32)
-            out.append(Encoding(ids=ids, start=np.ascontiguousarray(start), end=np.ascontiguousarray(end)))
+            out.append(
+                Encoding(ids=ids, start=np.ascontiguousarray(start), end=np.ascontiguousarray(end))
+            )
         return out
 
     def vocab(self) -> dict[str, int]:
@@ -123,6 +152,54 @@ class TextTokenizer:
 
     def __repr__(self) -> str:
         return f"TextTokenizer({self.spec!r}, vocab={self.vocab_size}, policy={self.policy})"
+
+
+def _component(component) -> dict:
+    """The JSON config of a normalizer / pre-tokenizer / post-processor (empty if there is none)."""
+    return json.loads(component.__getstate__()) if component is not None else {}
+
+
+def _dummy_prefix(normalizer: dict, pre_tokenizer: dict) -> str | None:
+    """The character a SentencePiece-style tokenizer prepends to the text, if it does."""
+
+    def parts(component: dict, key: str) -> list[dict]:
+        return component.get(key, []) if component.get("type") == "Sequence" else [component]
+
+    for norm in parts(normalizer, "normalizers"):
+        if norm.get("type") == "Prepend":
+            return norm["prepend"]
+    for pre in parts(pre_tokenizer, "pretokenizers"):
+        if pre.get("type") == "Metaspace":
+            scheme = pre.get("prepend_scheme", "always" if pre.get("add_prefix_space") else "never")
+            if scheme != "never":
+                return pre["replacement"]
+    return None
+
+
+def _zero_dummy_prefix(ids: np.ndarray, start: np.ndarray, end: np.ndarray, prefix_id: int) -> None:
+    """Give a lone dummy-prefix token ("▁" before "1" in "1") its true, zero-width span.
+
+    The library reports it with the span of the character after it, which the next token also
+    starts at; a real space token never shares its start with the token after it.
+    """
+    dummy = np.flatnonzero((ids[:-1] == prefix_id) & (start[1:] == start[:-1]))
+    end[dummy] = start[dummy]
+
+
+def _cover_dropped_characters(start: np.ndarray, end: np.ndarray, text_length: int) -> None:
+    """Extend spans over characters no token reports, so every character has a token.
+
+    A gap after a token joins that token (NFC's dropped combining mark belongs to its base
+    character); a gap before the first token joins the first token. Spans stay in text order.
+    """
+    wide = np.flatnonzero(end > start)
+    if wide.size == 0:
+        return
+    reach = np.maximum.accumulate(end[wide])
+    next_start = np.append(start[wide[1:]], text_length)
+    gap = next_start > reach
+    end[wide[gap]] = next_start[gap]
+    start[wide[0]] = 0
 
 
 @functools.cache
@@ -133,7 +210,7 @@ def shipped_tokenizers() -> dict[str, dict]:
 
 def _policy_from_template(backend: Tokenizer) -> FramingPolicy:
     """Read BOS from a TemplateProcessing post-processor, the only place a bare file records it."""
-    post = json.loads(backend.to_str()).get("post_processor") or {}
+    post = _component(backend.post_processor)
     processors = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
     for proc in processors:
         if proc.get("type") == "TemplateProcessing":
@@ -168,12 +245,12 @@ def _from_tokenizer_json(path: Path, config: dict | None, spec: str) -> TextToke
     return TextTokenizer(backend, policy, spec)
 
 
-def _from_transformers(spec: str, **kwargs) -> TextTokenizer:
+def _from_transformers(spec: str, source: str, **kwargs) -> TextTokenizer:
     """Hub ids, GGUF files and folders without a tokenizer.json go through AutoTokenizer."""
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(spec, **kwargs)
+        hf = AutoTokenizer.from_pretrained(source, **kwargs)
     except Exception as exc:
         raise TokenizerError(f"cannot load tokenizer {spec!r}: {exc}") from exc
     backend = getattr(hf, "backend_tokenizer", None)
@@ -181,12 +258,44 @@ def _from_transformers(spec: str, **kwargs) -> TextTokenizer:
         raise TokenizerError(
             f"tokenizer {spec!r} is a slow (Python) tokenizer; it gives no character offsets"
         )
-    policy = FramingPolicy(
-        add_bos=bool(getattr(hf, "add_bos_token", False) and hf.bos_token),
-        bos_token=hf.bos_token if getattr(hf, "add_bos_token", False) else None,
-        eos_token=hf.eos_token,
+    add_bos = bool(getattr(hf, "add_bos_token", False) and hf.bos_token)
+    return TextTokenizer(
+        backend, FramingPolicy(add_bos, hf.bos_token if add_bos else None, hf.eos_token), spec
     )
-    return TextTokenizer(backend, policy, spec)
+
+
+def _from_gguf(path: Path) -> TextTokenizer:
+    """transformers converts the vocabulary but ignores the file's BOS flag; read it ourselves."""
+    import gguf
+
+    if not path.exists():
+        raise TokenizerError(f"GGUF file {path} does not exist")
+    try:
+        fields = gguf.GGUFReader(path).fields
+    except Exception as exc:  # gguf raises ValueError/struct errors on a damaged header
+        raise TokenizerError(f"cannot read GGUF file {path}: {exc}") from exc
+
+    def value(key: str, default=None):
+        return fields[key].contents() if key in fields else default
+
+    loaded = _from_transformers(str(path), str(path.parent), gguf_file=path.name)
+    # llama.cpp's defaults when the flag is absent: SentencePiece ("llama") vocabularies add BOS.
+    add_bos = value("tokenizer.ggml.add_bos_token", value("tokenizer.ggml.model") == "llama")
+    bos_id, eos_id = value("tokenizer.ggml.bos_token_id"), value("tokenizer.ggml.eos_token_id")
+    token = loaded.backend.id_to_token
+    bos = token(bos_id) if bos_id is not None else None
+    eos = token(eos_id) if eos_id is not None else loaded.policy.eos_token
+    policy = FramingPolicy(bool(add_bos and bos), bos if add_bos else None, eos)
+    return TextTokenizer(loaded.backend, policy, str(path))
+
+
+def _read_config(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"{path} is not valid JSON: {exc}") from exc
 
 
 @functools.lru_cache(maxsize=16)
@@ -202,15 +311,12 @@ def load_tokenizer(spec: str | os.PathLike) -> TextTokenizer:
         return TextTokenizer(backend, policy, spec)
     path = Path(spec).expanduser()
     if path.is_dir():
-        config_path = path / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else None
+        config = _read_config(path / "tokenizer_config.json")
         if (path / "tokenizer.json").exists():
             return _from_tokenizer_json(path / "tokenizer.json", config, spec)
-        return _from_transformers(str(path))
+        return _from_transformers(spec, str(path))
     if path.suffix == ".gguf":
-        if not path.exists():
-            raise TokenizerError(f"GGUF file {path} does not exist")
-        return _from_transformers(str(path.parent), gguf_file=path.name)
+        return _from_gguf(path)
     if path.name.endswith((".json", ".json.zst")):
         if not path.exists():
             raise TokenizerError(f"tokenizer file {path} does not exist")
@@ -222,4 +328,4 @@ def load_tokenizer(spec: str | os.PathLike) -> TextTokenizer:
             f"no tokenizer at {spec!r}: not a file or folder, and not a shipped name "
             f"({', '.join(sorted(shipped))})"
         )
-    return _from_transformers(spec)
+    return _from_transformers(spec, spec)
