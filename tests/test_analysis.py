@@ -1,0 +1,217 @@
+"""`vocagno analyze`: the paper's Figures 1, 3/6 and training curves, on the shipped assets.
+
+The chunk and overlap findings are asserted on the real tokenizers and real documents: they are
+what the figures exist to show, so a change that breaks them must fail here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from pipeline.analysis.chunk_overlap import measure_chunk_overlap, run_chunk_overlap
+from pipeline.analysis.configs import ChunkOverlapConfig, TrainingCurvesConfig
+from pipeline.analysis.training_curves import FIELDS, plot_training_curves, read_metrics
+from pipeline.cli import main
+from pipeline.corpus import Corpus
+from pipeline.errors import VocagnoError
+from pipeline.tokenizer import load_tokenizer
+
+TRAIN_CORPUS = resources.files("pipeline") / "assets" / "corpus" / "gsm_symbolic-train.jsonl.zst"
+CHUNKS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def assert_png(path: Path, description_has: str) -> None:
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        assert image.width > 200 and image.height > 200
+        assert description_has in image.info["Description"]
+        image.verify()
+
+
+# --- chunks (Figures 3 and 6) -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chunk_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("chunks")
+    config = ChunkOverlapConfig(
+        student_tokenizer="tinyllama",
+        teacher_tokenizer="qwen2.5",
+        input=str(TRAIN_CORPUS),
+        num_docs=40,
+        chunks=CHUNKS,
+        out=out,
+    )
+    return run_chunk_overlap(config), out
+
+
+def test_token_level_alignment_covers_every_student_character(chunk_report):
+    token = chunk_report[0]["token_level"]
+    assert token["ios"] == 1.0
+    assert token["unscored"] == 0
+    assert token["scored"] == chunk_report[0]["student_tokens"]  # no BOS: every token has text
+
+
+def test_chunk_iou_falls_as_chunks_get_finer(chunk_report):
+    report, _ = chunk_report
+    assert report["documents"] == 40
+    assert [row["num_chunks"] for row in report["chunks"]] == CHUNKS
+    iou = [row["iou"] for row in report["chunks"]]
+    ios = [row["ios"] for row in report["chunks"]]
+    assert iou[0] == ios[0] == 1.0  # one chunk is the whole text on both sides
+    assert all(a > b for a, b in itertools.pairwise(iou)), iou
+    assert all(a > b for a, b in itertools.pairwise(ios)), ios
+    # The paper's point: fine chunks overlap far worse than token-level alignment does.
+    assert iou[-1] < report["token_level"]["iou"] < 1.0
+
+
+def test_chunk_report_files(chunk_report):
+    report, out = chunk_report
+    saved = json.loads((out / "chunk_overlap.json").read_text())
+    assert saved == report
+    assert saved["config"]["num_docs"] == 40 and saved["student_tokenizer"]["spec"] == "tinyllama"
+    assert saved["teacher_tokenizer"]["fingerprint"] == load_tokenizer("qwen2.5").fingerprint
+    markdown = (out / "chunk_overlap.md").read_text()
+    assert "| 64 equal chunks |" in markdown and report["fingerprint"] in markdown
+    assert_png(out / "chunk_overlap.png", report["fingerprint"])
+
+
+def test_identical_tokenizers_align_perfectly_at_every_granularity():
+    texts = [doc.text for doc in itertools.islice(Corpus(str(TRAIN_CORPUS)), 10)]
+    mistral = load_tokenizer("mistral")
+    overlap = measure_chunk_overlap(mistral, mistral, texts, CHUNKS).to_json()
+    for row in overlap["chunks"]:
+        assert (row["iou"], row["ios"]) == (1.0, 1.0), row
+    assert overlap["token_level"]["iou"] == overlap["token_level"]["ios"] == 1.0
+
+
+def test_chunks_command_on_plain_json_lines(tmp_path, capsys):
+    corpus = tmp_path / "docs.jsonl"
+    texts = [doc.text for doc in itertools.islice(Corpus(str(TRAIN_CORPUS)), 3)]
+    corpus.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    argv = ["analyze", "chunks", "--student-tokenizer", "tinyllama", "--teacher-tokenizer"]
+    argv += ["deepseek", "--input", str(corpus), "--text-column", "body", "--num-docs", "10"]
+    argv += ["--chunks", "4", "1", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    saved = json.loads((tmp_path / "out" / "chunk_overlap.json").read_text())
+    assert saved["documents"] == 3  # fewer documents than asked for: all of them, no error
+    assert [row["num_chunks"] for row in saved["chunks"]] == [1, 4]
+    assert "token-level" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--chunks", "0", "4"], "chunk counts must be at least 1"),
+        (["--num-docs", "0"], "num_docs must be at least 1"),
+        (["--input", "/nonexistent/corpus.jsonl"], "/nonexistent/corpus.jsonl"),
+    ],
+)
+def test_chunks_command_rejects_bad_options(tmp_path, capsys, extra, message):
+    argv = ["analyze", "chunks", "--student-tokenizer", "tinyllama", "--teacher-tokenizer"]
+    argv += ["qwen2.5", "--input", str(TRAIN_CORPUS), "--out", str(tmp_path), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vocagno analyze: error:") and message in err
+    assert len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+# --- curves -------------------------------------------------------------------------------------
+
+
+def metrics_lines(steps: int, kept: float) -> list[str]:
+    lines = []
+    for step in range(1, steps + 1):
+        loss_all = 3.0 / step**0.5
+        record = {
+            "step": step,
+            "loss": loss_all * 0.8 if kept < 1 else loss_all,
+            "loss_all": loss_all,
+            "kept_fraction": kept,
+            "mapped_fraction": 0.97,
+            "tokens": 4096 * step,
+            "lr": 1e-3,
+        }
+        lines.append(json.dumps(record) + "\n")
+    return lines
+
+
+def write_run(folder: Path, lines: list[str]) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(lines))
+    return folder
+
+
+def test_curves_of_a_finished_and_a_running_run(tmp_path, capsys):
+    plain = write_run(tmp_path / "plain", metrics_lines(20, kept=1.0))
+    guided_lines = metrics_lines(12, kept=0.6)
+    guided = write_run(tmp_path / "guided", [*guided_lines[:-1], guided_lines[-1][:25]])
+
+    assert read_metrics(plain).warning is None
+    running = read_metrics(guided)
+    assert running.steps == 11 and "unfinished last line 12" in running.warning
+    assert list(running.columns["step"]) == list(range(1, 12))
+    assert set(running.columns) == set(FIELDS)
+
+    out = tmp_path / "figures" / "curves.png"
+    assert main(["analyze", "curves", str(plain), str(guided), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "warning:" in captured.err and "guided" in captured.err
+    assert "20 steps" in captured.out and "11 steps" in captured.out
+    assert_png(out, "training_curves")
+
+
+def test_curves_fingerprint_follows_the_metrics(tmp_path):
+    run = write_run(tmp_path / "run", metrics_lines(5, kept=0.4))
+    config = TrainingCurvesConfig(run_dirs=[run], out=tmp_path / "a.png")
+    plot_training_curves(config)
+    (run / "metrics.jsonl").write_text("".join(metrics_lines(6, kept=0.4)))
+    plot_training_curves(TrainingCurvesConfig(run_dirs=[run], out=tmp_path / "b.png"))
+    with Image.open(tmp_path / "a.png") as a, Image.open(tmp_path / "b.png") as b:
+        assert a.info["Description"] != b.info["Description"]
+
+
+def test_a_null_metric_is_a_gap_not_an_error(tmp_path):
+    lines = metrics_lines(3, kept=0.5)
+    record = json.loads(lines[1])
+    record["loss"] = None
+    lines[1] = json.dumps(record) + "\n"
+    columns = read_metrics(write_run(tmp_path / "run", lines)).columns
+    assert columns["loss"][0] > 0 and columns["loss"][1] != columns["loss"][1]  # NaN
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda lines: [lines[0], "{not json\n", *lines[1:]], "line 2 is not a JSON object"),
+        (lambda lines: [lines[0], "[1, 2]\n", *lines[1:]], "line 2 is not a JSON object"),
+        (lambda lines: [lines[0].replace('"lr"', '"rate"'), *lines[1:]], "line 1 lacks lr"),
+        (lambda lines: [lines[0].replace('"tokens": 4096', '"tokens": "x"')], "not a number"),
+    ],
+)
+def test_damaged_metrics_are_errors(tmp_path, damage, message):
+    run = write_run(tmp_path / "run", damage(metrics_lines(4, kept=0.5)))
+    with pytest.raises(VocagnoError, match=message):
+        read_metrics(run)
+
+
+def test_curves_command_on_a_missing_run(tmp_path, capsys):
+    run = write_run(tmp_path / "run", metrics_lines(3, kept=0.5))
+    missing = tmp_path / "no-such-run"
+    assert main(["analyze", "curves", str(run), str(missing), "--out", str(tmp_path / "c.png")]) == 2
+    err = capsys.readouterr().err
+    assert f"no metrics.jsonl in folder {missing}" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_curves_of_runs_that_have_not_logged_yet(tmp_path, capsys):
+    run = write_run(tmp_path / "run", [])
+    assert main(["analyze", "curves", str(run), "--out", str(tmp_path / "c.png")]) == 2
+    assert "none of the runs has logged a step yet" in capsys.readouterr().err
