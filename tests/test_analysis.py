@@ -205,10 +205,11 @@ def test_damaged_metrics_are_errors(tmp_path, damage, message):
 def test_curves_command_on_a_missing_run(tmp_path, capsys):
     run = write_run(tmp_path / "run", metrics_lines(3, kept=0.5))
     missing = tmp_path / "no-such-run"
-    assert main(["analyze", "curves", str(run), str(missing), "--out", str(tmp_path / "c.png")]) == 2
+    out = tmp_path / "c.png"
+    assert main(["analyze", "curves", str(run), str(missing), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"no metrics.jsonl in folder {missing}" in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "c.png").exists()
+    assert not out.exists()
 
 
 def test_curves_of_runs_that_have_not_logged_yet(tmp_path, capsys):
