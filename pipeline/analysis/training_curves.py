@@ -85,6 +85,8 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
 
 def plot_training_curves(config: TrainingCurvesConfig) -> list[RunMetrics]:
     """Read every run and write the figure to `config.out`; returns the runs as read."""
+    from matplotlib.ticker import EngFormatter
+
     from pipeline.analysis.plotting import new_figure, save_png
 
     runs = [read_metrics(d) for d in config.run_dirs]
@@ -112,6 +114,7 @@ def plot_training_curves(config: TrainingCurvesConfig) -> list[RunMetrics]:
     fraction_ax.set_title("kept (solid), mapped to the teacher (dotted)", fontsize=10)
     for ax in (loss_ax, fraction_ax):
         ax.set_xlabel("training tokens")
+        ax.xaxis.set_major_formatter(EngFormatter())  # 200k, 1M: raw counts overlap
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     produced_from = [
