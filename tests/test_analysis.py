@@ -6,6 +6,7 @@ what the figures exist to show, so a change that breaks them must fail here.
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 from importlib import resources
@@ -32,6 +33,65 @@ def assert_png(path: Path, description_has: str) -> None:
         assert image.width > 200 and image.height > 200
         assert description_has in image.info["Description"]
         image.verify()
+
+
+# --- overlap (Figure 1) -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def overlap_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("overlap")
+    teachers = ["tinyllama", "mistral", "qwen2.5", "deepseek", "smollm2"]
+    argv = ["analyze", "overlap", "--student-tokenizer", "tinyllama", "--teacher-tokenizers"]
+    assert main([*argv, *teachers, "--out", str(out)]) == 0
+    return out
+
+
+def test_overlap_reproduces_the_papers_figure_1(overlap_out):
+    rows = {
+        row["teacher"]: row
+        for row in json.loads((overlap_out / "vocab_overlap.json").read_text())["rows"]
+    }
+    assert list(rows) == ["tinyllama", "mistral", "qwen2.5", "deepseek", "smollm2"]
+    # Llemma, a teacher of the paper, uses TinyLlama's own (Llama 2) tokenizer.
+    assert (
+        rows["tinyllama"]["shared_over_teacher"] == rows["tinyllama"]["shared_over_student"] == 1.0
+    )
+    assert round(100 * rows["qwen2.5"]["shared_over_teacher"], 2) == 6.32  # the paper's number
+    assert rows["mistral"]["shared_over_teacher"] > 0.7  # both SentencePiece, 32k vocabularies
+    assert min(rows, key=lambda t: rows[t]["shared_over_teacher"]) == "qwen2.5"
+    for row in rows.values():
+        assert row["shared"] / row["teacher_vocab"] == row["shared_over_teacher"]
+        assert row["shared"] / row["student_vocab"] == row["shared_over_student"]
+
+
+def test_overlap_files_agree(overlap_out):
+    report = json.loads((overlap_out / "vocab_overlap.json").read_text())
+    with open(overlap_out / "vocab_overlap.csv", newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert [r["teacher"] for r in table] == [r["teacher"] for r in report["rows"]]
+    for from_csv, from_json in zip(table, report["rows"], strict=True):
+        assert int(from_csv["shared"]) == from_json["shared"]
+        assert float(from_csv["shared_over_teacher"]) == from_json["shared_over_teacher"]
+        assert from_csv["teacher_fingerprint"] == load_tokenizer(from_json["teacher"]).fingerprint
+    markdown = (overlap_out / "vocab_overlap.md").read_text()
+    assert "| qwen2.5 | 151,665 | 9,587 | 6.32% |" in markdown
+    assert_png(overlap_out / "vocab_overlap.png", report["fingerprint"])
+
+
+@pytest.mark.parametrize(
+    ("teachers", "message"),
+    [
+        (["qwen2.5", "qwen2.5"], "teacher tokenizers must not repeat"),
+        (["no-such-tokenizer"], "no tokenizer at 'no-such-tokenizer'"),
+    ],
+)
+def test_overlap_command_rejects_bad_teachers(tmp_path, capsys, teachers, message):
+    argv = ["analyze", "overlap", "--student-tokenizer", "tinyllama", "--teacher-tokenizers"]
+    assert main([*argv, *teachers, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())
 
 
 # --- chunks (Figures 3 and 6) -------------------------------------------------------------------

@@ -39,6 +39,21 @@ def _config(args: argparse.Namespace):
     return from_dict(cls, values, where)
 
 
+def _overlap(args: argparse.Namespace) -> int:
+    from pipeline.analysis.vocabulary_overlap import MARKDOWN_NAME, PNG_NAME, run_vocabulary_overlap
+
+    config = _config(args)
+    report = run_vocabulary_overlap(config)
+    for row in report["rows"]:
+        print(
+            f"{row['teacher']:>12}: {row['shared']:>6} shared, "
+            f"{100 * row['shared_over_teacher']:6.2f}% of teacher, "
+            f"{100 * row['shared_over_student']:6.2f}% of student"
+        )
+    print(f"wrote {config.out / MARKDOWN_NAME} and {config.out / PNG_NAME}")
+    return 0
+
+
 def _chunks(args: argparse.Namespace) -> int:
     from pipeline.analysis.chunk_overlap import MARKDOWN_NAME, PNG_NAME, run_chunk_overlap
 
@@ -70,7 +85,11 @@ def _pct(value: float | None) -> str:
 
 
 def add_parser(subparsers) -> None:
-    from pipeline.analysis.configs import ChunkOverlapConfig, TrainingCurvesConfig
+    from pipeline.analysis.configs import (
+        ChunkOverlapConfig,
+        TrainingCurvesConfig,
+        VocabularyOverlapConfig,
+    )
 
     parser = subparsers.add_parser(
         "analyze",
@@ -78,6 +97,15 @@ def add_parser(subparsers) -> None:
         description="The paper's analyses as tables and PNG figures.",
     )
     analyses = parser.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
+    _add_config_parser(
+        analyses,
+        "overlap",
+        VocabularyOverlapConfig,
+        "Vocabulary overlap of each teacher tokenizer with the student's (paper Figure 1): "
+        "shared token strings as a share of each vocabulary. Writes vocab_overlap.json, .csv, "
+        ".md and .png into --out.",
+    )
+    analyses.choices["overlap"].set_defaults(func=_overlap)
     _add_config_parser(
         analyses,
         "chunks",
