@@ -1,0 +1,164 @@
+"""Every stage 2 option, typed and validated; saved with every checkpoint and the final model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pipeline.alignment import AGGREGATIONS
+from pipeline.config import option, parse_config, to_dict
+from pipeline.errors import ConfigError
+from pipeline.guidance import (
+    GUIDANCE_MODES,
+    SELECTION_SCOPES,
+    UNMAPPED_STRATEGIES,
+    GuidanceSettings,
+)
+from pipeline.io import fingerprint
+
+SECTION = "stage2"
+DESCRIPTION = (
+    "Stage 2 of vocagno: stream a teacher-loss cache, align every student token to the cached "
+    "teacher tokens by character offsets, and train the student with the teacher-guided "
+    "selective loss (no teacher in memory). Run as `torchrun --nproc-per-node N "
+    "stage2_train/train.py ...` or as a single process with `python stage2_train/train.py ...`."
+)
+# Options that may differ between a run and its resumption: they change when or where the run
+# stops or saves, never what it computes.
+RESUMABLE_CHANGES = frozenset({"stop_at_step", "save_every", "resume", "record_documents"})
+
+
+@dataclass
+class TrainConfig:
+    cache: Path = option(help="stage 1 cache folder (with manifest.json)")
+    student: str = option(
+        help="the student: a hub id, a local Hugging Face folder (with weights, or only a "
+        "config.json to train from scratch), a config.json file, or a preset "
+        "(llama-tiny, llama-small, tinyllama-1.1b) for training from scratch"
+    )
+    out: Path = option(help="output folder: checkpoints, metrics.jsonl, TensorBoard, final model")
+    max_steps: int = option(help="optimizer steps in the schedule (the cosine decays over these)")
+    student_tokenizer: str | None = option(
+        None,
+        help="student tokenizer spec (shipped name, tokenizer.json, folder, hub id); default: "
+        "the student's own (required for a config or preset student)",
+    )
+    guidance: Literal["token", "chunk", "random", "none"] = option(
+        "token",
+        help="token: the method (top-k by excess loss over token-aligned teacher loss); chunk: "
+        "the same with equal-chunk alignment (paper Table 2); random: same kept fraction, "
+        "random tokens (control); none: every token (plain continual pretraining)",
+        choices=GUIDANCE_MODES,
+    )
+    num_chunks: int = option(32, help="chunks per document for --guidance chunk")
+    topk: float = option(0.4, help="fraction of candidate tokens kept (ceil(topk * n))")
+    unmapped: Literal["include", "exclude", "mean"] = option(
+        "include",
+        help="student tokens with no teacher loss: include (always kept), exclude (never "
+        "kept), mean (get the mean teacher loss and compete in the top-k)",
+        choices=UNMAPPED_STRATEGIES,
+    )
+    aggregate: Literal["max", "mean", "sum"] = option(
+        "max",
+        help="how the losses of the teacher tokens covering one student token combine",
+        choices=AGGREGATIONS,
+    )
+    selection_scope: Literal["microbatch", "global"] = option(
+        "microbatch",
+        help="rank tokens per micro-batch on each rank, or across all ranks' micro-batches at "
+        "once (one threshold, all_gather)",
+        choices=SELECTION_SCOPES,
+    )
+    seq_len: int = option(2048, help="tokens per training sequence (documents are packed)")
+    stop_at_step: int | None = option(
+        None,
+        help="stop cleanly after this step with a checkpoint, as a cluster time limit would; "
+        "--resume auto continues the same schedule",
+    )
+    save_every: int = option(500, help="save a checkpoint every N steps")
+    resume: str = option(
+        "auto",
+        help="auto: continue from the newest complete checkpoint in OUT if any; never: start "
+        "fresh (refused if OUT already has checkpoints); or a path to a step-N folder",
+    )
+    seed: int = option(0, help="seed for model init, data order, and random selection")
+    global_batch_tokens: int = option(
+        2**21, help="tokens per optimizer step over all ranks (gradient accumulation fills it)"
+    )
+    micro_batch_size: int = option(4, help="sequences per forward pass on each rank")
+    lr: float = option(8e-5, help="peak learning rate (after warmup)")
+    min_lr: float = option(8e-6, help="learning rate at the end of the cosine decay")
+    warmup_steps: int = option(100, help="linear warmup steps from 0 to --lr")
+    weight_decay: float = option(0.1, help="AdamW weight decay (not applied to norms and biases)")
+    adam_beta1: float = option(0.9, help="AdamW beta1")
+    adam_beta2: float = option(0.95, help="AdamW beta2")
+    grad_clip: float = option(1.0, help="clip the global gradient norm to this (0: no clipping)")
+    num_workers: int = option(2, help="data-loader worker processes per rank (0: in the main process)")
+    fsdp: bool = option(False, help="shard the student with FSDP (for students too big for one device)")
+    dtype: Literal["auto", "float32", "bfloat16"] = option(
+        "auto",
+        help="compute dtype: bfloat16 autocast needs a GPU; auto is bfloat16 on GPU, float32 on CPU "
+        "(weights and optimizer state stay float32)",
+    )
+    record_documents: bool = option(
+        False, help="write OUT/documents/rank-R.jsonl: the documents each step began training on"
+    )
+
+    def __post_init__(self) -> None:
+        self.cache, self.out = Path(self.cache), Path(self.out)
+        positive = ("max_steps", "num_chunks", "seq_len", "save_every", "global_batch_tokens",
+                    "micro_batch_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+        for name in ("warmup_steps", "num_workers", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative")
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"--warmup-steps ({self.warmup_steps}) must be below --max-steps ({self.max_steps})"
+            )
+        if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
+            raise ValueError(f"--stop-at-step must be in [1, --max-steps], not {self.stop_at_step}")
+        if not 0 < self.min_lr <= self.lr:
+            raise ValueError(f"need 0 < --min-lr <= --lr, not {self.min_lr} and {self.lr}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1)")
+        tokens_per_micro_batch = self.micro_batch_size * self.seq_len
+        if self.global_batch_tokens % tokens_per_micro_batch:
+            raise ValueError(
+                f"--global-batch-tokens ({self.global_batch_tokens}) must be a multiple of "
+                f"--micro-batch-size x --seq-len ({tokens_per_micro_batch})"
+            )
+        self.guidance_settings()  # validates topk, unmapped and scope
+
+    def guidance_settings(self) -> GuidanceSettings:
+        return GuidanceSettings(
+            mode=self.guidance, topk=self.topk, unmapped=self.unmapped, scope=self.selection_scope
+        )
+
+    @property
+    def alignment(self) -> str:
+        """How student tokens find their teacher tokens: chunks only for the chunk baseline."""
+        return "chunk" if self.guidance == "chunk" else "token"
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step; the global batch must split evenly."""
+        per_step = world_size * self.micro_batch_size * self.seq_len
+        if self.global_batch_tokens % per_step:
+            raise ConfigError(
+                f"--global-batch-tokens ({self.global_batch_tokens}) is not a multiple of "
+                f"world size x --micro-batch-size x --seq-len ({world_size} x "
+                f"{self.micro_batch_size} x {self.seq_len} = {per_step})"
+            )
+        return self.global_batch_tokens // per_step
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(to_dict(self))
+
+
+def parse_train_config(argv: list[str] | None = None) -> TrainConfig:
+    return parse_config(TrainConfig, argv, DESCRIPTION, SECTION)

@@ -1,0 +1,113 @@
+"""Small real caches for stage 2 tests, written through the stage 1 contract functions.
+
+Texts come from the shipped GSM-style corpus and are tokenized with a real shipped teacher
+tokenizer; the teacher losses are seeded random values (NaN on the first token, which no teacher
+predicts), so tests can check exactly where each loss lands without running a teacher.
+"""
+
+from __future__ import annotations
+
+import itertools
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.cache_schema import (
+    DOC_ID,
+    LOSS,
+    TEXT,
+    TEXT_SHA256,
+    TOKEN_END,
+    TOKEN_IDS,
+    TOKEN_START,
+    cache_schema,
+    shard_name,
+    write_shard,
+)
+from pipeline.corpus import Corpus, CorpusOptions
+from pipeline.io import sha256_text
+from pipeline.manifest import CacheManifest, ShardRecord, write_manifest
+from pipeline.tokenizer import load_tokenizer
+
+CORPUS = resources.files("pipeline") / "assets" / "corpus" / "gsm_symbolic-train.jsonl.zst"
+
+
+def corpus_documents(count: int, skip: int = 0) -> list[tuple[str, str]]:
+    """(doc_id, text) of `count` shipped corpus documents."""
+    with resources.as_file(CORPUS) as path:
+        docs = Corpus(path, CorpusOptions(id_column="id"))
+        return [(d.doc_id, d.text) for d in itertools.islice(docs, skip, skip + count)]
+
+
+def teacher_losses(num_tokens: int, rng: np.random.Generator) -> np.ndarray:
+    loss = rng.uniform(0.05, 6.0, num_tokens).astype(np.float32)
+    loss[:1] = np.nan
+    return loss
+
+
+def build_cache(
+    dest: Path,
+    *,
+    teacher_tokenizer: str = "qwen2.5",
+    documents: list[tuple[str, str]] | None = None,
+    num_documents: int = 24,
+    docs_per_shard: int = 8,
+    seed: int = 0,
+    loss_dtype: str = "float32",
+) -> CacheManifest:
+    """Write shards and manifest.json into `dest`; returns the manifest."""
+    dest = Path(dest)
+    documents = documents if documents is not None else corpus_documents(num_documents)
+    tokenizer = load_tokenizer(teacher_tokenizer)
+    rng = np.random.default_rng(seed)
+    shards = []
+    for index, first in enumerate(range(0, len(documents), docs_per_shard)):
+        part = documents[first : first + docs_per_shard]
+        encodings = tokenizer.encode_batch([text for _, text in part])
+        losses = [teacher_losses(len(enc), rng) for enc in encodings]
+        table = pa.table(
+            {
+                DOC_ID: [doc_id for doc_id, _ in part],
+                TEXT: [text for _, text in part],
+                TEXT_SHA256: [sha256_text(text) for _, text in part],
+                TOKEN_IDS: [enc.ids for enc in encodings],
+                TOKEN_START: [enc.start for enc in encodings],
+                TOKEN_END: [enc.end for enc in encodings],
+                LOSS: [loss.astype(loss_dtype) for loss in losses],
+            },
+            schema=cache_schema(loss_dtype),
+        )
+        name = shard_name(index)
+        size, digest = write_shard(dest / name, table, {"shard": index, "fixture": True})
+        shards.append(
+            ShardRecord(
+                index=index,
+                file=name,
+                rows=len(part),
+                teacher_tokens=sum(len(enc) for enc in encodings),
+                bytes=size,
+                sha256=digest,
+            )
+        )
+    manifest = CacheManifest(
+        teacher={"id": "random-losses (tests/cache_fixtures.py)", "seed": seed},
+        tokenizer={"spec": teacher_tokenizer, "fingerprint": tokenizer.fingerprint},
+        settings={"loss_dtype": loss_dtype},
+        corpus={"documents": len(documents)},
+        shards=shards,
+    )
+    write_manifest(dest, manifest)
+    return manifest
+
+
+def read_cache_rows(cache_dir: Path) -> dict[str, dict]:
+    """doc_id -> the row's Python values, read back with plain pyarrow (test oracle)."""
+    import pyarrow.parquet as pq
+
+    rows = {}
+    for path in sorted(Path(cache_dir).glob("shard-*.parquet")):
+        for row in pq.read_table(path).to_pylist():
+            rows[row[DOC_ID]] = row
+    return rows

@@ -1,0 +1,278 @@
+"""Stage 2 data path: teacher losses land on the right student tokens, packing is exact, every
+document is used once per epoch across ranks and workers, positions resume exactly, and a cache
+that does not match its manifest is refused."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.alignment import aggregate_teacher_loss, equal_chunk_alignment
+from pipeline.cache_schema import shard_name
+from pipeline.errors import CacheError
+from pipeline.manifest import load_manifest
+from pipeline.tokenizer import load_tokenizer
+from stage2_train.data import (
+    ConsumerStream,
+    DataPlan,
+    DataState,
+    annotate,
+    batches,
+    make_loader,
+    work_items,
+)
+from tests.cache_fixtures import build_cache, corpus_documents, read_cache_rows
+
+
+@pytest.fixture(scope="module")
+def qwen_cache(tmp_path_factory) -> Path:
+    """24 documents in 3 shards, teacher tokenizer qwen2.5 (byte-level BPE, no BOS)."""
+    path = tmp_path_factory.mktemp("qwen-cache")
+    build_cache(path, teacher_tokenizer="qwen2.5", num_documents=24, docs_per_shard=8)
+    return path
+
+
+def make_plan(cache: Path, **changes) -> DataPlan:
+    manifest = load_manifest(cache)
+    plan = DataPlan(
+        cache_dir=cache, shards=tuple(manifest.shards), student_tokenizer="tinyllama",
+        alignment="token", num_chunks=4, aggregate="max", seq_len=48, micro_batch_size=2,
+        seed=5, world_size=1, num_workers=0,
+    )
+    return replace(plan, **changes)
+
+
+def overlap_oracle(student_enc, row, how: str) -> np.ndarray:
+    """Per student token, by definition: aggregate the teacher range spanning every non-empty
+    teacher token that shares a character with it (a slow per-token loop, as a test oracle)."""
+    t_start, t_end = np.array(row["token_start"]), np.array(row["token_end"])
+    loss = np.array(row["loss"], dtype=np.float64)
+    out = np.full(len(student_enc), np.nan)
+    for i, (s, e) in enumerate(zip(student_enc.start, student_enc.end, strict=True)):
+        hits = np.flatnonzero((t_end > t_start) & (np.maximum(s, t_start) < np.minimum(e, t_end)))
+        if e <= s or hits.size == 0:
+            continue
+        values = loss[hits.min() : hits.max() + 1]
+        values = values[~np.isnan(values)]
+        if values.size:
+            out[i] = {"max": np.max, "mean": np.mean, "sum": np.sum}[how](values)
+    return out
+
+
+def annotate_rows(rows: list[dict], student: str, **kw):
+    tokenizer = load_tokenizer(student)
+    return annotate(
+        tokenizer,
+        [r["text"] for r in rows],
+        np.concatenate([r["token_start"] for r in rows]).astype(np.int64),
+        np.concatenate([r["token_end"] for r in rows]).astype(np.int64),
+        np.concatenate([r["loss"] for r in rows]).astype(np.float32),
+        np.array([len(r["loss"]) for r in rows]),
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("how", ["max", "mean", "sum"])
+@pytest.mark.parametrize("student", ["tinyllama", "smollm2"])
+def test_teacher_losses_land_on_the_right_student_tokens(qwen_cache, how, student):
+    rows = list(read_cache_rows(qwen_cache).values())[:10]
+    docs = annotate_rows(rows, student, aggregate=how)
+    tokenizer = load_tokenizer(student)
+    offset = 0
+    for row, length in zip(rows, docs.lengths, strict=True):
+        enc = tokenizer.encode(row["text"], add_eos=True)
+        assert length == len(enc)
+        np.testing.assert_array_equal(docs.ids[offset : offset + length], enc.ids)
+        np.testing.assert_allclose(
+            docs.teacher_loss[offset : offset + length], overlap_oracle(enc, row, how), rtol=1e-6
+        )
+        assert np.isnan(docs.teacher_loss[offset + length - 1])  # EOS has no characters
+        offset += length
+    assert offset == docs.ids.size
+    mapped = ~np.isnan(docs.teacher_loss)
+    assert mapped.mean() > 0.9  # offsets really align: almost every content token is guided
+
+
+def test_same_tokenizer_gives_identity_alignment_rho1(tmp_path):
+    """Teacher and student share the tinyllama vocabulary: each student token gets exactly its
+    own cached teacher loss (same-vocabulary guidance falls out of the same code)."""
+    build_cache(tmp_path, teacher_tokenizer="tinyllama", num_documents=6, docs_per_shard=6)
+    rows = list(read_cache_rows(tmp_path).values())
+    docs = annotate_rows(rows, "tinyllama")
+    offset = 0
+    for row, length in zip(rows, docs.lengths, strict=True):
+        ids = docs.ids[offset : offset + length]
+        np.testing.assert_array_equal(ids[:-1], row["token_ids"])  # + the student's EOS
+        np.testing.assert_array_equal(
+            docs.teacher_loss[offset : offset + length - 1], np.array(row["loss"], np.float32)
+        )
+        offset += length
+
+
+def test_chunk_alignment_maps_each_chunk_to_the_teacher_chunk(qwen_cache):
+    rows = list(read_cache_rows(qwen_cache).values())[:4]
+    docs = annotate_rows(rows, "tinyllama", alignment="chunk", num_chunks=4, aggregate="mean")
+    offset = 0
+    for row, length in zip(rows, docs.lengths, strict=True):
+        start, end = equal_chunk_alignment(int(length), len(row["loss"]), 4)
+        expected = aggregate_teacher_loss(np.array(row["loss"], np.float32), start, end, "mean")
+        np.testing.assert_allclose(docs.teacher_loss[offset : offset + length], expected, rtol=1e-6)
+        offset += length
+
+
+def test_packing_is_the_document_stream_cut_into_overlapping_windows(qwen_cache):
+    plan = make_plan(qwen_cache)
+    stream = iter(ConsumerStream(plan, 0))
+    got = [next(stream) for _ in range(8)]
+    order = [doc_id for batch in got for _, doc_id in batch["documents"]]
+    rows = read_cache_rows(qwen_cache)
+    docs = annotate_rows([rows[d] for d in order], "tinyllama")
+    length, width = plan.seq_len, plan.micro_batch_size * plan.seq_len
+    for k, batch in enumerate(got):
+        for b in range(plan.micro_batch_size):
+            first = k * width + b * length
+            np.testing.assert_array_equal(batch["input_ids"][b], docs.ids[first : first + length])
+            np.testing.assert_array_equal(batch["labels"][b], docs.ids[first + 1 : first + length + 1])
+            np.testing.assert_array_equal(
+                batch["teacher_loss"][b], docs.teacher_loss[first + 1 : first + length + 1]
+            )
+    assert got[0]["input_ids"].dtype == torch.int64 and got[0]["teacher_loss"].dtype == torch.float32
+    # A document is listed in the batch that consumes its first token.
+    starts = np.concatenate(([0], np.cumsum(docs.lengths)[:-1]))
+    listed = [k for k, batch in enumerate(got) for _ in batch["documents"]]
+    assert listed == [int(s // width) for s in starts]
+
+
+def drain_first_epoch(plan: DataPlan, rank: int) -> list[str]:
+    """Every epoch-0 document a rank's loader yields, until all its consumers are in epoch 1."""
+    state = DataState.fresh(plan)
+    seen = []
+    for batch in batches(make_loader(plan, rank, state)):
+        state.observe(batch)
+        seen += [doc_id for epoch, doc_id in batch["documents"] if epoch == 0]
+        if all(p.epoch >= 1 for p in state.positions):
+            return seen
+    raise AssertionError("unreachable: streams are endless")
+
+
+@pytest.mark.parametrize("shards_per_cache", [3, 1])
+def test_each_document_is_used_exactly_once_per_epoch_across_ranks_and_workers(
+    tmp_path, shards_per_cache
+):
+    """The real partition for 2 ranks x 2 data-loader workers, with 3 shards and with 1 (fewer
+    shards than consumers: each shard is split into row parts)."""
+    docs = corpus_documents(30)
+    build_cache(tmp_path, num_documents=30, docs_per_shard=30 // shards_per_cache, documents=docs)
+    plan = make_plan(tmp_path, world_size=2, num_workers=2, seq_len=32)
+    per_rank = [drain_first_epoch(plan, rank) for rank in (0, 1)]
+    everything = per_rank[0] + per_rank[1]
+    assert sorted(everything) == sorted(doc_id for doc_id, _ in docs)  # all, once each
+    assert not set(per_rank[0]) & set(per_rank[1])
+
+
+def test_epoch_order_is_a_pure_function_of_seed_and_epoch(qwen_cache):
+    plan = make_plan(qwen_cache, world_size=2, num_workers=2)
+    def assignment(plan, epoch):
+        return [work_items(plan, consumer, epoch) for consumer in range(plan.consumers)]
+
+    assert assignment(plan, 3) == assignment(make_plan(qwen_cache, world_size=2, num_workers=2), 3)
+    assert len({str(assignment(plan, e)) for e in range(4)}) == 4  # reshuffled every epoch
+    assert assignment(replace(plan, seed=6), 0) != assignment(plan, 0)
+    first = [next(iter(ConsumerStream(plan, 2)))["input_ids"] for _ in range(2)]
+    assert torch.equal(first[0], first[1])
+
+
+def test_a_resumed_loader_continues_exactly(qwen_cache):
+    """Positions saved after 3 batches (an odd count, so a different worker is next) restart two
+    workers that yield exactly the batches the uninterrupted loader yielded next."""
+    plan = make_plan(qwen_cache, num_workers=2, seq_len=40)
+    state = DataState.fresh(plan)
+    reference = []
+    for batch in itertools.islice(batches(make_loader(plan, 0, DataState.fresh(plan))), 9):
+        reference.append(batch)
+    for batch in reference[:3]:
+        state.observe(batch)
+    state = DataState.from_dict(state.to_dict())
+    resumed = list(itertools.islice(batches(make_loader(plan, 0, state)), 6))
+    for want, got in zip(reference[3:], resumed, strict=True):
+        assert torch.equal(want["input_ids"], got["input_ids"])
+        assert torch.equal(want["labels"], got["labels"])
+        assert torch.equal(want["teacher_loss"].isnan(), got["teacher_loss"].isnan())
+        assert torch.equal(want["teacher_loss"].nan_to_num(), got["teacher_loss"].nan_to_num())
+        assert want["documents"] == got["documents"] and want["position"] == got["position"]
+
+
+def corrupt_copy(cache: Path, dest: Path) -> Path:
+    shutil.copytree(cache, dest)
+    return dest
+
+
+def first_batches(plan: DataPlan, count: int = 40):
+    return list(itertools.islice(iter(ConsumerStream(plan, 0)), count))
+
+
+def test_a_flipped_byte_is_refused_naming_the_shard(qwen_cache, tmp_path):
+    cache = corrupt_copy(qwen_cache, tmp_path / "cache")
+    shard = cache / shard_name(1)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match=f"{shard_name(1)}.*sha256"):
+        first_batches(make_plan(cache))
+
+
+def test_a_truncated_or_missing_shard_is_refused(qwen_cache, tmp_path):
+    cache = corrupt_copy(qwen_cache, tmp_path / "cache")
+    shard = cache / shard_name(2)
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CacheError, match=f"{shard_name(2)}.*bytes"):
+        first_batches(make_plan(cache))
+    shard.unlink()
+    with pytest.raises(CacheError, match=f"{shard_name(2)}.*missing"):
+        first_batches(make_plan(cache))
+
+
+def test_text_that_does_not_match_its_hash_is_refused(tmp_path):
+    docs = corpus_documents(4)
+    build_cache(tmp_path, documents=docs, docs_per_shard=4)
+    # A shard whose manifest checksum is right but whose row lies about its text.
+    import pyarrow.parquet as pq
+
+    from pipeline.cache_schema import TEXT, read_shard_metadata, write_shard
+    from pipeline.manifest import ShardRecord, write_manifest
+
+    path = tmp_path / shard_name(0)
+    table = pq.read_table(path)
+    texts = table.column(TEXT).to_pylist()
+    texts[2] = texts[2].replace("Question", "Puzzle")
+    table = table.set_column(table.schema.get_field_index(TEXT), TEXT, [texts])
+    size, digest = write_shard(path, table, read_shard_metadata(path))
+    manifest = load_manifest(tmp_path)
+    manifest.shards = [ShardRecord(0, shard_name(0), 4, manifest.shards[0].teacher_tokens, size, digest)]
+    write_manifest(tmp_path, manifest)
+    with pytest.raises(CacheError, match="text_sha256"):
+        first_batches(make_plan(tmp_path))
+
+
+def test_a_worker_error_reaches_the_trainer_as_itself(qwen_cache, tmp_path):
+    cache = corrupt_copy(qwen_cache, tmp_path / "cache")
+    (cache / shard_name(0)).unlink()
+    plan = make_plan(cache, num_workers=1)
+    with pytest.raises(CacheError, match="missing"):
+        list(itertools.islice(batches(make_loader(plan, 0, DataState.fresh(plan))), 50))
+
+
+def test_every_consumer_gets_documents_or_the_plan_is_refused(tmp_path):
+    build_cache(tmp_path, num_documents=9, docs_per_shard=8)  # shards of 8 and 1 rows
+    plan = make_plan(tmp_path, world_size=2, num_workers=2)
+    for epoch in range(20):
+        for consumer in range(plan.consumers):
+            assert work_items(plan, consumer, epoch)
+    with pytest.raises(CacheError, match="9 documents, fewer than the 10 data consumers"):
+        make_plan(tmp_path, world_size=2, num_workers=5)
