@@ -165,6 +165,20 @@ def test_chunks_command_on_plain_json_lines(tmp_path, capsys):
     assert "token-level" in capsys.readouterr().out
 
 
+def test_chunks_options_from_a_manifest_with_the_command_line_winning(tmp_path):
+    manifest = tmp_path / "analysis.toml"
+    manifest.write_text(
+        '[analyze]\nstudent-tokenizer = "tinyllama"\nteacher-tokenizer = "qwen2.5"\n'
+        f'input = "{TRAIN_CORPUS}"\nnum-docs = 50\nchunks = [1, 8]\n'
+    )
+    out = tmp_path / "out"
+    argv = ["analyze", "chunks", "--manifest", str(manifest), "--num-docs", "2", "--out", str(out)]
+    assert main(argv) == 0
+    saved = json.loads((out / "chunk_overlap.json").read_text())
+    assert saved["documents"] == 2 and saved["config"]["teacher_tokenizer"] == "qwen2.5"
+    assert [row["num_chunks"] for row in saved["chunks"]] == [1, 8]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

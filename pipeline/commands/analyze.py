@@ -12,7 +12,7 @@ from pipeline.config import build_parser, from_dict, load_manifest_section
 SECTION = "analyze"
 
 
-def _add_config_parser(subparsers, name: str, config_cls: type, description: str) -> None:
+def _add_config_parser(subparsers, name: str, config_cls: type, description: str, func) -> None:
     """A subcommand whose options are the fields of `config_cls` (help text and all)."""
     options = build_parser(config_cls, description, SECTION)
     parser = subparsers.add_parser(
@@ -23,7 +23,7 @@ def _add_config_parser(subparsers, name: str, config_cls: type, description: str
         description=description,
         formatter_class=options.formatter_class,
     )
-    parser.set_defaults(config_cls=config_cls)
+    parser.set_defaults(config_cls=config_cls, func=func)
 
 
 def _config(args: argparse.Namespace):
@@ -104,8 +104,8 @@ def add_parser(subparsers) -> None:
         "Vocabulary overlap of each teacher tokenizer with the student's (paper Figure 1): "
         "shared token strings as a share of each vocabulary. Writes vocab_overlap.json, .csv, "
         ".md and .png into --out.",
+        _overlap,
     )
-    analyses.choices["overlap"].set_defaults(func=_overlap)
     _add_config_parser(
         analyses,
         "chunks",
@@ -113,8 +113,8 @@ def add_parser(subparsers) -> None:
         "Character IoU/IoS of equal-chunk alignment against the number of chunks, with "
         "token-level lexical alignment as the reference (paper Figures 3 and 6). Writes "
         "chunk_overlap.json, .md and .png into --out.",
+        _chunks,
     )
-    analyses.choices["chunks"].set_defaults(func=_chunks)
 
     fields = {f.name: f for f in dataclasses.fields(TrainingCurvesConfig)}
     curves = analyses.add_parser(
