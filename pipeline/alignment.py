@@ -4,22 +4,27 @@ For a student token with characters [st, ed):
   j = the first teacher token whose end > st,
   k = the last teacher token whose start < ed,
 and the mapping is the inclusive teacher range (j, k), or -1 (unmapped) where no teacher token
-overlaps. Two `searchsorted` calls over the whole sequence: O(N log M), no Python loop.
+overlaps. Two `searchsorted` calls over the whole sequence: O(N log M), no Python loop. The range
+is exactly the teacher tokens that share a character with the student token, so it covers every
+character of it (IoS = 1) whenever the teacher tokenization covers the text, which
+`pipeline.tokenizer` guarantees. Spans must be in text order, as tokenizers produce them.
 
-Rules for real-world offsets (each has a test):
-  - Zero-width spans (BOS/EOS and other special tokens, any span with end == start) carry no
+Rules for real-world offsets (each has a test; docs/alignment.md shows the spans behind them):
+  - Zero-width spans (BOS/EOS, SentencePiece's lone dummy-prefix "▁", any end == start) carry no
     characters: a zero-width student token is unmapped, and a zero-width teacher token is never
-    the end of a range (it is skipped by the searches).
-  - Several tokens sharing one span (byte-fallback / byte-level pieces of one character) are all
-    mapped together: every one of them overlaps the student token.
-  - Overlapping spans (SentencePiece's prepended `▁` with span (0, 1) next to a token that also
-    starts at 0) are handled by searching over the running maximum of teacher ends and the running
-    minimum (from the right) of teacher starts, which gives exactly "first end > st" and "last
-    start < ed" even when the raw arrays are not monotone.
+    part of a range's ends (the searches skip it).
+  - Several tokens sharing one character (byte-fallback `<0xF0><0x9F>...`, byte-level pieces of one
+    CJK character or emoji) are mapped together: each of them overlaps the student token, and
+    each carries part of that character's bytes.
+  - Partly overlapping spans (Qwen2.5's "ĠâĪ" [4, 6) then "ļ" [5, 6) for " √") are searched over
+    the running maximum of teacher ends and the running minimum (from the right) of teacher
+    starts, which is exactly "first end > st" and "last start < ed" even where the raw arrays
+    are not monotone.
   - Leading-space tokens (`▁x`, `Ġx`) include the space in their span; alignment uses spans as the
-    tokenizer reports them.
-  - Normalizers (NFC/NFKC, space rewriting) are undone by the tokenizers library: offsets always
-    index the original text, so both sides agree on characters.
+    tokenizer reports them, so " x" in one tokenizer maps to both " " and "x" in another.
+  - Normalizers (NFC/NFKC, space rewriting) are undone by the tokenizers library, so offsets index
+    the original text on both sides; characters a normalizer drops are given to a neighbouring
+    token by `pipeline.tokenizer`.
 """
 
 from __future__ import annotations
@@ -84,28 +89,22 @@ def aggregate_teacher_loss(
     out = np.full(map_start.shape, np.nan, dtype=np.float64)
     if loss.size == 0 or not mapped.any():
         return out.astype(np.float32)
-    first = np.where(mapped, map_start, 0)
-    stop = np.where(mapped, map_end + 1, 0)
+    # reduceat over interleaved (first, stop) bounds reduces loss[first:stop] at the even slots;
+    # one padding element lets `stop` equal len(loss). Each range is reduced on its own (no prefix
+    # sums), so one huge or infinite loss cannot leak into other tokens' values.
+    first = map_start[mapped]
+    bounds = np.empty(2 * first.size, dtype=np.int64)
+    bounds[0::2], bounds[1::2] = first, map_end[mapped] + 1
     scored = ~np.isnan(loss)
-
+    count = np.add.reduceat(np.append(scored, False).astype(np.int64), bounds)[0::2]
     if how == "max":
-        # reduceat over interleaved (first, stop) pairs gives max(loss[first:stop]) at even slots;
-        # a trailing -inf lets `stop` equal len(loss).
         values = np.append(np.where(scored, loss, -np.inf), -np.inf)
-        bounds = np.empty(2 * first.size, dtype=np.int64)
-        bounds[0::2], bounds[1::2] = first, stop
         result = np.maximum.reduceat(values, bounds)[0::2]
-        result[np.isneginf(result)] = np.nan
     else:
-        # Prefix sums in float64 keep long documents exact enough; count decides "no scored token".
-        total = np.concatenate(([0.0], np.cumsum(np.where(scored, loss, 0.0))))
-        count = np.concatenate(([0], np.cumsum(scored)))
-        sums = total[stop] - total[first]
-        counts = count[stop] - count[first]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            result = sums if how == "sum" else sums / counts
-        result = np.where(counts > 0, result, np.nan)
-    out[mapped] = result[mapped]
+        result = np.add.reduceat(np.append(np.where(scored, loss, 0.0), 0.0), bounds)[0::2]
+        if how == "mean":
+            result = result / np.maximum(count, 1)
+    out[mapped] = np.where(count > 0, result, np.nan)
     return out.astype(np.float32)
 
 
@@ -139,7 +138,9 @@ def span_overlap(
     a_start: np.ndarray, a_end: np.ndarray, b_start: np.ndarray, b_end: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Character IoU and IoS (intersection over the `a` side) of paired spans [start, end)."""
-    a_start, a_end, b_start, b_end = (np.asarray(x, dtype=np.int64) for x in (a_start, a_end, b_start, b_end))
+    a_start, a_end, b_start, b_end = (
+        np.asarray(x, dtype=np.int64) for x in (a_start, a_end, b_start, b_end)
+    )
     inter = np.clip(np.minimum(a_end, b_end) - np.maximum(a_start, b_start), 0, None)
     union = (a_end - a_start) + (b_end - b_start) - inter
     with np.errstate(invalid="ignore", divide="ignore"):
