@@ -165,6 +165,23 @@ def test_chunks_command_on_plain_json_lines(tmp_path, capsys):
     assert "token-level" in capsys.readouterr().out
 
 
+def test_chunks_on_a_corpus_with_a_bad_record(tmp_path, capsys):
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text('{"text": "Two plus two is four."}\n{"text": ""}\n{"text": "Five."}\n')
+    argv = ["analyze", "chunks", "--student-tokenizer", "tinyllama", "--teacher-tokenizer"]
+    argv += ["qwen2.5", "--input", str(corpus), "--chunks", "1", "2", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "record 1: empty or whitespace-only text" in capsys.readouterr().err
+
+    assert main([*argv, "--on-bad-record", "skip"]) == 0
+    saved = json.loads((tmp_path / "o" / "chunk_overlap.json").read_text())
+    assert saved["documents"] == 2
+    assert [(s["record"], s["reason"]) for s in saved["skipped"]] == [
+        (1, "empty or whitespace-only text")
+    ]
+    assert "1 malformed records skipped" in (tmp_path / "o" / "chunk_overlap.md").read_text()
+
+
 def test_chunks_options_from_a_manifest_with_the_command_line_winning(tmp_path):
     manifest = tmp_path / "analysis.toml"
     manifest.write_text(

@@ -10,6 +10,7 @@ and leaving them out keeps the chunks a pure function of the text.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from pipeline.alignment import align, chunk_alignment_overlap, token_alignment_o
 from pipeline.analysis.configs import ChunkOverlapConfig
 from pipeline.config import to_dict
 from pipeline.io import atomic_write_json, atomic_write_text, fingerprint
+from pipeline.manifest import SkippedDocument
 from pipeline.tokenizer import TextTokenizer
 
 JSON_NAME = "chunk_overlap.json"
@@ -112,10 +114,22 @@ def run_chunk_overlap(config: ChunkOverlapConfig) -> dict:
 
     student = load_tokenizer(config.student_tokenizer)
     teacher = load_tokenizer(config.teacher_tokenizer)
-    corpus = Corpus(config.input, CorpusOptions(text_column=config.text_column))
-    texts = (doc.text for doc in itertools.islice(corpus, config.num_docs))
+    corpus = Corpus(
+        config.input,
+        CorpusOptions(text_column=config.text_column, on_bad_record=config.on_bad_record),
+    )
+    skipped: list[SkippedDocument] = []
+
+    def texts():
+        for item in corpus:
+            if isinstance(item, SkippedDocument):
+                skipped.append(item)
+                continue
+            yield item.text
+
+    documents = itertools.islice(texts(), config.num_docs)
     with tqdm(total=config.num_docs, unit="doc", desc="chunk overlap", disable=None) as bar:
-        overlap = measure_chunk_overlap(student, teacher, texts, config.chunks, progress=bar)
+        overlap = measure_chunk_overlap(student, teacher, documents, config.chunks, progress=bar)
 
     producer = {
         "analysis": "chunk_overlap",
@@ -125,7 +139,12 @@ def run_chunk_overlap(config: ChunkOverlapConfig) -> dict:
         "corpus": corpus.describe(),
         "software": {name: metadata.version(name) for name in ("vocagno", "tokenizers")},
     }
-    report = {**producer, "fingerprint": fingerprint(producer), **overlap.to_json()}
+    report = {
+        **producer,
+        "fingerprint": fingerprint(producer),
+        **overlap.to_json(),
+        "skipped": [dataclasses.asdict(s) for s in skipped],
+    }
     atomic_write_json(config.out / JSON_NAME, report)
     atomic_write_text(config.out / MARKDOWN_NAME, chunk_overlap_markdown(report))
     plot_chunk_overlap(report, config.out / PNG_NAME)
@@ -147,7 +166,8 @@ def chunk_overlap_markdown(report: dict) -> str:
         f"# Character overlap of aligned spans: student {student}, teacher {teacher}",
         "",
         f"{report['documents']} documents of `{report['config']['input']}` "
-        f"({report['student_tokens']} student / {report['teacher_tokens']} teacher tokens).",
+        f"({report['student_tokens']} student / {report['teacher_tokens']} teacher tokens)"
+        + (f"; {len(report['skipped'])} malformed records skipped." if report["skipped"] else "."),
         "",
         "| alignment | IoU | IoS | pairs scored | pairs with an empty side |",
         "|---|---:|---:|---:|---:|",

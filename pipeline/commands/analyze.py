@@ -63,6 +63,8 @@ def _chunks(args: argparse.Namespace) -> int:
     for row in report["chunks"]:
         print(f"{row['num_chunks']:>5} chunks  IoU {_pct(row['iou'])}  IoS {_pct(row['ios'])}")
     print(f"token-level  IoU {_pct(token['iou'])}  IoS {_pct(token['ios'])}")
+    if report["skipped"]:
+        print(f"{len(report['skipped'])} malformed records skipped (listed in the JSON)")
     print(f"wrote {config.out / MARKDOWN_NAME} and {config.out / PNG_NAME}")
     return 0
 
