@@ -10,7 +10,9 @@ import sys
 from pipeline.errors import VocagnoError
 
 COMMAND_MODULES = (
+    "align",
     "analyze",
+    "overlap",
 )
 
 
