@@ -125,18 +125,23 @@ def from_dict(cls: type[T], values: dict[str, Any], where: str = "config") -> T:
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-def parse_config(cls: type[T], argv: list[str] | None, description: str, section: str) -> T:
-    """Parse the command line (and `--manifest`) into a validated `cls`."""
-    parser = build_parser(cls, description, section)
-    given = vars(parser.parse_args(argv))
+def config_from_options(cls: type[T], given: dict[str, Any], section: str) -> T:
+    """Merge explicitly given options over a `manifest` entry's [section] table into a `cls`."""
+    given = dict(given)
     values: dict[str, Any] = {}
     where = "command line"
-    if "manifest" in given:
-        manifest = given.pop("manifest")
+    manifest = given.pop("manifest", None)
+    if manifest is not None:
         values.update(load_manifest_section(manifest, section))
         where = f"{manifest} [{section}] and command line"
     values.update(given)
     return from_dict(cls, values, where)
+
+
+def parse_config(cls: type[T], argv: list[str] | None, description: str, section: str) -> T:
+    """Parse the command line (and `--manifest`) into a validated `cls`."""
+    parser = build_parser(cls, description, section)
+    return config_from_options(cls, vars(parser.parse_args(argv)), section)
 
 
 def to_dict(config: Any) -> dict[str, Any]:

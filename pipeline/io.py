@@ -15,6 +15,9 @@ from typing import IO, Any
 import zstandard
 
 _CHUNK = 1 << 20
+# mkstemp creates files 0600; outputs should get the mode any other new file would (0666 - umask).
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def canonical_json(obj: Any) -> str:
@@ -63,6 +66,7 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    os.chmod(tmp, 0o666 & ~_UMASK)
     try:
         yield tmp
         with open(tmp, "rb+") as handle:

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from pipeline.config import build_parser, from_dict, load_manifest_section
+from pipeline.config import build_parser, config_from_options, from_dict
 
 SECTION = "analyze"
 
@@ -28,15 +28,9 @@ def _add_config_parser(subparsers, name: str, config_cls: type, description: str
 
 def _config(args: argparse.Namespace):
     """The parsed options as a validated config; a --manifest [analyze] table fills the gaps."""
-    cls = args.config_cls
-    values = {}
-    where = "command line"
-    if getattr(args, "manifest", None) is not None:
-        values.update(load_manifest_section(args.manifest, SECTION))
-        where = f"{args.manifest} [{SECTION}] and command line"
-    reserved = {"command", "analysis", "func", "config_cls", "manifest"}
-    values.update({k: v for k, v in vars(args).items() if k not in reserved})
-    return from_dict(cls, values, where)
+    reserved = {"command", "analysis", "func", "config_cls"}
+    given = {k: v for k, v in vars(args).items() if k not in reserved}
+    return config_from_options(args.config_cls, given, SECTION)
 
 
 def _overlap(args: argparse.Namespace) -> int:
