@@ -12,6 +12,7 @@ from pipeline.errors import VocagnoError
 COMMAND_MODULES = (
     "align",
     "analyze",
+    "cache",
     "overlap",
 )
 

@@ -1,0 +1,98 @@
+"""What a cache holds, in numbers: documents, tokens, the teacher's loss distribution, bytes.
+
+Percentiles come from a histogram with 0.001-nat bins (losses above 64 nats share the last bin),
+so the whole cache is summarized in one streaming pass with constant memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.cache_schema import LOSS, TEXT, iter_shard_batches
+from pipeline.manifest import load_manifest
+
+BIN_WIDTH = 0.001
+MAX_LOSS = 64.0
+PERCENTILES = (1, 10, 50, 90, 99)
+
+
+@dataclass
+class CacheStats:
+    shards: int
+    documents: int
+    skipped: int
+    teacher_tokens: int
+    scored_tokens: int
+    nan_fraction: float
+    loss_mean: float
+    loss_percentiles: dict[str, float]
+    bytes: int
+    bytes_per_token: float
+    bytes_per_token_without_text: float
+    teacher: dict
+    tokenizer: dict
+    settings: dict
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _text_bytes(path: Path) -> int:
+    """Compressed bytes of the text column in a shard (from the Parquet footer)."""
+    metadata = pq.ParquetFile(path).metadata
+    column = metadata.schema.to_arrow_schema().get_field_index(TEXT)
+    return sum(
+        metadata.row_group(g).column(column).total_compressed_size
+        for g in range(metadata.num_row_groups)
+    )
+
+
+def percentile_from_histogram(counts: np.ndarray, q: float) -> float:
+    """The q-th percentile (0-100) as the centre of the bin where the cumulative count crosses it."""
+    total = counts.sum()
+    if total == 0:
+        return float("nan")
+    index = int(np.searchsorted(np.cumsum(counts), q / 100 * total, side="left"))
+    return (min(index, len(counts) - 1) + 0.5) * BIN_WIDTH
+
+
+def cache_stats(cache_dir: str | Path) -> CacheStats:
+    cache_dir = Path(cache_dir)
+    manifest = load_manifest(cache_dir)
+    counts = np.zeros(int(MAX_LOSS / BIN_WIDTH), dtype=np.int64)
+    loss_sum = 0.0
+    tokens = scored = total_bytes = text_bytes = 0
+    for record in manifest.shards:
+        path = cache_dir / record.file
+        total_bytes += record.bytes
+        text_bytes += _text_bytes(path)
+        for batch in iter_shard_batches(path, [LOSS], batch_size=1024):
+            loss = pc.list_flatten(batch.column(LOSS)).to_numpy(zero_copy_only=False)
+            loss = loss.astype(np.float64)
+            tokens += loss.size
+            finite = loss[~np.isnan(loss)]
+            scored += finite.size
+            loss_sum += float(finite.sum())
+            bins = np.clip((finite / BIN_WIDTH).astype(np.int64), 0, len(counts) - 1)
+            counts += np.bincount(bins, minlength=len(counts))
+    return CacheStats(
+        shards=len(manifest.shards),
+        documents=manifest.total_rows,
+        skipped=len(manifest.skipped),
+        teacher_tokens=tokens,
+        scored_tokens=scored,
+        nan_fraction=(tokens - scored) / tokens if tokens else float("nan"),
+        loss_mean=loss_sum / scored if scored else float("nan"),
+        loss_percentiles={f"p{q}": percentile_from_histogram(counts, q) for q in PERCENTILES},
+        bytes=total_bytes,
+        bytes_per_token=total_bytes / tokens if tokens else float("nan"),
+        bytes_per_token_without_text=(total_bytes - text_bytes) / tokens if tokens else float("nan"),
+        teacher=manifest.teacher,
+        tokenizer=manifest.tokenizer,
+        settings=manifest.settings,
+    )

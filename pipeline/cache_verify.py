@@ -1,0 +1,161 @@
+"""Prove a cache is whole and consistent before anything trusts it.
+
+`verify_shard` is the cheap check every reader runs before reading a shard (size and sha256
+against the manifest). `verify_cache` is the full audit behind `vocagno cache verify`: every
+listed shard present, none unlisted, no leftover temporary files, and inside each shard the
+schema, row and token counts, equal list lengths, text hashes and offsets within the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.cache_schema import (
+    COLUMNS,
+    LOSS,
+    LOSS_DTYPES,
+    TEXT,
+    TEXT_SHA256,
+    TOKEN_END,
+    TOKEN_IDS,
+    TOKEN_START,
+    cache_schema,
+    iter_shard_batches,
+)
+from pipeline.errors import CacheError
+from pipeline.io import sha256_file, sha256_text
+from pipeline.manifest import MANIFEST_NAME, CacheManifest, ShardRecord, load_manifest
+
+SHARD_GLOB = "*.parquet"
+TEMPORARY_GLOB = ".*.tmp"
+
+
+def verify_shard(cache_dir: str | Path, record: ShardRecord) -> Path:
+    """The shard's path once it exists with the manifest's size and sha256; CacheError otherwise."""
+    path = Path(cache_dir) / record.file
+    if not path.is_file():
+        raise CacheError(f"shard {path} is listed in the manifest but missing")
+    size = path.stat().st_size
+    if size != record.bytes:
+        raise CacheError(
+            f"shard {path} has {size} bytes but the manifest says {record.bytes}: truncated or replaced"
+        )
+    digest = sha256_file(path)
+    if digest != record.sha256:
+        raise CacheError(
+            f"shard {path} has sha256 {digest[:16]}… but the manifest says {record.sha256[:16]}…: "
+            "corrupted or replaced"
+        )
+    return path
+
+
+def loss_dtype_of(manifest: CacheManifest) -> str:
+    dtype = manifest.settings.get("loss_dtype", "float32")
+    if dtype not in LOSS_DTYPES:
+        raise CacheError(f"manifest names an unknown loss dtype {dtype!r}")
+    return dtype
+
+
+def _check_schema(path: Path, loss_dtype: str) -> None:
+    try:
+        actual = pq.read_schema(path)
+    except Exception as exc:
+        raise CacheError(f"shard {path} is not a readable Parquet file: {exc}") from exc
+    for expected in cache_schema(loss_dtype):
+        if expected.name not in actual.names:
+            raise CacheError(f"shard {path} lacks column {expected.name!r}")
+        if not actual.field(expected.name).type.equals(expected.type):
+            raise CacheError(
+                f"shard {path}: column {expected.name!r} is {actual.field(expected.name).type}, "
+                f"the schema says {expected.type}"
+            )
+
+
+def _check_batch(path: Path, batch: pa.RecordBatch, first_row: int) -> int:
+    """Row-level consistency of one batch; returns its token count."""
+    lengths = pc.list_value_length(batch.column(TOKEN_IDS)).to_numpy(zero_copy_only=False)
+    for name in (TOKEN_START, TOKEN_END, LOSS):
+        other = pc.list_value_length(batch.column(name)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(other != lengths)
+        if bad.size:
+            raise CacheError(
+                f"shard {path} row {first_row + bad[0]}: {name} has {other[bad[0]]} values "
+                f"for {lengths[bad[0]]} tokens"
+            )
+    start = pc.list_flatten(batch.column(TOKEN_START)).to_numpy()
+    end = pc.list_flatten(batch.column(TOKEN_END)).to_numpy()
+    chars = pc.utf8_length(batch.column(TEXT)).to_numpy(zero_copy_only=False)
+    limit = np.repeat(chars, lengths)
+    bad = np.flatnonzero((start < 0) | (start > end) | (end > limit))
+    if bad.size:
+        row = int(np.searchsorted(np.cumsum(lengths), bad[0], side="right"))
+        raise CacheError(
+            f"shard {path} row {first_row + row}: token span ({start[bad[0]]}, {end[bad[0]]}) "
+            f"is not inside its text of {limit[bad[0]]} characters"
+        )
+    texts = batch.column(TEXT).to_pylist()
+    hashes = batch.column(TEXT_SHA256).to_pylist()
+    for offset, (text, digest) in enumerate(zip(texts, hashes, strict=True)):
+        if sha256_text(text) != digest:
+            raise CacheError(f"shard {path} row {first_row + offset}: text_sha256 does not match text")
+    return int(lengths.sum())
+
+
+def check_shard_contents(cache_dir: str | Path, record: ShardRecord, loss_dtype: str) -> None:
+    """Schema, row count, token count and per-row consistency of one shard."""
+    path = Path(cache_dir) / record.file
+    _check_schema(path, loss_dtype)
+    rows = tokens = 0
+    for batch in iter_shard_batches(path, list(COLUMNS), batch_size=1024):
+        tokens += _check_batch(path, batch, rows)
+        rows += batch.num_rows
+    if rows != record.rows:
+        raise CacheError(f"shard {path} has {rows} rows but the manifest says {record.rows}")
+    if tokens != record.teacher_tokens:
+        raise CacheError(
+            f"shard {path} has {tokens} teacher tokens but the manifest says {record.teacher_tokens}"
+        )
+
+
+def _layout_problems(cache_dir: Path, manifest: CacheManifest) -> list[str]:
+    problems = []
+    listed = [s.file for s in manifest.shards]
+    if len(set(listed)) != len(listed):
+        problems.append(f"{cache_dir / MANIFEST_NAME} lists a shard file more than once")
+    indexes = [s.index for s in manifest.shards]
+    if indexes != list(range(len(indexes))):
+        problems.append(f"{cache_dir / MANIFEST_NAME} shard indexes are not 0..{len(indexes) - 1}")
+    known = set(listed)
+    for path in sorted(cache_dir.glob(SHARD_GLOB)):
+        if path.name not in known:
+            problems.append(f"shard {path} is not listed in the manifest")
+    for path in sorted(cache_dir.glob(TEMPORARY_GLOB)):
+        problems.append(f"{path} is a temporary file left by an unfinished write")
+    return problems
+
+
+def verify_cache(
+    cache_dir: str | Path, on_shard: Callable[[ShardRecord, str | None], None] | None = None
+) -> tuple[CacheManifest, list[str]]:
+    """(manifest, problems): every problem found, each naming its file. Empty list = sound."""
+    cache_dir = Path(cache_dir)
+    manifest = load_manifest(cache_dir)
+    loss_dtype = loss_dtype_of(manifest)
+    problems = _layout_problems(cache_dir, manifest)
+    for record in manifest.shards:
+        problem = None
+        try:
+            verify_shard(cache_dir, record)
+            check_shard_contents(cache_dir, record, loss_dtype)
+        except CacheError as exc:
+            problem = str(exc)
+            problems.append(problem)
+        if on_shard is not None:
+            on_shard(record, problem)
+    return manifest, problems

@@ -1,0 +1,80 @@
+"""`vocagno cache verify DIR` and `vocagno cache stats DIR`: audit and summarize a stage-1 cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "cache",
+        help="verify or summarize a stage-1 teacher-loss cache",
+        description="Audit (verify) or summarize (stats) a cache written by stage1_score/run.py.",
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    verify = actions.add_parser(
+        "verify",
+        help="check every shard against the manifest; exit 1 naming each bad shard",
+        description="Check the manifest, that every listed shard is present with its size and "
+        "sha256, that no unlisted shard or temporary file is there, and inside each shard the "
+        "schema, row and token counts, list lengths, text hashes and token offsets.",
+    )
+    verify.add_argument("cache_dir", type=Path, metavar="DIR", help="cache folder (with manifest.json)")
+    verify.add_argument("--quiet", action="store_true", help="print only problems and the verdict")
+    verify.set_defaults(func=run_verify)
+    stats = actions.add_parser(
+        "stats",
+        help="documents, tokens, loss distribution, bytes per token, teacher and tokenizer",
+        description="Summarize a cache: documents, teacher tokens, loss mean and percentiles, "
+        "share of unscored (NaN) tokens, bytes per token with and without the text column.",
+    )
+    stats.add_argument("cache_dir", type=Path, metavar="DIR", help="cache folder (with manifest.json)")
+    stats.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    stats.set_defaults(func=run_stats)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from pipeline.cache_verify import verify_cache
+
+    def on_shard(record, problem) -> None:
+        if problem is None and not args.quiet:
+            print(f"ok    {record.file}  rows={record.rows} tokens={record.teacher_tokens}")
+
+    manifest, problems = verify_cache(args.cache_dir, on_shard)
+    for problem in problems:
+        print(f"FAIL  {problem}")
+    verdict = (
+        f"{args.cache_dir}: {len(manifest.shards)} shards, {manifest.total_rows} documents, "
+        f"{manifest.total_teacher_tokens} teacher tokens"
+    )
+    if problems:
+        print(f"{verdict}: {len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    print(f"{verdict}: all verified")
+    return 0
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from pipeline.cache_stats import cache_stats
+
+    stats = cache_stats(args.cache_dir)
+    if args.json:
+        print(json.dumps(stats.to_json(), indent=2, sort_keys=True))
+        return 0
+    teacher = stats.teacher
+    print(f"cache            {args.cache_dir}")
+    print(f"teacher          {teacher.get('name', teacher)} ({teacher.get('backend', '?')}, {teacher.get('dtype', '?')})")
+    print(f"tokenizer        {stats.tokenizer.get('fingerprint', stats.tokenizer)}")
+    print(f"shards           {stats.shards}")
+    print(f"documents        {stats.documents} (+{stats.skipped} skipped)")
+    print(f"teacher tokens   {stats.teacher_tokens} ({stats.nan_fraction:.2%} unscored, NaN)")
+    percentiles = "  ".join(f"{k}={v:.3f}" for k, v in stats.loss_percentiles.items())
+    print(f"loss (nats)      mean={stats.loss_mean:.4f}  {percentiles}")
+    print(
+        f"bytes            {stats.bytes} ({stats.bytes_per_token:.2f}/token; "
+        f"{stats.bytes_per_token_without_text:.2f}/token without the text column)"
+    )
+    return 0
