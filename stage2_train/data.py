@@ -52,8 +52,8 @@ from pipeline.cache_schema import (
     iter_shard_batches,
 )
 from pipeline.errors import CacheError, VocagnoError
-from pipeline.io import sha256_file, sha256_text
-from pipeline.manifest import ShardRecord
+from pipeline.io import fingerprint, sha256_file, sha256_text
+from pipeline.manifest import CacheManifest, ShardRecord
 from pipeline.tokenizer import TextTokenizer, load_tokenizer
 
 READ_ROWS = 128  # rows per Parquet read: the I/O unit and the shuffle window inside an item
@@ -111,6 +111,13 @@ class StreamPosition:
     read: int = 0
     row: int = 0
     token: int = 0
+
+
+def cache_fingerprint(manifest: CacheManifest) -> str:
+    """Identity of a cache's content: its producer and every shard's size and checksum."""
+    return fingerprint(
+        {"producer": manifest.producer_fingerprint, "shards": [asdict(s) for s in manifest.shards]}
+    )
 
 
 def work_items(plan: DataPlan, consumer: int, epoch: int) -> list[tuple[int, int]]:

@@ -1,0 +1,213 @@
+"""Checkpoints `OUT/checkpoints/step-N/`, counted only once complete.
+
+A step folder holds:
+  state/           model and optimizer via torch.distributed.checkpoint (one code path for a
+                   single process, DDP and FSDP; sharded per rank under FSDP)
+  rank-R.pt        rank R's RNG states and data position (see stage2_train.data.DataState)
+  trainer.pt       the learning-rate scheduler
+  config.json      the run's TrainConfig
+  checkpoint.json  step, world size, workers per rank, cache and config fingerprints
+  COMPLETE         written last
+Everything is written into `.step-N.partial/`, flushed, and renamed: a crash mid-save leaves no
+step-N folder, and the previous checkpoint stays the newest complete one.
+
+Resuming needs the same world size and data-loader workers (the data partition and the saved
+positions are per consumer), the same cache, and the same settings except those in
+`RESUMABLE_CHANGES`; anything else is refused with a message saying what differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipeline.config import to_dict
+from pipeline.errors import CacheError, ConfigError
+from pipeline.io import fsync_dir
+from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
+from stage2_train.data import DataState
+from stage2_train.distributed import Runtime
+
+MARKER = "COMPLETE"
+CHECKPOINTS = "checkpoints"
+
+
+def checkpoints_dir(out: Path) -> Path:
+    return Path(out) / CHECKPOINTS
+
+
+def step_dir(out: Path, step: int) -> Path:
+    return checkpoints_dir(out) / f"step-{step}"
+
+
+def complete_checkpoints(out: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint, oldest first."""
+    found = []
+    for folder in checkpoints_dir(out).glob("step-*"):
+        suffix = folder.name.removeprefix("step-")
+        if suffix.isdigit() and (folder / MARKER).exists():
+            found.append((int(suffix), folder))
+    return sorted(found)
+
+
+def resume_from(config: TrainConfig) -> Path | None:
+    """The checkpoint folder to continue from, per --resume; None to start fresh."""
+    existing = complete_checkpoints(config.out)
+    if config.resume == "never":
+        if existing:
+            raise ConfigError(
+                f"{config.out} already has checkpoints up to step {existing[-1][0]}; "
+                "pass --resume auto to continue that run, or choose another --out"
+            )
+        return None
+    if config.resume == "auto":
+        return existing[-1][1] if existing else None
+    path = Path(config.resume)
+    if not (path / MARKER).exists():
+        raise ConfigError(f"--resume {path}: not a complete checkpoint folder (no {MARKER} marker)")
+    return path
+
+
+def _rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def _fsync_tree(folder: Path) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(Path(root) / name, "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(root)
+
+
+@contextlib.contextmanager
+def _single_process_is_intended():
+    """torch.distributed.checkpoint warns on every single-process save/load; that is our design."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _model_and_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save_checkpoint(
+    config: TrainConfig,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    data_state: DataState,
+    meta: dict,
+    runtime: Runtime,
+) -> Path:
+    """Write step-N collectively (every rank calls this); returns the folder."""
+    import torch.distributed.checkpoint as dcp
+
+    final = step_dir(config.out, step)
+    partial = final.with_name(f".{final.name}.partial")
+    if runtime.is_main:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+        partial.mkdir(parents=True)
+    runtime.barrier()
+    with _single_process_is_intended():
+        dcp.save(
+            _model_and_optimizer_state(model, optimizer),
+            checkpoint_id=partial / "state",
+            no_dist=not runtime.distributed,
+        )
+    torch.save(
+        {"rng": _rng_state(), "data": data_state.to_dict()}, partial / f"rank-{runtime.rank}.pt"
+    )
+    runtime.barrier()
+    if runtime.is_main:
+        torch.save({"scheduler": scheduler.state_dict()}, partial / "trainer.pt")
+        (partial / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
+        (partial / "checkpoint.json").write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
+        _fsync_tree(partial)
+        (partial / MARKER).write_text(f"step {step}\n")
+        _fsync_tree(partial)
+        if final.exists():  # an identical step re-saved after a resume from an older one
+            shutil.rmtree(final)
+        partial.rename(final)
+        fsync_dir(final.parent)
+    runtime.barrier()
+    return final
+
+
+def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
+    """Refuse a checkpoint this run cannot continue exactly; returns its step."""
+    saved = json.loads((folder / "checkpoint.json").read_text())
+    if saved["cache_fingerprint"] != meta["cache_fingerprint"]:
+        raise CacheError(
+            f"checkpoint {folder} was trained on cache {saved['cache_fingerprint']}, but "
+            f"{config.cache} is cache {meta['cache_fingerprint']}: resume with the same cache "
+            "or start a new --out"
+        )
+    for key, what in (("world_size", "ranks"), ("workers_per_rank", "data-loader workers per rank")):
+        if saved[key] != meta[key]:
+            raise ConfigError(
+                f"checkpoint {folder} was written by {saved[key]} {what}, this run has "
+                f"{meta[key]}: the data partition and saved positions depend on it; resume with "
+                f"{saved[key]} {what}"
+            )
+    old = json.loads((folder / "config.json").read_text())
+    new = to_dict(config)
+    changed = sorted(k for k in new if k not in RESUMABLE_CHANGES and old.get(k) != new[k])
+    if changed:
+        details = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed)
+        raise ConfigError(
+            f"checkpoint {folder} was made with other settings ({details}); only "
+            f"{', '.join(sorted(RESUMABLE_CHANGES))} may change on resume"
+        )
+    return int(saved["step"])
+
+
+def load_checkpoint(
+    folder: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    runtime: Runtime,
+) -> DataState:
+    """Restore model, optimizer, scheduler and this rank's RNG; returns its data position."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _model_and_optimizer_state(model, optimizer)
+    with _single_process_is_intended():
+        dcp.load(state, checkpoint_id=folder / "state", no_dist=not runtime.distributed)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+    scheduler.load_state_dict(torch.load(folder / "trainer.pt", weights_only=True)["scheduler"])
+    # Our own file: it holds numpy and Python RNG states, which weights_only cannot load.
+    rank_state = torch.load(folder / f"rank-{runtime.rank}.pt", weights_only=False)
+    _set_rng_state(rank_state["rng"])
+    return DataState.from_dict(rank_state["data"])

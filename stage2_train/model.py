@@ -1,0 +1,164 @@
+"""Build or load the student, wrap it for data parallelism, and save it in Hugging Face format."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipeline.errors import ConfigError
+from pipeline.tokenizer import TextTokenizer
+from stage2_train.distributed import Runtime
+
+# Llama-architecture students for training from scratch; the vocabulary comes from the tokenizer.
+PRESETS: dict[str, dict] = {
+    "llama-tiny": {  # tests: a forward pass costs milliseconds
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2,
+    },
+    "llama-small": {  # benchmarks on a CPU
+        "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 4,
+    },
+    "tinyllama-1.1b": {  # the paper's student architecture
+        "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    },
+}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def student_kind(spec: str) -> str:
+    """preset | config (a config.json, or a folder with no weights) | pretrained (folder, hub id)."""
+    if spec in PRESETS:
+        return "preset"
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        return "config"
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ConfigError(f"student folder {path} has no config.json")
+        return "pretrained" if any((path / f).exists() for f in WEIGHT_FILES) else "config"
+    if path.exists() or spec.startswith((".", "/", "~")):
+        raise ConfigError(
+            f"student {spec!r} is not a preset ({', '.join(PRESETS)}), a config.json, a model "
+            "folder or a hub id"
+        )
+    return "pretrained"
+
+
+def student_tokenizer_spec(student: str, tokenizer: str | None) -> str:
+    if tokenizer:
+        return tokenizer
+    if student_kind(student) != "pretrained":
+        raise ConfigError(
+            f"student {student!r} is trained from scratch and brings no tokenizer: "
+            "pass --student-tokenizer"
+        )
+    return student
+
+
+def build_student(spec: str, tokenizer: TextTokenizer, seed: int, seq_len: int) -> nn.Module:
+    """The student as a float32 transformers causal LM; from scratch it is seeded by `seed`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    kind = student_kind(spec)
+    if kind == "pretrained":
+        try:
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
+        except OSError as exc:
+            raise ConfigError(f"cannot load student {spec!r}: {exc}") from exc
+    else:
+        if kind == "preset":
+            config = LlamaConfig(
+                vocab_size=tokenizer.vocab_size,
+                max_position_embeddings=max(2048, seq_len),
+                bos_token_id=tokenizer.bos_id,
+                eos_token_id=tokenizer.eos_id,
+                **PRESETS[spec],
+            )
+        else:
+            config = AutoConfig.from_pretrained(spec)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ConfigError(
+            f"student tokenizer {tokenizer.spec!r} has {tokenizer.vocab_size} tokens but the "
+            f"student's embedding only {model.config.vocab_size}"
+        )
+    return model
+
+
+def wrap(model: nn.Module, runtime: Runtime, fsdp: bool) -> nn.Module:
+    """Move to the device; DDP across ranks, or FSDP (per decoder layer, then the root)."""
+    model = model.to(runtime.device)
+    if fsdp:
+        if not runtime.distributed:
+            raise ConfigError("--fsdp shards the student across ranks: run it under torchrun "
+                              "with --nproc-per-node 2 or more")
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in getattr(getattr(model, "model", None), "layers", []):
+            fully_shard(layer)
+        return fully_shard(model)
+    if runtime.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
+    if hasattr(model, "no_sync") and not enabled:  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+        yield
+    else:
+        yield
+
+
+def autocast(runtime: Runtime, dtype: str):
+    """bfloat16 autocast on GPU; CPU runs in float32."""
+    if dtype == "bfloat16" and runtime.device.type != "cuda":
+        raise ConfigError("--dtype bfloat16 needs a GPU; on CPU use --dtype float32 (or auto)")
+    if runtime.device.type == "cuda" and dtype in ("auto", "bfloat16"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """The whole model on CPU on rank 0 (gathered from FSDP shards if sharded)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(
+        unwrapped(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def save_tokenizer(tokenizer: TextTokenizer, folder: Path) -> None:
+    """tokenizer.json plus a config that keeps the student's BOS/EOS framing for AutoTokenizer."""
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    config = {
+        # The generic fast class: a model-specific class may rebuild the pre-tokenizer.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": tokenizer.policy.add_bos,
+        "add_eos_token": False,
+        "bos_token": tokenizer.policy.bos_token,
+        "eos_token": tokenizer.policy.eos_token,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

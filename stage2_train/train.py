@@ -1,0 +1,29 @@
+"""Stage 2 entry: `torchrun --nproc-per-node N stage2_train/train.py --cache DIR --student S --out OUT`
+(or `python stage2_train/train.py ...` as one process). Options: `--help`, or a TOML manifest's
+[stage2] table via `--manifest`. No teacher model is imported or loaded here: its losses come from
+the cache."""
+
+from __future__ import annotations
+
+import sys
+
+from pipeline.errors import VocagnoError
+from stage2_train.config import parse_train_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_train_config(argv)
+        from stage2_train.trainer import train
+
+        final = train(config)
+    except VocagnoError as exc:
+        print(f"stage2_train/train.py: error: {exc}", file=sys.stderr)
+        return 2
+    if final is not None:
+        print(f"final student: {final}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

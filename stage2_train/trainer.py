@@ -1,0 +1,294 @@
+"""The stage 2 training loop: one flat loop, split by comments into batch / forward-backward /
+step / log / save. It reads the teacher's losses from the cache; no teacher model is ever loaded.
+
+Outputs in OUT: config.json, metrics.jsonl (one JSON object per optimizer step), tensorboard/,
+checkpoints/step-N/, and final/ (the student via save_pretrained, safetensors, with its tokenizer
+and vocagno.json saying what produced it).
+
+Loss normalization: a step's loss is the mean student loss over all tokens it keeps, across its
+micro-batches and ranks. The number kept is known from the data before any forward pass
+(pipeline.guidance.kept_in_step), so each micro-batch backpropagates its kept-loss sum divided
+by that total (times the world size, which DDP/FSDP gradient averaging divides out again).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipeline.config import to_dict
+from pipeline.guidance import IGNORE_INDEX, guided_loss, kept_in_step, token_loss
+from pipeline.io import atomic_write_json, atomic_write_text, fsync_dir
+from pipeline.manifest import load_manifest
+from pipeline.tokenizer import load_tokenizer
+from stage2_train.checkpoint import (
+    check_resumable,
+    load_checkpoint,
+    resume_from,
+    save_checkpoint,
+)
+from stage2_train.config import TrainConfig
+from stage2_train.data import (
+    DataPlan,
+    DataState,
+    batches,
+    cache_fingerprint,
+    check_shard_sizes,
+    make_loader,
+)
+from stage2_train.distributed import Runtime
+from stage2_train.model import (
+    autocast,
+    build_student,
+    full_state_dict,
+    gradient_sync,
+    save_tokenizer,
+    student_tokenizer_spec,
+    unwrapped,
+    wrap,
+)
+
+METRIC_KEYS = ("loss", "loss_all", "kept_fraction", "mapped_fraction")
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (1-based): linear warmup, then cosine to min_lr."""
+    if step <= config.warmup_steps:
+        return config.lr * step / config.warmup_steps
+    progress = (step - 1 - config.warmup_steps) / max(1, config.max_steps - 1 - config.warmup_steps)
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; matrices decay, norms and biases do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2))
+
+
+class JsonLines:
+    """An append-only JSON-lines log that a resumed run cuts back to the checkpoint's step."""
+
+    def __init__(self, path: Path, keep_up_to_step: int):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip() and json.loads(line)["step"] <= keep_up_to_step:
+                    kept.append(line + "\n")
+        atomic_write_text(path, "".join(kept))
+        self.handle = path.open("a")
+
+    def append(self, record: dict) -> None:
+        self.handle.write(json.dumps(record) + "\n")
+        self.handle.flush()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def selection_generator(config: TrainConfig, step: int, micro: int, rank: int) -> torch.Generator:
+    """Seeded per (seed, step, micro-batch, rank): random selection replays exactly on resume."""
+    seed = np.random.SeedSequence([config.seed, step, micro, rank]).generate_state(1)[0]
+    return torch.Generator().manual_seed(int(seed))
+
+
+def save_final(
+    config: TrainConfig, model: nn.Module, tokenizer, provenance: dict, runtime: Runtime
+) -> Path:
+    """save_pretrained (safetensors) + tokenizer + vocagno.json into OUT/final, atomically."""
+    import shutil
+
+    state = full_state_dict(model)  # collective under FSDP: every rank takes part
+    final = config.out / "final"
+    if runtime.is_main:
+        partial = config.out / ".final.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        unwrapped(model).save_pretrained(partial, state_dict=state, safe_serialization=True)
+        save_tokenizer(tokenizer, partial)
+        atomic_write_json(partial / "vocagno.json", provenance)
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        fsync_dir(config.out)
+    runtime.barrier()
+    return final
+
+
+def train(config: TrainConfig) -> Path | None:
+    """Run (or continue) the schedule up to --stop-at-step or --max-steps; returns OUT/final when
+    the schedule is complete."""
+    runtime = Runtime.start()
+    try:
+        return _train(config, runtime)
+    finally:
+        runtime.stop()
+
+
+def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
+
+    torch.manual_seed(config.seed)
+    settings = config.guidance_settings()
+    compute = autocast(runtime, config.dtype)
+    manifest = load_manifest(config.cache)
+    tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
+    accumulation = config.accumulation_steps(runtime.world_size)
+    plan = DataPlan(
+        cache_dir=config.cache,
+        shards=tuple(manifest.shards),
+        student_tokenizer=tokenizer.spec,
+        alignment=config.alignment,
+        num_chunks=config.num_chunks,
+        aggregate=config.aggregate,
+        seq_len=config.seq_len,
+        micro_batch_size=config.micro_batch_size,
+        seed=config.seed,
+        world_size=runtime.world_size,
+        num_workers=config.num_workers,
+    )
+    check_shard_sizes(config.cache, plan.shards)
+    meta = {
+        "world_size": runtime.world_size,
+        "workers_per_rank": plan.consumers_per_rank,
+        "cache_fingerprint": cache_fingerprint(manifest),
+        "config_fingerprint": config.fingerprint,
+    }
+    model = wrap(
+        build_student(config.student, tokenizer, config.seed, config.seq_len), runtime, config.fsdp
+    )
+    optimizer = make_optimizer(model, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda index: lr_at(index + 1, config) / config.lr
+    )
+    start_step, data_state = 0, DataState.fresh(plan)
+    checkpoint = resume_from(config)
+    if checkpoint is not None:
+        start_step = check_resumable(checkpoint, config, meta)
+        data_state = load_checkpoint(checkpoint, model, optimizer, scheduler, runtime)
+    stop_step = config.stop_at_step or config.max_steps
+
+    metrics = documents = writer = None
+    if runtime.is_main:
+        atomic_write_json(config.out / "config.json", {**to_dict(config), **meta})
+        metrics = JsonLines(config.out / "metrics.jsonl", start_step)
+        writer = SummaryWriter(str(config.out / "tensorboard"), purge_step=start_step + 1)
+        parameters = sum(p.numel() for p in unwrapped(model).parameters())
+        print(
+            f"stage 2: {parameters / 1e6:.2f}M-parameter student, {runtime.world_size} rank(s) x "
+            f"{accumulation} micro-batch(es) of {config.micro_batch_size} x {config.seq_len} "
+            f"tokens per step, guidance {config.guidance}; "
+            + (f"resuming at step {start_step}" if start_step else "starting at step 0"),
+            file=sys.stderr,
+        )
+    if config.record_documents:
+        documents = JsonLines(config.out / "documents" / f"rank-{runtime.rank}.jsonl", start_step)
+    stream = batches(make_loader(plan, runtime.rank, data_state, runtime.device.type == "cuda"))
+    progress = tqdm(
+        total=stop_step, initial=start_step, disable=not runtime.is_main, unit="step",
+        dynamic_ncols=True, file=sys.stderr,
+    )
+    started, step_tokens = time.monotonic(), 0
+
+    for step in range(start_step + 1, stop_step + 1):
+        # batch: this rank's micro-batches, and how many tokens the whole step keeps
+        micro_batches = [next(stream) for _ in range(accumulation)]
+        for batch in micro_batches:
+            data_state.observe(batch)
+        valid = [batch["labels"] != IGNORE_INDEX for batch in micro_batches]
+        counts = torch.tensor(
+            [[int((v & ~b["teacher_loss"].isnan()).sum()), int(v.sum())]
+             for v, b in zip(valid, micro_batches, strict=True)]
+        )
+        kept_total = kept_in_step(runtime.all_gather(counts), settings)
+        scale = runtime.world_size / max(kept_total, 1)
+
+        # forward-backward
+        totals = torch.zeros(5, dtype=torch.float64)  # kept loss, all loss, kept, mapped, valid
+        for micro, batch in enumerate(micro_batches):
+            inputs = batch["input_ids"].to(runtime.device, non_blocking=True)
+            labels = batch["labels"].to(runtime.device, non_blocking=True)
+            teacher = batch["teacher_loss"].to(runtime.device, non_blocking=True)
+            with gradient_sync(model, micro == accumulation - 1):
+                with compute:
+                    logits = model(input_ids=inputs).logits
+                result = guided_loss(
+                    token_loss(logits, labels), teacher, labels != IGNORE_INDEX, settings,
+                    generator=selection_generator(config, step, micro, runtime.rank),
+                )
+                (result.kept_loss_sum * scale).backward()
+            totals += torch.tensor(
+                [float(result.kept_loss_sum.detach()), float(result.loss_sum), result.kept, result.mapped,
+                 result.valid], dtype=torch.float64,
+            )
+
+        # step
+        lr = scheduler.get_last_lr()[0]
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), config.grad_clip or float("inf")
+        )
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # log
+        kept_loss, all_loss, kept, mapped, valid_count = runtime.all_reduce_sum(totals).tolist()
+        step_tokens += int(valid_count)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+            grad_norm = grad_norm.full_tensor()
+        record = {
+            "step": step,
+            "loss": kept_loss / max(kept, 1),
+            "loss_all": all_loss / max(valid_count, 1),
+            "kept_fraction": kept / max(valid_count, 1),
+            "mapped_fraction": mapped / max(valid_count, 1),
+            "tokens": step * config.global_batch_tokens,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+        }
+        if documents is not None:
+            documents.append(
+                {"step": step, "documents": [d for b in micro_batches for d in b["documents"]]}
+            )
+        if runtime.is_main:
+            metrics.append(record)
+            for key in (*METRIC_KEYS, "lr", "grad_norm"):
+                writer.add_scalar(f"train/{key}", record[key], step)
+            rate = step_tokens / max(time.monotonic() - started, 1e-9)
+            progress.set_postfix(
+                loss=f"{record['loss']:.3f}", kept=f"{record['kept_fraction']:.2f}",
+                tok_s=f"{rate:,.0f}", refresh=False,
+            )
+            progress.update()
+
+        # save
+        if step % config.save_every == 0 or step == stop_step:
+            save_checkpoint(config, step, model, optimizer, scheduler, data_state, meta, runtime)
+
+    progress.close()
+    for log in (metrics, documents, writer):
+        if log is not None:
+            log.close()
+    if stop_step < config.max_steps:
+        return None
+    provenance = {
+        "config": to_dict(config),
+        **meta,
+        "steps": config.max_steps,
+        "teacher": manifest.teacher,
+        "cache_producer_fingerprint": manifest.producer_fingerprint,
+        "software": {name: metadata.version(name) for name in ("vocagno", "torch", "transformers")},
+    }
+    return save_final(config, model, tokenizer, provenance, runtime)
