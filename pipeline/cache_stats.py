@@ -91,7 +91,9 @@ def cache_stats(cache_dir: str | Path) -> CacheStats:
         loss_percentiles={f"p{q}": percentile_from_histogram(counts, q) for q in PERCENTILES},
         bytes=total_bytes,
         bytes_per_token=total_bytes / tokens if tokens else float("nan"),
-        bytes_per_token_without_text=(total_bytes - text_bytes) / tokens if tokens else float("nan"),
+        bytes_per_token_without_text=(total_bytes - text_bytes) / tokens
+        if tokens
+        else float("nan"),
         teacher=manifest.teacher,
         tokenizer=manifest.tokenizer,
         settings=manifest.settings,

@@ -103,7 +103,9 @@ def _check_batch(path: Path, batch: pa.RecordBatch, first_row: int) -> int:
     hashes = batch.column(TEXT_SHA256).to_pylist()
     for offset, (text, digest) in enumerate(zip(texts, hashes, strict=True)):
         if sha256_text(text) != digest:
-            raise CacheError(f"shard {path} row {first_row + offset}: text_sha256 does not match text")
+            raise CacheError(
+                f"shard {path} row {first_row + offset}: text_sha256 does not match text"
+            )
     return int(lengths.sum())
 
 

@@ -22,7 +22,9 @@ def add_parser(subparsers) -> None:
         "sha256, that no unlisted shard or temporary file is there, and inside each shard the "
         "schema, row and token counts, list lengths, text hashes and token offsets.",
     )
-    verify.add_argument("cache_dir", type=Path, metavar="DIR", help="cache folder (with manifest.json)")
+    verify.add_argument(
+        "cache_dir", type=Path, metavar="DIR", help="cache folder (with manifest.json)"
+    )
     verify.add_argument("--quiet", action="store_true", help="print only problems and the verdict")
     verify.set_defaults(func=run_verify)
     stats = actions.add_parser(
@@ -31,7 +33,9 @@ def add_parser(subparsers) -> None:
         description="Summarize a cache: documents, teacher tokens, loss mean and percentiles, "
         "share of unscored (NaN) tokens, bytes per token with and without the text column.",
     )
-    stats.add_argument("cache_dir", type=Path, metavar="DIR", help="cache folder (with manifest.json)")
+    stats.add_argument(
+        "cache_dir", type=Path, metavar="DIR", help="cache folder (with manifest.json)"
+    )
     stats.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     stats.set_defaults(func=run_stats)
 
@@ -66,7 +70,9 @@ def run_stats(args: argparse.Namespace) -> int:
         return 0
     teacher = stats.teacher
     print(f"cache            {args.cache_dir}")
-    print(f"teacher          {teacher.get('name', teacher)} ({teacher.get('backend', '?')}, {teacher.get('dtype', '?')})")
+    print(
+        f"teacher          {teacher.get('name', teacher)} ({teacher.get('backend', '?')}, {teacher.get('dtype', '?')})"
+    )
     print(f"tokenizer        {stats.tokenizer.get('fingerprint', stats.tokenizer)}")
     print(f"shards           {stats.shards}")
     print(f"documents        {stats.documents} (+{stats.skipped} skipped)")

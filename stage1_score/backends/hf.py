@@ -13,6 +13,8 @@ scored in chunks. Same input, same thread count -> bit-identical losses on the C
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -83,8 +85,13 @@ class HFScorer:
         return torch.allclose(full, ours, rtol=1e-3, atol=1e-3)
 
     @torch.inference_mode()
-    def score(self, token_ids: list[np.ndarray]) -> list[np.ndarray]:
-        """Per-document float32 losses aligned with `token_ids`; NaN where nothing predicts."""
+    def score(
+        self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
+    ) -> list[np.ndarray]:
+        """Per-document float32 losses aligned with `token_ids`; NaN where nothing predicts.
+
+        `progress` is called with the number of tokens scored after each batch.
+        """
         losses = [np.full(len(ids), np.nan, dtype=np.float32) for ids in token_ids]
         windows = plan_document_windows(
             [len(ids) for ids in token_ids], self.max_length, self.stride
@@ -94,6 +101,8 @@ class HFScorer:
             scored = windows.scored[rows]
             for loss, row in zip(np.split(batch_loss, np.cumsum(scored)[:-1]), rows, strict=True):
                 losses[windows.doc[row]][windows.score_from[row] : windows.end[row]] = loss
+            if progress is not None:
+                progress(int(scored.sum()))
         return losses
 
     def _score_batch(self, token_ids: list[np.ndarray], windows: WindowTable, rows: np.ndarray):

@@ -1,0 +1,146 @@
+"""Options of a stage-1 run (`[stage1]` in a TOML job manifest, or flags of stage1_score/run.py).
+
+`result_settings()` are the options that change what the cache holds; they are part of the
+cache's identity, and a rerun with other values refuses to mix into an existing cache. The rest
+(workers, batch sizes, where Ray runs) only change how fast it is built; they are recorded too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pipeline.config import option
+from pipeline.corpus import CorpusOptions
+
+SECTION = "stage1"
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    teacher: str = option(
+        help="teacher model: a local Hugging Face folder, a .gguf file, or a hub id owner/name"
+    )
+    corpus: str = option(
+        help="corpus: a .jsonl[.zst] / .parquet / .txt file, a folder of them, a glob pattern, "
+        "a folder saved by datasets' save_to_disk, or hf:NAME for a hub dataset"
+    )
+    out: Path = option(help="cache folder to write (shards, sidecars, manifest.json)")
+    tokenizer: str | None = option(
+        None,
+        help="teacher tokenizer, if not the teacher's own (shipped name, tokenizer.json, folder)",
+    )
+    teacher_revision: str | None = option(
+        None, help="revision of a hub teacher (branch, tag, commit)"
+    )
+    text_column: str = option("text", help="column or JSON field holding the document text")
+    id_column: str | None = option(
+        None, help="column holding a unique document id; unset: <file>:<record index>"
+    )
+    split: str = option("train", help="split of a saved DatasetDict or a hub dataset")
+    text_split: Literal["file", "line"] = option(
+        "file", help="plain-text files: one document per file, or one per non-blank line"
+    )
+    on_bad_record: Literal["error", "skip"] = option(
+        "error",
+        help="a bad record (empty/null text, invalid UTF-8 or JSON, duplicate id): stop with an "
+        "error naming it, or skip it and list it in the manifest",
+    )
+    docs_per_shard: int = option(1000, help="documents per work unit; unit k becomes shard k")
+    backend: Literal["hf", "vllm"] = option(
+        "hf",
+        help="hf: transformers, any machine; vllm: GPU only, needs `pip install vocagno[vllm]`",
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = option(
+        "float32", help="dtype of the teacher's weights (losses are always computed in fp32)"
+    )
+    max_length: int | None = option(
+        None, help="tokens per window; unset: the teacher's context length from its config"
+    )
+    stride: int | None = option(
+        None,
+        help="tokens between window starts for longer documents; each later window keeps "
+        "max_length - stride tokens of left context; unset: max_length // 2",
+    )
+    loss_dtype: Literal["float16", "float32"] = option(
+        "float16", help="dtype of the stored loss column (float16 halves its size)"
+    )
+    batch_tokens: int = option(
+        16384, help="hf backend: padded tokens per forward batch (rows x longest window)"
+    )
+    num_workers: int = option(
+        0, help="Ray scoring actors; 0: one per GPU, or CPUs / cpus-per-worker without GPUs"
+    )
+    cpus_per_worker: int = option(
+        0, help="CPU threads per actor; 0: 1 with GPUs, else the cluster's CPUs / num-workers"
+    )
+    ray_address: str | None = option(
+        None,
+        help="Ray cluster to join; unset: RAY_ADDRESS, else a running local cluster, else a new "
+        "local one; 'local' always starts a fresh local Ray",
+    )
+    overwrite: bool = option(
+        False, help="replace a cache made by another teacher, tokenizer, corpus or setting"
+    )
+    vllm_max_num_batched_tokens: int = option(
+        8192, help="vllm backend: cap on tokens per engine step (prompt log-probs cost memory)"
+    )
+    vllm_gpu_memory_utilization: float = option(
+        0.85, help="vllm backend: share of GPU memory the engine may use"
+    )
+    progress_seconds: float = option(15.0, help="seconds between progress lines")
+
+    def __post_init__(self) -> None:
+        for name in ("docs_per_shard", "batch_tokens", "vllm_max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        for name in ("num_workers", "cpus_per_worker"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 (automatic) or positive")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length must be at least 2, not {self.max_length}")
+        if self.stride is not None and self.stride < 1:
+            raise ValueError(f"stride must be positive, not {self.stride}")
+        if (
+            self.max_length is not None
+            and self.stride is not None
+            and self.stride >= self.max_length
+        ):
+            raise ValueError(
+                f"stride ({self.stride}) must be less than max_length ({self.max_length})"
+            )
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError("vllm_gpu_memory_utilization must be in (0, 1]")
+        if self.progress_seconds <= 0:
+            raise ValueError("progress_seconds must be positive")
+        self.corpus_options()  # validates the corpus options
+
+    def corpus_options(self) -> CorpusOptions:
+        return CorpusOptions(
+            text_column=self.text_column,
+            id_column=self.id_column,
+            split=self.split,
+            text_split=self.text_split,
+            on_bad_record=self.on_bad_record,
+        )
+
+    def windows(self, teacher_context: int | None) -> tuple[int, int]:
+        """(max_length, stride), filling the defaults from the teacher's context length."""
+        max_length = self.max_length or teacher_context
+        if max_length is None:
+            raise ValueError("the teacher's config gives no context length: pass --max-length")
+        stride = self.stride or max(1, max_length // 2)
+        if stride >= max_length:
+            raise ValueError(f"stride ({stride}) must be less than max_length ({max_length})")
+        return max_length, stride
+
+
+def result_settings(config: ScoreConfig, max_length: int, stride: int) -> dict:
+    """The settings that decide the cache's contents (besides teacher, tokenizer and corpus)."""
+    return {
+        "max_length": max_length,
+        "stride": stride,
+        "loss_dtype": config.loss_dtype,
+        "docs_per_shard": config.docs_per_shard,
+    }

@@ -1,0 +1,44 @@
+"""Stage 1: score every token of a corpus with a teacher into a reusable Parquet cache.
+
+On a laptop:   python stage1_score/run.py --teacher T --corpus C --out DIR
+On a cluster:  ray job submit --address ADDR -- python stage1_score/run.py --teacher T ...
+From a file:   python stage1_score/run.py --manifest manifests/stage1-example.toml
+
+Rerunning the same command resumes: finished shards are verified and kept. The cache folder's
+manifest.json is written last; `vocagno cache verify DIR` audits the result.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.config import parse_config  # noqa: E402
+from pipeline.errors import VocagnoError  # noqa: E402
+from stage1_score.config import SECTION, ScoreConfig  # noqa: E402
+
+DESCRIPTION = (
+    "Score every token of a corpus with a teacher into a reusable Parquet cache. Run it directly "
+    "(it joins or starts a local Ray), or on a cluster with `ray job submit --address ADDR -- "
+    "python stage1_score/run.py ...`. Rerunning the same command resumes; `vocagno cache verify "
+    "DIR` audits the result."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_config(ScoreConfig, argv, description=DESCRIPTION, section=SECTION)
+        from stage1_score.job import run
+
+        run(config)
+    except VocagnoError as exc:
+        print(f"stage1: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""A scoring worker: loads the tokenizer and the teacher once, then turns whole work units into
+shards. Ray runs it as an actor (job.py); it is a plain class, so it also runs in-process.
+
+Per unit: tokenize with offsets, score, build the table, write the shard atomically, then the
+sidecar. A worker killed at any point leaves either nothing new or a finished unit behind.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.cache_schema import SCHEMA_VERSION, shard_name, write_shard
+from pipeline.manifest import ShardRecord
+from stage1_score.output import Sidecar, write_sidecar
+from stage1_score.teacher import TeacherSource, load_teacher_tokenizer
+from stage1_score.units import WorkUnit
+from stage1_score.writer import build_unit_table
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs, resolved by the driver (picklable)."""
+
+    teacher: TeacherSource
+    tokenizer: str | None
+    backend: str
+    dtype: str
+    max_length: int
+    stride: int
+    batch_tokens: int
+    loss_dtype: str
+    out: Path
+    run_fingerprint: str
+    threads: int
+    progress_seconds: float
+    vllm_max_num_batched_tokens: int = 8192
+    vllm_gpu_memory_utilization: float = 0.85
+
+
+@dataclass(frozen=True)
+class UnitResult:
+    shard: ShardRecord
+    seconds: float
+    worker: int
+
+
+def load_scorer(spec: WorkerSpec):
+    """The backend named in `spec`; vLLM is imported only when chosen."""
+    if spec.backend == "vllm":
+        from stage1_score.backends.vllm_backend import VLLMScorer
+
+        return VLLMScorer(
+            spec.teacher,
+            dtype=spec.dtype,
+            max_length=spec.max_length,
+            stride=spec.stride,
+            max_num_batched_tokens=spec.vllm_max_num_batched_tokens,
+            gpu_memory_utilization=spec.vllm_gpu_memory_utilization,
+        )
+    from stage1_score.backends.hf import HFScorer
+
+    return HFScorer(
+        spec.teacher,
+        dtype=spec.dtype,
+        max_length=spec.max_length,
+        stride=spec.stride,
+        batch_tokens=spec.batch_tokens,
+    )
+
+
+class UnitScorer:
+    """Loads lazily on first use, so a restarted Ray actor reloads by itself."""
+
+    def __init__(self, spec: WorkerSpec, worker: int = 0):
+        self.spec = spec
+        self.worker = worker
+        self._tokenizer = None
+        self._scorer = None
+
+    def _load(self) -> None:
+        if self._scorer is not None:
+            return
+        import torch
+
+        torch.set_num_threads(self.spec.threads)
+        self._tokenizer = load_teacher_tokenizer(self.spec.teacher, self.spec.tokenizer)
+        self._scorer = load_scorer(self.spec)
+
+    def describe(self) -> dict:
+        self._load()
+        return self._scorer.describe() | {"threads": self.spec.threads}
+
+    def score_unit(self, unit: WorkUnit) -> UnitResult:
+        self._load()
+        started = time.monotonic()
+        encodings = self._tokenizer.encode_batch(unit.texts)
+        total = sum(len(e) for e in encodings)
+        scorable = sum(max(len(e) - 1, 0) for e in encodings)  # token 0 has no prediction
+        report = _ProgressLog(self.worker, unit.index, scorable, self.spec.progress_seconds)
+        losses = self._scorer.score([e.ids for e in encodings], progress=report)
+        table = build_unit_table(
+            unit.doc_ids, unit.texts, unit.text_sha256, encodings, losses, self.spec.loss_dtype
+        )
+        name = shard_name(unit.index)
+        footer = {
+            "unit": unit.index,
+            "run_fingerprint": self.spec.run_fingerprint,
+            "content_sha256": unit.content_sha256,
+            "schema_version": SCHEMA_VERSION,
+        }
+        size, digest = write_shard(self.spec.out / name, table, footer)
+        record = ShardRecord(unit.index, name, len(unit), total, size, digest)
+        write_sidecar(
+            self.spec.out, Sidecar(record, self.spec.run_fingerprint, unit.content_sha256)
+        )
+        return UnitResult(record, time.monotonic() - started, self.worker)
+
+
+class _ProgressLog:
+    """Progress inside a long unit, on stderr (Ray forwards actor output to the driver)."""
+
+    def __init__(self, worker: int, unit: int, total: int, every: float):
+        self.worker, self.unit, self.total, self.every = worker, unit, total, every
+        self.done = 0
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, tokens: int) -> None:
+        self.done += tokens
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            rate = self.done / max(now - self.started, 1e-9)
+            print(
+                f"[worker {self.worker}] unit {self.unit}: {self.done}/{self.total} tokens "
+                f"({rate:,.0f} tok/s)",
+                file=sys.stderr,
+                flush=True,
+            )
