@@ -48,24 +48,24 @@ def align(
 
     Both are int64 arrays of the student's length, inclusive, -1 where unmapped.
     """
-    s_start = np.asarray(student_start, dtype=np.int64)
-    s_end = np.asarray(student_end, dtype=np.int64)
-    t_start = np.asarray(teacher_start, dtype=np.int64)
-    t_end = np.asarray(teacher_end, dtype=np.int64)
-    map_start = np.full(s_start.shape, UNMAPPED, dtype=np.int64)
-    map_end = np.full(s_start.shape, UNMAPPED, dtype=np.int64)
-
+    s_start, s_end = np.asarray(student_start), np.asarray(student_end)
+    t_start, t_end = np.asarray(teacher_start), np.asarray(teacher_end)
     wide = np.flatnonzero(t_end > t_start)  # zero-width teacher tokens cover nothing
     if wide.size == 0 or s_start.size == 0:
-        return map_start, map_end
-    ends_so_far = np.maximum.accumulate(t_end[wide])
-    starts_from_here = np.minimum.accumulate(t_start[wide][::-1])[::-1]
+        unmapped = np.full(s_start.shape, UNMAPPED, dtype=np.int64)
+        return unmapped, unmapped.copy()
+    ends, starts = t_end[wide], t_start[wide]
+    # Real tokenizers give spans in order, and checking is far cheaper than accumulating.
+    if (ends[1:] < ends[:-1]).any():
+        ends = np.maximum.accumulate(ends)
+    if (starts[1:] < starts[:-1]).any():
+        starts = np.minimum.accumulate(starts[::-1])[::-1]
 
-    low = np.searchsorted(ends_so_far, s_start, side="right")  # first with end > st
-    high = np.searchsorted(starts_from_here, s_end, side="left") - 1  # last with start < ed
+    low = np.searchsorted(ends, s_start, side="right")  # first with end > st
+    high = np.searchsorted(starts, s_end, side="left") - 1  # last with start < ed
     mapped = (low <= high) & (s_end > s_start)
-    map_start[mapped] = wide[low[mapped]]
-    map_end[mapped] = wide[high[mapped]]
+    map_start = np.where(mapped, wide[np.minimum(low, wide.size - 1)], UNMAPPED)
+    map_end = np.where(mapped, wide[np.maximum(high, 0)], UNMAPPED)
     return map_start, map_end
 
 
