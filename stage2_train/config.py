@@ -26,7 +26,7 @@ DESCRIPTION = (
 )
 # Options that may differ between a run and its resumption: they change when or where the run
 # stops or saves, never what it computes.
-RESUMABLE_CHANGES = frozenset({"stop_at_step", "save_every", "resume", "record_documents"})
+RESUMABLE_CHANGES = frozenset({"out", "stop_at_step", "save_every", "resume", "record_documents"})
 
 
 @dataclass

@@ -151,8 +151,26 @@ def full_state_dict(model: nn.Module) -> dict:
 
 
 def save_tokenizer(tokenizer: TextTokenizer, folder: Path) -> None:
-    """tokenizer.json plus a config that keeps the student's BOS/EOS framing for AutoTokenizer."""
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    """tokenizer.json plus its config, framing documents as in training for any HF consumer.
+
+    transformers 5 ignores `add_bos_token` for the generic fast class, so a BOS the family
+    expects goes into the tokenizer's own post-processor (applied only with special tokens on,
+    so offsets and `add_special_tokens=False` encodings are unchanged).
+    """
+    from tokenizers import Tokenizer, processors
+
+    backend = Tokenizer.from_str(tokenizer.backend.to_str())
+    if tokenizer.policy.add_bos and tokenizer.policy.bos_token:
+        bos = tokenizer.policy.bos_token
+        template = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, tokenizer.bos_id)],
+        )
+        existing = backend.post_processor
+        backend.post_processor = (
+            processors.Sequence([existing, template]) if existing is not None else template
+        )
+    backend.save(str(folder / "tokenizer.json"))
     config = {
         # The generic fast class: a model-specific class may rebuild the pre-tokenizer.
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -128,10 +128,11 @@ def save_final(
 
 def train(config: TrainConfig) -> Path | None:
     """Run (or continue) the schedule up to --stop-at-step or --max-steps; returns OUT/final when
-    the schedule is complete."""
+    the schedule is complete (on rank 0; None on the others)."""
     runtime = Runtime.start()
     try:
-        return _train(config, runtime)
+        final = _train(config, runtime)
+        return final if runtime.is_main else None
     finally:
         runtime.stop()
 

@@ -1,0 +1,201 @@
+"""Stage 2 training: exact resume, the final Hugging Face model, refusals with clear messages, and
+no teacher anywhere. Runs in-process (single rank) with a tiny Llama student on the real
+tinyllama tokenizer; the 2-rank torchrun runs are in test_stage2_torchrun.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import CacheError, ConfigError
+from stage2_train.checkpoint import MARKER, complete_checkpoints, resume_from
+from stage2_train.config import TrainConfig, parse_train_config
+from stage2_train.train import main
+from stage2_train.trainer import lr_at
+from tests.cache_fixtures import build_cache
+
+LOSS_FIELDS = ("step", "loss", "loss_all", "kept_fraction", "mapped_fraction", "tokens", "lr", "grad_norm")
+
+
+def tiny_run_args(cache: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--cache", str(cache), "--student", "llama-tiny", "--student-tokenizer", "tinyllama",
+        "--out", str(out), "--max-steps", "6", "--warmup-steps", "1", "--seq-len", "32",
+        "--micro-batch-size", "2", "--global-batch-tokens", "128", "--lr", "1e-3",
+        "--min-lr", "1e-4", "--save-every", "100", *extra,
+    ]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: json.loads(line)[k] for k in LOSS_FIELDS} for line in lines]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cache")
+    build_cache(path, teacher_tokenizer="qwen2.5", num_documents=16, docs_per_shard=8)
+    return path
+
+
+# One micro-batch per step from 2 data-loader workers, so stopping at step 3 leaves the second
+# worker next in turn; random selection, so its per-step seeding is replayed too. (The 2-rank
+# torchrun test covers token guidance with accumulation and the global selection scope.)
+RESUME_ARGS = ("--num-workers", "2", "--global-batch-tokens", "64", "--guidance", "random")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cache, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "out"
+    assert main(tiny_run_args(cache, out, *RESUME_ARGS)) == 0
+    return out
+
+
+def test_stopped_and_resumed_run_matches_the_uninterrupted_one_bit_for_bit(cache, uninterrupted, tmp_path):
+    out = tmp_path / "out"
+    # Stop at step 3, as a time limit would, then continue the same schedule with --resume auto.
+    assert main(tiny_run_args(cache, out, *RESUME_ARGS, "--stop-at-step", "3")) == 0
+    assert [s for s, _ in complete_checkpoints(out)] == [3]
+    assert not (out / "final").exists()  # the schedule is not finished
+    assert main(tiny_run_args(cache, out, *RESUME_ARGS)) == 0
+    assert read_metrics(out) == read_metrics(uninterrupted)  # floats compared exactly
+    assert (out / "final" / "model.safetensors").read_bytes() == (
+        uninterrupted / "final" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_metrics_and_final_model(uninterrupted, cache):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.manifest import load_manifest
+    from pipeline.tokenizer import load_tokenizer
+    from stage2_train.data import cache_fingerprint
+
+    records = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["tokens"] for r in records] == [64 * s for s in range(1, 7)]
+    for r in records:
+        assert 0.4 <= r["kept_fraction"] < 0.6  # top 40% of mapped + the few unmapped (EOS, BOS)
+        assert 0.9 < r["mapped_fraction"] <= 1.0
+    assert records[0]["lr"] == pytest.approx(1e-3) and records[-1]["lr"] == pytest.approx(1e-4)
+
+    final = uninterrupted / "final"
+    model = AutoModelForCausalLM.from_pretrained(final)
+    hf_tokenizer = AutoTokenizer.from_pretrained(final)
+    ours = load_tokenizer("tinyllama")
+    text = "Question: 12 apples cost $3.50.\nAnswer:"
+    assert hf_tokenizer(text)["input_ids"] == ours.encode(text).ids.tolist()  # BOS included
+    reloaded = load_tokenizer(str(final)).encode(text, add_eos=True)
+    assert reloaded.ids.tolist() == ours.encode(text, add_eos=True).ids.tolist()
+    assert reloaded.start.tolist() == ours.encode(text, add_eos=True).start.tolist()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ours.encode(text).ids.tolist()])).logits
+    assert logits.shape[-1] == ours.vocab_size
+    provenance = json.loads((final / "vocagno.json").read_text())
+    assert provenance["cache_fingerprint"] == cache_fingerprint(load_manifest(cache))
+    assert provenance["config"]["guidance"] == "random"
+    saved = json.loads((uninterrupted / "config.json").read_text())
+    assert saved["student"] == "llama-tiny" and saved["world_size"] == 1
+    assert any((uninterrupted / "tensorboard").iterdir())
+
+
+def test_guidance_none_keeps_every_token(cache, tmp_path):
+    out = tmp_path / "out"
+    assert main(tiny_run_args(cache, out, "--num-workers", "0", "--guidance", "none", "--max-steps", "2")) == 0
+    for record in read_metrics(out):
+        assert record["kept_fraction"] == 1.0 and record["loss"] == record["loss_all"]
+
+
+def test_chunk_guidance_runs_and_differs_from_token(cache, tmp_path):
+    token, chunk = tmp_path / "token", tmp_path / "chunk"
+    common = ("--num-workers", "0", "--max-steps", "2")
+    assert main(tiny_run_args(cache, token, *common)) == 0
+    assert main(tiny_run_args(cache, chunk, *common, "--guidance", "chunk", "--num-chunks", "4")) == 0
+    assert read_metrics(token)[0]["loss_all"] == read_metrics(chunk)[0]["loss_all"]  # same data
+    assert read_metrics(token)[0]["loss"] != read_metrics(chunk)[0]["loss"]  # other selection
+    assert read_metrics(chunk)[0]["mapped_fraction"] == 1.0  # chunks map every token
+
+
+def test_resume_refuses_other_settings_other_cache_and_never(cache, uninterrupted, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted, out)
+    with pytest.raises(ConfigError, match=r"topk: 0\.4 -> 0\.5"):
+        run(tiny_run_args(cache, out, *RESUME_ARGS, "--topk", "0.5"))
+    with pytest.raises(ConfigError, match="2 data-loader workers per rank, this run has 1"):
+        run(tiny_run_args(cache, out, *RESUME_ARGS, "--num-workers", "1"))
+    other = tmp_path / "other-cache"
+    build_cache(other, teacher_tokenizer="qwen2.5", num_documents=16, docs_per_shard=8, seed=1)
+    with pytest.raises(CacheError, match="was trained on cache"):
+        run(tiny_run_args(other, out, *RESUME_ARGS))
+    with pytest.raises(ConfigError, match="already has checkpoints up to step 6"):
+        run(tiny_run_args(cache, out, *RESUME_ARGS, "--resume", "never"))
+
+
+def run(argv: list[str]) -> None:
+    """Train in-process, letting errors propagate (main() turns them into exit code 2)."""
+    from stage2_train.trainer import train
+
+    train(parse_train_config(argv))
+
+
+def test_errors_are_one_line_and_exit_2(cache, tmp_path, capsys):
+    assert main(tiny_run_args(tmp_path / "nowhere", tmp_path / "out")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("stage2_train/train.py: error: cache folder") and "\n" not in err
+    assert main(tiny_run_args(cache, tmp_path / "out", "--global-batch-tokens", "96")) == 2
+    assert "must be a multiple of --micro-batch-size x --seq-len (64)" in capsys.readouterr().err
+    assert main([*tiny_run_args(cache, tmp_path / "out")[:2], "--student", "llama-tiny",
+                 "--out", str(tmp_path / "o"), "--max-steps", "3", "--warmup-steps", "1"]) == 2
+    assert "pass --student-tokenizer" in capsys.readouterr().err
+
+
+def test_incomplete_checkpoints_are_never_resumed(tmp_path):
+    config = TrainConfig(cache=tmp_path, student="llama-tiny", out=tmp_path, max_steps=10, warmup_steps=1)
+    for step, complete in ((2, True), (4, True), (6, False)):
+        folder = tmp_path / "checkpoints" / f"step-{step}"
+        folder.mkdir(parents=True)
+        if complete:
+            (folder / MARKER).write_text("")
+    (tmp_path / "checkpoints" / ".step-8.partial").mkdir()  # a crash mid-save
+    assert resume_from(config) == tmp_path / "checkpoints" / "step-4"
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        resume_from(replace(config, resume=str(tmp_path / "checkpoints" / "step-6")))
+
+
+def test_schedule_warms_up_then_decays_to_min_lr():
+    config = TrainConfig(cache=Path("c"), student="s", out=Path("o"), max_steps=11, warmup_steps=2,
+                         lr=1.0, min_lr=0.1)
+    assert [lr_at(s, config) for s in (1, 2)] == [0.5, 1.0]
+    assert lr_at(3, config) == pytest.approx(1.0) and lr_at(11, config) == pytest.approx(0.1)
+    decay = [lr_at(s, config) for s in range(3, 12)]
+    assert decay == sorted(decay, reverse=True)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"topk": 0.0}, "topk"),
+        ({"warmup_steps": 10}, "--warmup-steps"),
+        ({"stop_at_step": 11}, "--stop-at-step"),
+        ({"min_lr": 1.0}, "--min-lr"),
+        ({"seq_len": 0}, "--seq-len"),
+        ({"guidance": "soft"}, "guidance"),
+    ],
+)
+def test_config_validation(change, message):
+    base = {"cache": "c", "student": "s", "out": "o", "max_steps": 10, "warmup_steps": 1}
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**{**base, **change})
+
+
+def test_accumulation_must_divide_the_global_batch_by_world_size():
+    config = TrainConfig(cache=Path("c"), student="s", out=Path("o"), max_steps=10, warmup_steps=1,
+                         seq_len=32, micro_batch_size=2, global_batch_tokens=192)
+    assert config.accumulation_steps(1) == 3
+    with pytest.raises(ConfigError, match="world size x --micro-batch-size x --seq-len"):
+        config.accumulation_steps(2)
