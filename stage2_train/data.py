@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,8 +50,9 @@ from pipeline.cache_schema import (
     TOKEN_START,
     iter_shard_batches,
 )
+from pipeline.cache_verify import verify_shard
 from pipeline.errors import CacheError, VocagnoError
-from pipeline.io import fingerprint, sha256_file, sha256_text
+from pipeline.io import fingerprint, sha256_text
 from pipeline.manifest import CacheManifest, ShardRecord
 from pipeline.tokenizer import TextTokenizer, load_tokenizer
 
@@ -136,42 +136,17 @@ def work_items(plan: DataPlan, consumer: int, epoch: int) -> list[tuple[int, int
     return [items[i] for i in order[consumer :: plan.consumers]]
 
 
-def _stat_shard(cache_dir: Path, record: ShardRecord) -> tuple[Path, os.stat_result]:
-    path = Path(cache_dir) / record.file
-    try:
-        stat = path.stat()
-    except FileNotFoundError as exc:
-        raise CacheError(f"shard {path} is listed in the manifest but missing") from exc
-    if stat.st_size != record.bytes:
-        raise CacheError(
-            f"shard {path} has {stat.st_size} bytes but the manifest says {record.bytes}: "
-            "truncated or replaced; rebuild the cache or restore the file"
-        )
-    return path, stat
-
-
-def check_shard_sizes(cache_dir: Path, shards: tuple[ShardRecord, ...]) -> None:
-    """Fail fast at startup on a missing or truncated shard (hashes are checked as shards are read)."""
-    for record in shards:
-        _stat_shard(cache_dir, record)
-
-
 @functools.cache
-def _hash_matches(path: str, mtime_ns: int, expected_sha256: str) -> None:
-    """Memoized per process: a shard is hashed once, not once per read."""
-    digest = sha256_file(path)
-    if digest != expected_sha256:
-        raise CacheError(
-            f"shard {path} has sha256 {digest[:16]}… but the manifest says "
-            f"{expected_sha256[:16]}…: corrupted or replaced; rebuild the cache or restore the file"
-        )
+def _verify_once(cache_dir: str, record: ShardRecord, mtime_ns: int | None) -> Path:
+    return verify_shard(cache_dir, record)
 
 
-def verify_shard(cache_dir: Path, record: ShardRecord) -> Path:
-    """The shard's path once its size and sha256 match the manifest; CacheError otherwise."""
-    path, stat = _stat_shard(cache_dir, record)
-    _hash_matches(str(path), stat.st_mtime_ns, record.sha256)
-    return path
+def verified_shard(cache_dir: Path, record: ShardRecord) -> Path:
+    """pipeline.cache_verify.verify_shard (size and sha256 against the manifest), hashed once per
+    process and file version rather than once per read."""
+    path = Path(cache_dir) / record.file
+    mtime_ns = path.stat().st_mtime_ns if path.exists() else None
+    return _verify_once(str(cache_dir), record, mtime_ns)
 
 
 @dataclass
@@ -284,7 +259,7 @@ class ConsumerStream:
     ) -> Iterator[tuple[AnnotatedDocuments, np.ndarray, int]]:
         plan = self.plan
         record = plan.shards[shard]
-        path = verify_shard(plan.cache_dir, record)
+        path = verified_shard(plan.cache_dir, record)
         parts = plan.parts_per_shard
         rows_seen = 0
         for read, batch in enumerate(iter_shard_batches(path, READ_COLUMNS, READ_ROWS)):

@@ -41,7 +41,6 @@ from stage2_train.data import (
     DataState,
     batches,
     cache_fingerprint,
-    check_shard_sizes,
     make_loader,
 )
 from stage2_train.distributed import Runtime
@@ -160,7 +159,6 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
         world_size=runtime.world_size,
         num_workers=config.num_workers,
     )
-    check_shard_sizes(config.cache, plan.shards)
     meta = {
         "world_size": runtime.world_size,
         "workers_per_rank": plan.consumers_per_rank,
