@@ -56,6 +56,7 @@ def build_cache(
     docs_per_shard: int = 8,
     seed: int = 0,
     loss_dtype: str = "float32",
+    teacher: dict | None = None,
 ) -> CacheManifest:
     """Write shards and manifest.json into `dest`; returns the manifest."""
     dest = Path(dest)
@@ -92,7 +93,7 @@ def build_cache(
             )
         )
     manifest = CacheManifest(
-        teacher={"id": "random-losses (tests/cache_fixtures.py)", "seed": seed},
+        teacher=teacher or {"id": "random-losses (tests/cache_fixtures.py)", "seed": seed},
         tokenizer={"spec": teacher_tokenizer, "fingerprint": tokenizer.fingerprint},
         settings={"loss_dtype": loss_dtype},
         corpus={"documents": len(documents)},

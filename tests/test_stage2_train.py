@@ -5,7 +5,10 @@ tinyllama tokenizer; the 2-rank torchrun runs are in test_stage2_torchrun.py."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +20,9 @@ from stage2_train.config import TrainConfig, parse_train_config
 from stage2_train.train import main
 from stage2_train.trainer import lr_at
 from tests.cache_fixtures import build_cache
+from tests.teacher_audit import assert_no_teacher, audited_env, fake_teacher
 
+TRAIN = Path(__file__).resolve().parents[1] / "stage2_train" / "train.py"
 LOSS_FIELDS = ("step", "loss", "loss_all", "kept_fraction", "mapped_fraction", "tokens", "lr", "grad_norm")
 
 
@@ -152,6 +157,19 @@ def test_errors_are_one_line_and_exit_2(cache, tmp_path, capsys):
     assert main([*tiny_run_args(cache, tmp_path / "out")[:2], "--student", "llama-tiny",
                  "--out", str(tmp_path / "o"), "--max-steps", "3", "--warmup-steps", "1"]) == 2
     assert "pass --student-tokenizer" in capsys.readouterr().err
+
+
+def test_training_never_imports_a_teacher_nor_opens_its_files(tmp_path):
+    """A real `python stage2_train/train.py` process, audited (tests/teacher_audit.py); the
+    2-rank torchrun version is in test_stage2_torchrun.py."""
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    build_cache(cache, num_documents=4, docs_per_shard=4, teacher=fake_teacher(tmp_path / "teacher"))
+    command = [sys.executable, str(TRAIN), *tiny_run_args(cache, out, "--num-workers", "0",
+                                                           "--stop-at-step", "1")]
+    result = subprocess.run(command, env={**os.environ, **audited_env(tmp_path)},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_no_teacher(tmp_path, tmp_path / "teacher", out, ranks=1)
 
 
 def test_incomplete_checkpoints_are_never_resumed(tmp_path):

@@ -1,0 +1,117 @@
+"""Stage 2 under `torchrun --nproc-per-node 2` (gloo on CPU), tiny Llama student on the real
+tinyllama tokenizer: a run stopped at step 4 and resumed equals the uninterrupted run bit for bit,
+every document is used once per epoch across the ranks, a resume on another world size is
+refused, and no process of the job imports a teacher backend or opens a teacher's files.
+
+Three torchrun launches in all (each costs several seconds of start-up on a small machine), so
+the module is marked slow; the default run proves the same properties in-process
+(test_stage2_train.py) and on the real 2-rank x 2-worker partition (test_stage2_data.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import ConfigError
+from stage2_train.config import parse_train_config
+from tests.cache_fixtures import build_cache, corpus_documents
+from tests.teacher_audit import assert_no_teacher, audited_env, fake_teacher
+
+pytestmark = pytest.mark.slow
+TRAIN = Path(__file__).resolve().parents[1] / "stage2_train" / "train.py"
+LOSS_FIELDS = ("step", "loss", "loss_all", "kept_fraction", "mapped_fraction", "tokens", "lr", "grad_norm")
+
+
+def run_args(cache: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--cache", str(cache), "--student", "llama-tiny", "--student-tokenizer", "tinyllama",
+        "--out", str(out), "--max-steps", "8", "--warmup-steps", "1", "--seq-len", "32",
+        "--micro-batch-size", "2", "--global-batch-tokens", "256", "--num-workers", "1",
+        "--selection-scope", "global", "--record-documents", "--save-every", "100",
+        "--lr", "1e-3", "--min-lr", "1e-4", *extra,
+    ]
+
+
+def torchrun(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(TRAIN), *args]
+    return subprocess.Popen(
+        command, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def finish(process: subprocess.Popen) -> None:
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("torchrun")
+    teacher = root / "teacher"  # what the manifest names as the teacher; stage 2 must not touch it
+    # 6 documents, ~1300 student tokens: each rank's 8 steps (1024 tokens) pass its epoch 0.
+    documents = corpus_documents(6)
+    cache = root / "cache"
+    build_cache(cache, documents=documents, docs_per_shard=3, teacher=fake_teacher(teacher))
+    audited = audited_env(root)
+    whole, parts = root / "whole", root / "parts"
+    # The uninterrupted run and the first half of the stopped one share the machine.
+    first = [torchrun(run_args(cache, whole)), torchrun(run_args(cache, parts, "--stop-at-step", "4"))]
+    for process in first:
+        finish(process)
+    stopped_metrics = (parts / "metrics.jsonl").read_text()
+    finish(torchrun(run_args(cache, parts), env=audited))
+    return {
+        "cache": cache, "whole": whole, "parts": parts, "teacher": teacher, "root": root,
+        "documents": documents, "stopped_metrics": stopped_metrics,
+    }
+
+
+def metrics(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [{k: json.loads(line)[k] for k in LOSS_FIELDS} for line in lines]
+
+
+def test_stopped_and_resumed_2_rank_run_is_bit_identical(runs):
+    assert len(runs["stopped_metrics"].splitlines()) == 4
+    assert [m["step"] for m in metrics(runs["whole"])] == list(range(1, 9))
+    assert metrics(runs["parts"]) == metrics(runs["whole"])
+    for name in ("rank-0.jsonl", "rank-1.jsonl"):  # the same documents at the same steps
+        assert (runs["parts"] / "documents" / name).read_text() == (
+            runs["whole"] / "documents" / name
+        ).read_text()
+    assert (runs["parts"] / "final" / "model.safetensors").read_bytes() == (
+        runs["whole"] / "final" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_every_document_is_used_exactly_once_per_epoch_across_ranks(runs):
+    seen = {}
+    for rank in (0, 1):
+        lines = (runs["whole"] / "documents" / f"rank-{rank}.jsonl").read_text().splitlines()
+        entries = [tuple(d) for line in lines for d in json.loads(line)["documents"]]
+        assert any(epoch == 1 for epoch, _ in entries)  # this rank finished epoch 0
+        seen[rank] = [doc_id for epoch, doc_id in entries if epoch == 0]
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == sorted(doc_id for doc_id, _ in runs["documents"])
+
+
+def test_resuming_with_another_world_size_is_refused(runs, tmp_path):
+    from stage2_train.trainer import train
+
+    out = tmp_path / "out"
+    shutil.copytree(runs["whole"], out)
+    with pytest.raises(ConfigError, match="written by 2 ranks, this run has 1"):
+        train(parse_train_config(run_args(runs["cache"], out)))
+
+
+def test_no_process_imports_a_teacher_backend_or_opens_teacher_files(runs):
+    assert_no_teacher(runs["root"], runs["teacher"], runs["parts"], ranks=2)
