@@ -408,17 +408,21 @@ class Corpus:
     def _document(
         self, source: Source, raw: RawRecord, seen_ids: dict[str, tuple[str, int]]
     ) -> Document:
-        text = raw.text
-        if text is None:
-            raise BadRecord(raw.record, "null text")
-        if isinstance(text, bytes):
-            text = _decode(text, raw.record)
-        if not isinstance(text, str):
-            raise BadRecord(raw.record, f"text is a {type(text).__name__}, not a string")
         if self.options.id_column is None:
             doc_id = f"{source.name}:{raw.record}"
         else:
             doc_id = self._given_id(source, raw, seen_ids)
+        text = raw.text
+        if isinstance(text, bytes):
+            try:
+                text = _decode(text, raw.record)
+            except BadRecord as bad:
+                bad.doc_id = doc_id
+                raise
+        if text is None:
+            raise BadRecord(raw.record, "null text", doc_id)
+        if not isinstance(text, str):
+            raise BadRecord(raw.record, f"text is a {type(text).__name__}, not a string", doc_id)
         if not text.strip():
             raise BadRecord(raw.record, "empty or whitespace-only text", doc_id)
         return Document(doc_id=doc_id, text=text, source=source.name, record=raw.record)

@@ -25,6 +25,7 @@ from stage1_score.progress import Progress, log
 from stage1_score.teacher import (
     TeacherSource,
     check_tokenizer_fits,
+    check_weights_readable,
     describe_config,
     load_teacher_config,
     load_teacher_tokenizer,
@@ -78,6 +79,7 @@ def plan(config: ScoreConfig) -> Plan:
     corpus = Corpus(config.corpus, config.corpus_options())
     teacher = resolve_teacher(config.teacher, config.teacher_revision)
     teacher_config = load_teacher_config(teacher)
+    check_weights_readable(teacher)
     tokenizer = load_teacher_tokenizer(teacher, config.tokenizer)
     check_tokenizer_fits(tokenizer, teacher_config)
     try:

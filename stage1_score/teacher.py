@@ -18,6 +18,7 @@ from pipeline.io import sha256_file, sha256_text
 from pipeline.tokenizer import TextTokenizer, load_tokenizer
 
 TORCH_DTYPES = ("float32", "bfloat16", "float16", "auto")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
@@ -91,6 +92,36 @@ def teacher_identity(source: TeacherSource) -> dict:
     except Exception as exc:
         raise TeacherError(f"cannot resolve hub teacher {source.spec!r}: {exc}") from exc
     return {"kind": "hub", "name": source.spec, "revision": commit}
+
+
+def check_weights_readable(source: TeacherSource) -> None:
+    """Fail in the driver, before any worker starts, on missing or unreadable weight files.
+
+    Reads only headers (safetensors index, GGUF metadata), not the weights themselves.
+    """
+    if source.kind == "hub":
+        return
+    if source.kind == "gguf":
+        files = [source.path]
+    else:
+        files = sorted(p for pattern in WEIGHT_PATTERNS for p in source.path.glob(pattern))
+        if not files:
+            raise TeacherError(
+                f"teacher folder {source.path} holds no weights ({', '.join(WEIGHT_PATTERNS)})"
+            )
+    for path in files:
+        try:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(path), framework="pt"):
+                    pass
+            elif path.suffix == ".gguf":
+                from gguf import GGUFReader
+
+                GGUFReader(str(path))
+        except Exception as exc:
+            raise TeacherError(f"teacher weights {path} are unreadable: {exc}") from exc
 
 
 def load_teacher_config(source: TeacherSource):

@@ -1,0 +1,255 @@
+"""Stage 1 end to end through a real local Ray cluster: the cache matches the teacher, a rerun is
+byte-identical and resumes only what is missing, other settings refuse to mix, bad input is named.
+
+One Ray instance (2 CPUs) serves the module; runs go through `stage1_score.run.main`, which joins
+it. Failures that happen before any worker starts are tested without Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.cache_verify import verify_cache
+from pipeline.corpus import Corpus, CorpusOptions
+from pipeline.io import sha256_text
+from pipeline.manifest import SkippedDocument, load_manifest
+from pipeline.tokenizer import load_tokenizer
+from stage1_score.output import LOCK_NAME, OutputLock
+from stage1_score.run import main
+from tests.stage1_helpers import load_model, make_tiny_teacher, windowed_direct_losses
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_CORPUS = REPO / "pipeline/assets/corpus/gsm_symbolic-eval.jsonl.zst"
+NUM_DOCS, DOCS_PER_SHARD, MAX_LENGTH, STRIDE = 24, 6, 64, 24
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    return make_tiny_teacher(tmp_path_factory.mktemp("teacher") / "tiny-llama", "tinyllama")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """NUM_DOCS real documents, plus an empty one (record 3) and a repeated id (the last record)."""
+    docs = list(Corpus(SHIPPED_CORPUS, CorpusOptions(id_column="id")))[:NUM_DOCS]
+    lines = [json.dumps({"id": d.doc_id, "text": d.text}) for d in docs]
+    lines.insert(3, json.dumps({"id": "empty", "text": " \n\t"}))
+    lines.append(lines[0])
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def args(teacher, corpus, out, *extra) -> list[str]:
+    return [
+        "--teacher", str(teacher), "--corpus", str(corpus), "--out", str(out),
+        "--id-column", "id", "--docs-per-shard", str(DOCS_PER_SHARD),
+        "--max-length", str(MAX_LENGTH), "--stride", str(STRIDE), "--batch-tokens", "512",
+        "--on-bad-record", "skip", *extra,
+    ]  # fmt: skip
+
+
+def one_line_error(capsys) -> str:
+    """The run's error: one line, last on stderr, no traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stage1: error: ")
+    return last
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file of the cache that a rerun must reproduce (not the lock, not the run record)."""
+    skip = {LOCK_NAME, "stage1-run.json"}
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name not in skip}
+
+
+@pytest.fixture(scope="module")
+def built(ray_cluster, teacher, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cache") / "cache"
+    command = args(teacher, corpus, out, "--num-workers", "2", "--loss-dtype", "float32")
+    assert main(command) == 0
+    return out, command, snapshot(out)
+
+
+def test_two_workers_build_a_verified_cache_equal_to_the_teacher(built, teacher, corpus):
+    out, _, _ = built
+    manifest, problems = verify_cache(out)
+    assert problems == []
+    assert [s.index for s in manifest.shards] == list(range(-(-NUM_DOCS // DOCS_PER_SHARD)))
+    assert manifest.total_rows == NUM_DOCS
+    first_id = json.loads(corpus.read_text().splitlines()[0])["id"]
+    assert [(s.record, s.doc_id, s.reason) for s in manifest.skipped] == [
+        (3, "empty", "empty or whitespace-only text"),
+        (
+            NUM_DOCS + 1,
+            first_id,
+            f"duplicate document id {first_id!r} (first at docs.jsonl record 0)",
+        ),
+    ]
+    assert manifest.corpus["documents"] + manifest.corpus["skipped"] == NUM_DOCS + 2
+    assert manifest.settings == {
+        "max_length": MAX_LENGTH, "stride": STRIDE, "loss_dtype": "float32",
+        "docs_per_shard": DOCS_PER_SHARD,
+    }  # fmt: skip
+    assert manifest.teacher["backend"] == "hf" and len(manifest.teacher["content_sha256"]) == 64
+    tokenizer = load_tokenizer(str(teacher))
+    assert manifest.tokenizer["fingerprint"] == tokenizer.fingerprint
+    rows = [r for s in manifest.shards for r in pq.read_table(out / s.file).to_pylist()]
+    source = {
+        d.doc_id: d.text
+        for d in Corpus(corpus, CorpusOptions(id_column="id", on_bad_record="skip"))
+        if not isinstance(d, SkippedDocument)
+    }
+    assert [r["doc_id"] for r in rows] == list(source)  # corpus order, unit k -> shard k
+    model = load_model(teacher)
+    windowed = 0
+    for row in rows:
+        assert row["text"] == source[row["doc_id"]]
+        assert row["text_sha256"] == sha256_text(row["text"])
+        encoding = tokenizer.encode(row["text"])
+        assert row["token_ids"] == encoding.ids.tolist()
+        assert row["token_start"] == encoding.start.tolist()
+        assert row["token_end"] == encoding.end.tolist()
+        loss = np.array(row["loss"], dtype=np.float32)
+        expected = windowed_direct_losses(model, encoding.ids, MAX_LENGTH, STRIDE)
+        np.testing.assert_allclose(loss, expected, atol=1e-4, rtol=0)
+        assert row["token_ids"][0] == tokenizer.bos_id
+        assert np.isnan(loss[0]) and np.isfinite(loss[1:]).all()
+        windowed += len(encoding) > MAX_LENGTH
+    assert windowed > NUM_DOCS // 2
+
+
+def test_rerun_is_byte_identical_and_recomputes_only_a_missing_shard(built):
+    out, command, first = built
+    assert main(command) == 0
+    assert snapshot(out) == first
+    untouched = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.parquet")}
+    (out / "shard-000002.parquet").unlink()
+    assert main(command) == 0
+    assert snapshot(out) == first
+    changed = {
+        p.name for p in out.glob("shard-*.parquet") if p.stat().st_mtime_ns != untouched[p.name]
+    }
+    assert changed == {"shard-000002.parquet"}
+
+
+def test_other_settings_refuse_to_mix_until_overwrite(built, tmp_path, capsys):
+    source, command, _ = built
+    out = tmp_path / "cache"
+    shutil.copytree(source, out)
+    changed = [*args(*command[1:6:2], "--stride", "16"), "--num-workers", "1"]
+    changed[changed.index("--out") + 1] = str(out)
+    capsys.readouterr()
+    assert main(changed) == 2
+    error = capsys.readouterr().err
+    assert "holds a cache made differently" in error and "settings.stride: 24 -> 16" in error
+    assert "settings.loss_dtype" in error  # float32 there, the default float16 here
+    assert load_manifest(out).settings["stride"] == STRIDE  # untouched
+    assert main([*changed, "--overwrite"]) == 0
+    manifest, problems = verify_cache(out)
+    assert problems == [] and manifest.settings["stride"] == 16
+    assert manifest.settings["loss_dtype"] == "float16"
+    assert pq.read_schema(out / "shard-000000.parquet").field("loss").type.value_type == "halffloat"
+
+
+def test_bad_record_stops_the_run_naming_file_and_record(teacher, corpus, tmp_path, capsys):
+    lines = corpus.read_text().splitlines()
+    lines[2] = '{"id": "x", "text": null}'
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "cache"
+    assert main(args(teacher, bad, out, "--on-bad-record", "error")) == 2
+    error = one_line_error(capsys)
+    assert error.endswith(
+        "bad.jsonl: record 2: null text (pass --on-bad-record skip to skip and list such records)"
+    )
+    assert not list(out.glob("shard-*")) and not (out / "manifest.json").exists()
+
+
+def test_a_second_run_on_a_locked_folder_refuses(teacher, corpus, tmp_path, capsys):
+    out = tmp_path / "cache"
+    with OutputLock(out):
+        assert main(args(teacher, corpus, out)) == 2
+    assert "is being written by another stage-1 run (pid" in capsys.readouterr().err
+    assert not list(out.glob("shard-*"))
+
+
+def test_input_errors_before_any_worker_starts(teacher, corpus, tmp_path, capsys):
+    cases = {
+        "does not exist (for a hub dataset": args(teacher, tmp_path / "none.jsonl", tmp_path / "o"),
+        "stride (64) must be less than max_length": [
+            *args(teacher, corpus, tmp_path / "o"), "--stride", "64",
+        ],
+        "teacher './missing' does not exist": args("./missing", corpus, tmp_path / "o"),
+    }  # fmt: skip
+    broken = tmp_path / "broken"
+    shutil.copytree(teacher, broken)
+    (broken / "config.json").write_text("{not json")
+    cases["cannot read the config of teacher"] = args(broken, corpus, tmp_path / "o")
+    no_offsets = tmp_path / "no-offsets"
+    shutil.copytree(teacher, no_offsets)
+    (no_offsets / "tokenizer.json").unlink()
+    (no_offsets / "tokenizer_config.json").write_text('{"tokenizer_class": "ByT5Tokenizer"}')
+    cases["gives no character offsets"] = args(no_offsets, corpus, tmp_path / "o")
+    garbled = tmp_path / "garbled"
+    shutil.copytree(teacher, garbled)
+    (garbled / "model.safetensors").write_bytes(b"\0" * 64)
+    cases["model.safetensors are unreadable"] = args(garbled, corpus, tmp_path / "o")
+    cases["they do not belong together"] = [
+        *args(teacher, corpus, tmp_path / "o"), "--tokenizer", "qwen2.5",
+    ]  # fmt: skip
+    for message, command in cases.items():
+        assert main(command) == 2, message
+        assert message in one_line_error(capsys)
+
+
+@pytest.mark.slow
+def test_weights_that_do_not_fit_fail_in_the_workers_with_one_line(
+    ray_cluster, teacher, corpus, tmp_path, capsys
+):
+    """Readable weights of the wrong shape fail only when a worker loads them: the worker's
+    own error still reaches the user as one line."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    broken = tmp_path / "broken"
+    shutil.copytree(teacher, broken)
+    vocab = load_tokenizer(str(teacher)).vocab_size
+    shape = dict(hidden_size=48, num_attention_heads=2, num_hidden_layers=1)
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, **shape))
+    other.save_pretrained(tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "model.safetensors", broken / "model.safetensors")
+    assert main(args(broken, corpus, tmp_path / "o", "--num-workers", "1")) == 2
+    assert one_line_error(capsys).startswith("stage1: error: cannot load teacher")
+
+
+def test_run_py_works_as_a_script():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "stage1_score" / "run.py"), "--help"],
+        capture_output=True, text=True, cwd="/", check=True,
+    )  # fmt: skip
+    for flag in (
+        "--teacher",
+        "--corpus",
+        "--docs-per-shard",
+        "--max-length",
+        "--stride",
+        "--overwrite",
+    ):
+        assert flag in result.stdout
