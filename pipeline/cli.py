@@ -13,6 +13,7 @@ COMMAND_MODULES = (
     "align",
     "analyze",
     "cache",
+    "eval",
     "overlap",
 )
 

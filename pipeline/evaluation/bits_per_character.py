@@ -1,0 +1,60 @@
+"""Held-out loss in bits per character: the one loss that compares models with different tokenizers.
+
+Per-token losses come from stage 1's scorer (same windows, same fp32 chunked head), so a model is
+measured here exactly as a teacher is scored. Bits per character = sum of token losses (nats) /
+ln 2 / characters. A model without BOS gets its EOS as the first context (as lm-evaluation-harness
+does for rolling log-likelihoods), so every character of every document is predicted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.tokenizer import TextTokenizer
+
+
+@dataclass(frozen=True)
+class BitsPerCharacter:
+    bits_per_character: float
+    bits_per_token: float
+    documents: int
+    characters: int
+    tokens: int
+    unscored_characters: int  # characters of tokens nothing predicts (no BOS and no EOS)
+
+    def to_json(self) -> dict:
+        return self.__dict__.copy()
+
+
+def context_prefix(tokenizer: TextTokenizer) -> list[int]:
+    """A token to predict the first text token from, when the family adds no BOS."""
+    if tokenizer.policy.add_bos or tokenizer.eos_id is None:
+        return []
+    return [tokenizer.eos_id]
+
+
+def bits_per_character(scorer, tokenizer: TextTokenizer, texts: list[str]) -> BitsPerCharacter:
+    """`scorer` is a stage-1 scorer (`score(list[token ids]) -> list[losses]`)."""
+    prefix = context_prefix(tokenizer)
+    encodings = tokenizer.encode_batch(texts)
+    sequences = [np.concatenate((np.asarray(prefix, dtype=np.int32), e.ids)) for e in encodings]
+    losses = [loss[len(prefix) :] for loss in scorer.score(sequences)]
+    nats, tokens, unscored_chars = 0.0, 0, 0
+    for encoding, loss in zip(encodings, losses, strict=True):
+        scored = ~np.isnan(loss)
+        nats += float(loss[scored].astype(np.float64).sum())
+        tokens += int(scored.sum())
+        unscored_chars += int((encoding.end - encoding.start)[~scored].sum())
+    characters = sum(len(t) for t in texts) - unscored_chars
+    bits = nats / math.log(2)
+    return BitsPerCharacter(
+        bits_per_character=bits / max(characters, 1),
+        bits_per_token=bits / max(tokens, 1),
+        documents=len(texts),
+        characters=characters,
+        tokens=tokens,
+        unscored_characters=unscored_chars,
+    )

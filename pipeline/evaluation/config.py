@@ -1,0 +1,45 @@
+"""Options of `vocagno eval` (`[eval]` in a TOML manifest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pipeline.config import option
+
+SECTION = "eval"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    model: str = option(help="model to evaluate: a Hugging Face folder, a .gguf file, or a hub id")
+    tokenizer: str | None = option(None, help="tokenizer, if not the model's own")
+    data: str | None = option(
+        None, help="held-out documents (any corpus spec); unset: the shipped GSM-style eval split"
+    )
+    shots_data: str | None = option(
+        None, help="where the few-shot examples come from; unset: the shipped train split"
+    )
+    num_docs: int = option(200, help="held-out documents for bits per character (0: skip)")
+    accuracy_problems: int = option(
+        50, help="held-out problems for greedy answer accuracy (0: skip)"
+    )
+    shots: int = option(3, help="worked examples before each question")
+    max_new_tokens: int = option(160, help="generation budget per problem")
+    generation_batch: int = option(8, help="problems generated at once")
+    max_length: int | None = option(
+        None, help="tokens per scoring window; unset: the model's context length"
+    )
+    batch_tokens: int = option(8192, help="padded tokens per scoring batch")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = option(
+        "float32", help="dtype of the weights (losses are computed in fp32)"
+    )
+    out: Path | None = option(None, help="also write the report as JSON here")
+
+    def __post_init__(self) -> None:
+        for name in ("num_docs", "accuracy_problems", "shots"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.num_docs == 0 and self.accuracy_problems == 0:
+            raise ValueError("nothing to do: num_docs and accuracy_problems are both 0")

@@ -1,0 +1,69 @@
+"""`vocagno eval`: load a model once, measure bits per character and answer accuracy."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+from pipeline.config import to_dict
+from pipeline.corpus import Corpus, Document
+from pipeline.evaluation.answer_accuracy import answer_accuracy, problem_from_document
+from pipeline.evaluation.bits_per_character import bits_per_character
+from pipeline.evaluation.config import EvalConfig
+from pipeline.io import atomic_write_json
+from pipeline.shipped import shipped_corpus
+from stage1_score.backends.hf import HFScorer
+from stage1_score.teacher import (
+    load_teacher_config,
+    load_teacher_tokenizer,
+    resolve_teacher,
+    teacher_context_length,
+)
+
+DEFAULT_CONTEXT = 2048
+
+
+def _documents(spec: str, count: int) -> list[Document]:
+    docs = (d for d in Corpus(spec) if isinstance(d, Document))
+    return list(itertools.islice(docs, count))
+
+
+def evaluate(config: EvalConfig) -> dict:
+    source = resolve_teacher(config.model)
+    tokenizer = load_teacher_tokenizer(source, config.tokenizer)
+    max_length = config.max_length or min(
+        teacher_context_length(load_teacher_config(source)) or DEFAULT_CONTEXT, DEFAULT_CONTEXT
+    )
+    scorer = HFScorer(
+        source,
+        dtype=config.dtype,
+        max_length=max_length,
+        stride=max_length // 2,
+        batch_tokens=config.batch_tokens,
+    )
+    report: dict = {"model": config.model, "tokenizer": tokenizer.spec, "config": to_dict(config)}
+    data = config.data or str(shipped_corpus("eval"))
+    if config.num_docs:
+        texts = [d.text for d in _documents(data, config.num_docs)]
+        print(f"eval: bits per character over {len(texts)} documents", file=sys.stderr)
+        report["bits_per_character"] = bits_per_character(scorer, tokenizer, texts).to_json()
+    if config.accuracy_problems:
+        shots = [
+            d.text
+            for d in _documents(config.shots_data or str(shipped_corpus("train")), config.shots)
+        ]
+        # Held-out problems come after the documents used for loss, so the two never overlap.
+        docs = _documents(data, config.num_docs + config.accuracy_problems)[config.num_docs :]
+        problems = [problem_from_document(d.text) for d in docs]
+        print(f"eval: answer accuracy on {len(problems)} problems", file=sys.stderr)
+        report["answer_accuracy"] = answer_accuracy(
+            scorer.model,
+            tokenizer,
+            problems,
+            shots,
+            max_new_tokens=config.max_new_tokens,
+            batch_size=config.generation_batch,
+        )
+    if config.out:
+        atomic_write_json(config.out, report)
+    return report
