@@ -70,11 +70,19 @@ def _check_schema(path: Path, loss_dtype: str) -> None:
     for expected in cache_schema(loss_dtype):
         if expected.name not in actual.names:
             raise CacheError(f"shard {path} lacks column {expected.name!r}")
-        if not actual.field(expected.name).type.equals(expected.type):
+        found = actual.field(expected.name).type
+        if not _same_type(found, expected.type):
             raise CacheError(
-                f"shard {path}: column {expected.name!r} is {actual.field(expected.name).type}, "
-                f"the schema says {expected.type}"
+                f"shard {path}: column {expected.name!r} is {found}, the schema says {expected.type}"
             )
+
+
+def _same_type(found: pa.DataType, expected: pa.DataType) -> bool:
+    """Equal types; for lists only the value type counts (writers name the item field
+    'item' or 'element')."""
+    if pa.types.is_list(found) and pa.types.is_list(expected):
+        return found.value_type.equals(expected.value_type)
+    return found.equals(expected)
 
 
 def _check_batch(path: Path, batch: pa.RecordBatch, first_row: int) -> int:

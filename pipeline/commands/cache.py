@@ -49,7 +49,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
     manifest, problems = verify_cache(args.cache_dir, on_shard)
     for problem in problems:
-        print(f"FAIL  {problem}")
+        print(f"FAIL  {problem}", flush=True)
     verdict = (
         f"{args.cache_dir}: {len(manifest.shards)} shards, {manifest.total_rows} documents, "
         f"{manifest.total_teacher_tokens} teacher tokens"
