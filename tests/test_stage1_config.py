@@ -1,0 +1,65 @@
+"""Stage-1 options: the example manifest parses, bad values are refused, window defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import parse_config
+from pipeline.errors import ConfigError
+from stage1_score.config import SECTION, ScoreConfig, result_settings
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "manifests" / "stage1-example.toml"
+REQUIRED = ["--teacher", "t", "--corpus", "c.jsonl", "--out", "o"]
+
+
+def test_the_example_manifest_sets_real_options_and_documents_every_option():
+    config = parse_config(ScoreConfig, ["--manifest", str(EXAMPLE)], "", SECTION)
+    assert config.docs_per_shard == 1000 and config.id_column == "id"
+    assert config.windows(None) == (512, 256)
+    text = EXAMPLE.read_text()
+    assert set(tomllib.loads(text)[SECTION]) <= {f.name for f in dataclasses.fields(ScoreConfig)}
+    for field in dataclasses.fields(ScoreConfig):
+        assert field.name in text, f"{field.name} is not documented in {EXAMPLE.name}"
+
+
+def test_command_line_wins_over_the_manifest():
+    config = parse_config(ScoreConfig, ["--manifest", str(EXAMPLE), "--stride", "100"], "", SECTION)
+    assert config.windows(None) == (512, 100)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--docs-per-shard", "0"], "docs_per_shard must be positive"),
+        (["--max-length", "64", "--stride", "64"], r"stride \(64\) must be less than max_length"),
+        (["--max-length", "1"], "max_length must be at least 2"),
+        (["--num-workers", "-1"], "num_workers must be 0"),
+        (["--text-column", ""], "text column must not be empty"),
+        (["--vllm-gpu-memory-utilization", "1.5"], "vllm_gpu_memory_utilization"),
+    ],
+)
+def test_bad_values_are_refused(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(ScoreConfig, REQUIRED + extra, "", SECTION)
+
+
+def test_missing_required_options_are_named():
+    with pytest.raises(ConfigError, match="missing required option.s. --corpus, --out, --teacher"):
+        parse_config(ScoreConfig, [], "", SECTION)
+
+
+def test_window_defaults_come_from_the_teacher():
+    config = parse_config(ScoreConfig, REQUIRED, "", SECTION)
+    assert config.windows(2048) == (2048, 1024)
+    with pytest.raises(ValueError, match="pass --max-length"):
+        config.windows(None)
+    assert result_settings(config, 2048, 1024) == {
+        "max_length": 2048,
+        "stride": 1024,
+        "loss_dtype": "float16",
+        "docs_per_shard": 1000,
+    }
