@@ -14,6 +14,7 @@ from pipeline.io import read_bytes
 from pipeline.tokenizer import load_tokenizer, shipped_tokenizers
 
 ASSETS = Path(__file__).resolve().parents[1] / "pipeline" / "assets"
+SHIPPED_CORPUS = ASSETS / "corpus" / "gsm_symbolic-eval.jsonl.zst"
 
 
 def make_tiny_teacher(

@@ -24,10 +24,14 @@ from pipeline.manifest import SkippedDocument, load_manifest
 from pipeline.tokenizer import load_tokenizer
 from stage1_score.output import LOCK_NAME, OutputLock
 from stage1_score.run import main
-from tests.stage1_helpers import load_model, make_tiny_teacher, windowed_direct_losses
+from tests.stage1_helpers import (
+    SHIPPED_CORPUS,
+    load_model,
+    make_tiny_teacher,
+    windowed_direct_losses,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED_CORPUS = REPO / "pipeline/assets/corpus/gsm_symbolic-eval.jsonl.zst"
 NUM_DOCS, DOCS_PER_SHARD, MAX_LENGTH, STRIDE = 24, 6, 64, 24
 
 
