@@ -1,0 +1,126 @@
+"""How fast does one data-loader worker turn the cache into training batches? Target: the whole
+data path (Parquet read + checks + student tokenization + alignment + aggregation + packing) at
+least 0.8x the speed of bare student tokenization of the same texts, and far above the rate at
+which the trainer consumes tokens.
+
+A cache of the shipped GSM-style corpus (teacher tokenizer --teacher, random teacher losses: the
+data path's cost does not depend on their values) is streamed by one consumer exactly as a
+worker does (stage2_train.data.ConsumerStream); the bare tokenizer encodes the same texts in
+the same read-sized batches with the same framing. Tokenizers run on one thread (one worker =
+one core). The trainer's rate is one optimizer step of the --preset student on this machine.
+All three are timed in turn, best of --repeats, so they see the same machine load.
+
+    python benchmarks/bench_stage2_data.py [--docs 2000] [--teacher qwen2.5] [--student tinyllama]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["RAYON_NUM_THREADS"] = "1"  # before tokenizers starts its thread pool
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the cache builder
+
+from bench_alignment import interleaved_best_times  # noqa: E402
+
+from pipeline.manifest import load_manifest  # noqa: E402
+from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from stage2_train.data import READ_ROWS, ConsumerStream, DataPlan  # noqa: E402
+from stage2_train.model import build_student  # noqa: E402
+from tests.cache_fixtures import build_cache, corpus_documents  # noqa: E402
+
+
+def stream_tokens(plan: DataPlan, batches: int) -> int:
+    """Student tokens delivered by one consumer in `batches` micro-batches."""
+    stream = iter(ConsumerStream(plan, 0))
+    for _ in range(batches):
+        next(stream)
+    return batches * plan.micro_batch_size * plan.seq_len
+
+
+def tokenize_reads(tokenizer, texts: list[str]) -> int:
+    tokens = 0
+    for first in range(0, len(texts), READ_ROWS):
+        tokens += sum(len(e) for e in tokenizer.encode_batch(texts[first : first + READ_ROWS], add_eos=True))
+    return tokens
+
+
+def train_step(model, optimizer, inputs) -> None:
+    model(input_ids=inputs, labels=inputs).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--docs", type=int, default=2000, help="documents in the cache")
+    parser.add_argument("--teacher", default="qwen2.5", help="teacher tokenizer of the cache")
+    parser.add_argument("--student", default="tinyllama", help="student tokenizer")
+    parser.add_argument("--preset", default="llama-small", help="student for the trainer's rate")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5, help="timings per figure (best kept)")
+    args = parser.parse_args()
+
+    documents = corpus_documents(args.docs)
+    texts = [text for _, text in documents]
+    student = load_tokenizer(args.student)
+    total = tokenize_reads(student, texts)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_cache(Path(tmp), teacher_tokenizer=args.teacher, documents=documents,
+                    docs_per_shard=max(1, args.docs // 4))
+        plan = DataPlan(
+            cache_dir=Path(tmp), shards=tuple(load_manifest(Path(tmp)).shards),
+            student_tokenizer=args.student, alignment="token", num_chunks=1, aggregate="max",
+            seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, seed=0, world_size=1,
+            num_workers=0,
+        )
+        # Whole micro-batches within one epoch: the stream reads every document once.
+        batches = (total - 1) // (args.micro_batch_size * args.seq_len)
+        model = build_student(args.preset, student, seed=0, seq_len=args.seq_len)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        inputs = torch.randint(0, student.vocab_size, (args.micro_batch_size, args.seq_len))
+        train_step(model, optimizer, inputs)  # warm-up
+        best = interleaved_best_times(
+            args.repeats,
+            {
+                "data path": (stream_tokens, plan, batches),
+                "tokenize": (tokenize_reads, student, texts),
+            },
+        )
+        # Timed apart: torch's OpenMP threads keep spinning after a step and would slow the
+        # single-threaded tokenizer runs that follow it.
+        best.update(interleaved_best_times(args.repeats, {"train step": (train_step, model, optimizer, inputs)}))
+    streamed = batches * args.micro_batch_size * args.seq_len
+    data_rate, tokenize_rate = streamed / best["data path"], total / best["tokenize"]
+    train_rate = args.micro_batch_size * args.seq_len / best["train step"]
+    print(
+        f"{args.docs} documents, {total:,} {args.student} tokens (teacher {args.teacher}); one "
+        f"thread per tokenizer; trainer: {args.preset}, {args.micro_batch_size} x {args.seq_len} "
+        f"tokens per step, {torch.get_num_threads()} torch threads; best of {args.repeats}"
+    )
+    print()
+    header = f"{'':<34} {'student tokens/s':>17} {'relative':>9}"
+    print(header)
+    print("-" * len(header))
+    print(f"{'bare student tokenization':<34} {tokenize_rate:>17,.0f} {1:>8.2f}x")
+    print(f"{'data path (one worker)':<34} {data_rate:>17,.0f} {data_rate / tokenize_rate:>8.2f}x")
+    print(f"{'trainer consumption (one rank)':<34} {train_rate:>17,.0f} {train_rate / tokenize_rate:>8.3f}x")
+    print()
+    print(
+        f"data path / tokenization = {data_rate / tokenize_rate:.2f} (target >= 0.8); one worker "
+        f"feeds {data_rate / train_rate:,.0f}x what the trainer consumes"
+    )
+    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

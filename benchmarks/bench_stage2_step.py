@@ -1,0 +1,105 @@
+"""What does teacher-guided selection cost per training step? Target: a step with
+--guidance token takes at most 1.05x the time of a step with --guidance none.
+
+One optimizer step as stage 2 runs it (forward, per-token loss, selection, backward, AdamW) on a
+from-scratch student with the tinyllama vocabulary, on packed batches from a real data path: the
+shipped corpus with random teacher losses (selection cost does not depend on their values). The
+modes are timed in turn, best of --repeats each, so they all see the same machine load; the
+selection alone (guided_loss on the step's per-token losses) is timed too.
+
+    python benchmarks/bench_stage2_step.py [--preset llama-small] [--seq-len 512] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the cache builder
+
+from bench_alignment import interleaved_best_times  # noqa: E402
+
+from pipeline.guidance import GuidanceSettings, guided_loss, token_loss  # noqa: E402
+from pipeline.manifest import load_manifest  # noqa: E402
+from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from stage2_train.data import ConsumerStream, DataPlan  # noqa: E402
+from stage2_train.model import build_student  # noqa: E402
+from tests.cache_fixtures import build_cache  # noqa: E402
+
+MODES = ("none", "token", "random")
+
+
+def training_step(model, optimizer, batch, settings: GuidanceSettings) -> float:
+    logits = model(input_ids=batch["input_ids"]).logits
+    result = guided_loss(
+        token_loss(logits, batch["labels"]), batch["teacher_loss"], batch["labels"] >= 0, settings,
+        generator=torch.Generator().manual_seed(0),
+    )
+    result.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return result.kept / result.valid
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="llama-small", help="student preset (stage2_train.model)")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=7, help="timings per mode (best kept)")
+    args = parser.parse_args()
+
+    tokenizer = load_tokenizer("tinyllama")
+    with tempfile.TemporaryDirectory() as tmp:
+        build_cache(Path(tmp), num_documents=64, docs_per_shard=64)
+        plan = DataPlan(
+            cache_dir=Path(tmp), shards=tuple(load_manifest(Path(tmp)).shards),
+            student_tokenizer="tinyllama", alignment="token", num_chunks=1, aggregate="max",
+            seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, seed=0, world_size=1,
+            num_workers=0,
+        )
+        batch = next(iter(ConsumerStream(plan, 0)))
+    model = build_student(args.preset, tokenizer, seed=0, seq_len=args.seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    settings = {mode: GuidanceSettings(mode=mode) for mode in MODES}
+    kept = {mode: training_step(model, optimizer, batch, settings[mode]) for mode in MODES}  # warm-up
+
+    with torch.no_grad():
+        per_token = token_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+    tasks = {f"step {mode}": (training_step, model, optimizer, batch, settings[mode]) for mode in MODES}
+    for mode in MODES:
+        tasks[f"select {mode}"] = (
+            guided_loss, per_token, batch["teacher_loss"], batch["labels"] >= 0, settings[mode],
+            torch.Generator().manual_seed(0),
+        )
+    best = interleaved_best_times(args.repeats, tasks)
+
+    params = sum(p.numel() for p in model.parameters())
+    tokens = args.micro_batch_size * args.seq_len
+    print(
+        f"student {args.preset} ({params / 1e6:.1f}M parameters, vocabulary {tokenizer.vocab_size}), "
+        f"{args.micro_batch_size} x {args.seq_len} tokens per step, {torch.get_num_threads()} "
+        f"torch threads, best of {args.repeats}"
+    )
+    print()
+    header = f"{'guidance':<9} {'kept':>6} {'step ms':>9} {'tokens/s':>9} {'selection ms':>13} {'step / none':>12}"
+    print(header)
+    print("-" * len(header))
+    for mode in MODES:
+        step = best[f"step {mode}"]
+        print(
+            f"{mode:<9} {kept[mode]:>6.2f} {1e3 * step:>9.1f} {tokens / step:>9,.0f} "
+            f"{1e3 * best[f'select {mode}']:>13.2f} {step / best['step none']:>11.3f}x"
+        )
+    print()
+    print("target: step token / step none <= 1.05")
+    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
