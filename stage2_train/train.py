@@ -6,9 +6,13 @@ the cache."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from pipeline.errors import VocagnoError
-from stage2_train.config import parse_train_config
+if __package__ in (None, ""):  # run as a script (torchrun, python): make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.errors import VocagnoError  # noqa: E402
+from stage2_train.config import parse_train_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
