@@ -1,7 +1,9 @@
-"""Load any tokenizer people use into one shape: token ids with character offsets, and a fingerprint.
+"""Load any tokenizer people use into one shape: token ids with character offsets, and a
+fingerprint.
 
 A spec is one of:
-  - a shipped name (`tinyllama`, `mistral`, `qwen2.5`, `deepseek`, `smollm2`; see assets/tokenizers.toml),
+  - a shipped name (`tinyllama`, `mistral`, `qwen2.5`, `deepseek`, `smollm2`; see
+    assets/tokenizers.toml),
   - a `tokenizer.json` file, plain or `.zst`,
   - a Hugging Face folder (its `tokenizer.json` and `tokenizer_config.json`),
   - a GGUF file (converted by transformers),
@@ -40,7 +42,7 @@ from pipeline.errors import TokenizerError
 from pipeline.io import fingerprint, read_bytes
 
 _ASSETS = resources.files("pipeline") / "assets"
-# Bump when the offset repairs below change: offsets written by an older rule set are different data.
+# Bump when the offset repairs below change: offsets from an older rule set are different data.
 OFFSET_RULES = 1
 
 

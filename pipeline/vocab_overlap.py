@@ -1,4 +1,5 @@
-"""Vocabulary overlap as in the paper's Figure 1: shared token strings over the teacher's vocabulary.
+"""Vocabulary overlap as in the paper's Figure 1: shared token strings over the teacher's
+vocabulary.
 
 A token is shared when the same string is in both vocabularies (`tokenizer.json` entries,
 added tokens included), compared as stored: SentencePiece's `▁hello`, byte-level BPE's `Ġhello`

@@ -408,7 +408,8 @@ def test_chunk_iou_and_ios_hand_checked():
     np.testing.assert_allclose(iou, [3 / 4, 4 / 5])
     np.testing.assert_allclose(ios, [3 / 4, 1.0])
     iou, ios = chunk_alignment_overlap(s_start, s_end, t_start, t_end, num_chunks=4)
-    # teacher chunks 0 and 2 are empty: NaN; chunk 1 [0, 3) vs student [2, 4); chunk 3 [3, 8) vs [6, 8)
+    # teacher chunks 0 and 2 are empty: NaN; chunk 1 is [0, 3) vs student [2, 4),
+    # chunk 3 is [3, 8) vs [6, 8)
     np.testing.assert_allclose(iou, [np.nan, 1 / 4, np.nan, 2 / 5])
     np.testing.assert_allclose(ios, [np.nan, 1 / 2, np.nan, 1.0])
 
@@ -422,3 +423,16 @@ def test_token_iou_and_ios_hand_checked():
     # [0, 3) vs [0, 6): 3/6; [3, 5) vs [2, 6): 2/4; [5, 9) vs [2, 9): 4/7
     np.testing.assert_allclose(iou, [np.nan, 1 / 2, 1 / 2, 4 / 7])
     np.testing.assert_allclose(ios, [np.nan, 1.0, 1.0, 1.0])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_student_tokens_in_any_order_get_the_same_ranges(data):
+    """Each student token is mapped on its own: permuting them permutes the result."""
+    text = data.draw(TEXTS)
+    enc, teacher = load_tokenizer("qwen2.5").encode(text), load_tokenizer("tinyllama").encode(text)
+    order = data.draw(st.permutations(range(len(enc))))
+    in_order = align(enc.start, enc.end, teacher.start, teacher.end)
+    shuffled = align(enc.start[order], enc.end[order], teacher.start, teacher.end)
+    assert np.array_equal(shuffled[0], in_order[0][order])
+    assert np.array_equal(shuffled[1], in_order[1][order])

@@ -57,7 +57,7 @@ def test_tokenizer_json_plain_and_zst_load_the_same_tokenizer(tmp_path):
     from_plain, from_zst = load_tokenizer(plain), load_tokenizer(str(compressed))
     shipped = load_tokenizer("qwen2.5")
     assert from_plain.fingerprint == from_zst.fingerprint
-    # Qwen2.5's policy (no BOS, EOS <|endoftext|>) lives in tokenizers.toml; a bare file knows no EOS.
+    # Qwen2.5's policy (no BOS, EOS <|endoftext|>) is in tokenizers.toml; a bare file has no EOS.
     assert not from_plain.policy.add_bos and from_plain.policy.eos_token is None
     assert same_encoding(from_plain.encode(TEXT), shipped.encode(TEXT))
 
