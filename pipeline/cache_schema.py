@@ -49,30 +49,35 @@ def shard_name(index: int) -> str:
     return f"shard-{index:06d}.parquet"
 
 
-def write_shard(path: Path, table: pa.Table, metadata: dict) -> tuple[int, str]:
+# Offsets grow slowly within a document, so delta encoding stores them in a few bits each; the
+# split bytes of a float compress better than the float. benchmarks/bench_stage1_storage.py
+# measures the alternatives. No statistics and a fixed writer make shards byte-reproducible.
+WRITE_OPTIONS = {
+    "compression": "zstd",
+    "compression_level": 9,
+    "use_dictionary": [DOC_ID],
+    "column_encoding": {
+        TOKEN_IDS: "DELTA_BINARY_PACKED",
+        TOKEN_START: "DELTA_BINARY_PACKED",
+        TOKEN_END: "DELTA_BINARY_PACKED",
+        LOSS: "BYTE_STREAM_SPLIT",
+        TEXT_SHA256: "PLAIN",
+    },
+    "write_statistics": False,
+    "store_schema": True,
+}
+
+
+def write_shard(
+    path: Path, table: pa.Table, metadata: dict, options: dict | None = None
+) -> tuple[int, str]:
     """Write `table` atomically with our metadata in the Parquet footer; returns (bytes, sha256).
 
-    Offsets grow slowly within a document, so delta encoding stores them in a few bits each.
+    `options` (pyarrow.parquet.write_table arguments) default to WRITE_OPTIONS.
     """
     table = table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata, sort_keys=True)})
     with atomic_path(path) as tmp:
-        pq.write_table(
-            table,
-            tmp,
-            compression="zstd",
-            compression_level=9,
-            use_dictionary=[DOC_ID],
-            column_encoding={
-                TOKEN_IDS: "DELTA_BINARY_PACKED",
-                TOKEN_START: "DELTA_BINARY_PACKED",
-                TOKEN_END: "DELTA_BINARY_PACKED",
-                LOSS: "BYTE_STREAM_SPLIT",
-                TEXT_SHA256: "PLAIN",
-            },
-            write_statistics=False,
-            # A stable writer string keeps shards byte-identical across pyarrow builds of one version.
-            store_schema=True,
-        )
+        pq.write_table(table, tmp, **(WRITE_OPTIONS if options is None else options))
     return path.stat().st_size, sha256_file(path)
 
 

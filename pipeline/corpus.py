@@ -12,6 +12,7 @@ A corpus spec is one of (the format follows the file name; `.zst`/`.zstd` means 
 Document ids come from `id_column` when given (duplicates are an error); otherwise they are
 `<source>:<record>`, the file's path relative to the corpus root and the 0-based record index
 (the line index for JSON lines and text lines, the row for tables), unique by construction.
+Finding duplicates among given ids keeps every id seen in memory (about 100 bytes each).
 
 A bad record (null, empty or whitespace-only text, invalid UTF-8, invalid JSON, a missing field,
 a null or duplicate id) raises a `CorpusError` naming the file and record, or with

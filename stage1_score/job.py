@@ -82,10 +82,15 @@ def plan(config: ScoreConfig) -> Plan:
     check_weights_readable(teacher)
     tokenizer = load_teacher_tokenizer(teacher, config.tokenizer)
     check_tokenizer_fits(tokenizer, teacher_config)
+    context = teacher_context_length(teacher_config)
     try:
-        max_length, stride = config.windows(teacher_context_length(teacher_config))
+        max_length, stride = config.windows(context)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if context is not None and max_length > context:
+        raise ConfigError(
+            f"--max-length {max_length} exceeds the teacher's context of {context} tokens"
+        )
     identity = {
         "teacher": teacher_identity(teacher)
         | {

@@ -95,9 +95,7 @@ def read_sidecar(folder: Path, index: int) -> Sidecar | None:
     path = Path(folder) / sidecar_name(index)
     try:
         return Sidecar.from_json(json.loads(path.read_text(encoding="utf-8")))
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError):
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
 
 

@@ -216,6 +216,9 @@ def test_input_errors_before_any_worker_starts(teacher, corpus, tmp_path, capsys
     shutil.copytree(teacher, garbled)
     (garbled / "model.safetensors").write_bytes(b"\0" * 64)
     cases["model.safetensors are unreadable"] = args(garbled, corpus, tmp_path / "o")
+    cases["--max-length 512 exceeds the teacher's context of 256 tokens"] = [
+        *args(teacher, corpus, tmp_path / "o"), "--max-length", "512",
+    ]  # fmt: skip
     cases["they do not belong together"] = [
         *args(teacher, corpus, tmp_path / "o"), "--tokenizer", "qwen2.5",
     ]  # fmt: skip

@@ -42,6 +42,20 @@ def scored_positions(windows: WindowTable, rows: np.ndarray) -> tuple[np.ndarray
     return row, first + offset
 
 
+def padded_batch(
+    token_ids: list[np.ndarray], windows: WindowTable, rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(input ids, attention mask), int64 and right-padded, of the windows `rows`."""
+    lengths = windows.length[rows]
+    input_ids = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
+    for i, row in enumerate(rows):
+        input_ids[i, : lengths[i]] = token_ids[windows.doc[row]][
+            windows.start[row] : windows.end[row]
+        ]
+    mask = np.arange(input_ids.shape[1])[None, :] < lengths[:, None]
+    return input_ids, mask.astype(np.int64)
+
+
 class HFScorer:
     """Scores token sequences with a transformers causal LM; one instance per worker."""
 
@@ -106,15 +120,9 @@ class HFScorer:
         return losses
 
     def _score_batch(self, token_ids: list[np.ndarray], windows: WindowTable, rows: np.ndarray):
-        lengths = windows.length[rows]
-        input_ids = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
-        for i, row in enumerate(rows):
-            input_ids[i, : lengths[i]] = token_ids[windows.doc[row]][
-                windows.start[row] : windows.end[row]
-            ]
-        mask = np.arange(input_ids.shape[1])[None, :] < lengths[:, None]
+        input_ids, mask = padded_batch(token_ids, windows, rows)
         ids = torch.from_numpy(input_ids).to(self.device)
-        attention_mask = torch.from_numpy(mask.astype(np.int64)).to(self.device)
+        attention_mask = torch.from_numpy(mask).to(self.device)
         row, position = scored_positions(windows, rows)
         row, position = (
             torch.from_numpy(row).to(self.device),

@@ -1,0 +1,110 @@
+"""Scoring efficiency of the HF backend: stage-1 teacher tokens per second (tokenize, score in
+windows, build the table, write the shard and its sidecar) divided by a bare forward pass of the
+same model on the same padded batches (full logits, nothing else). Target: >= 0.85.
+
+Usage: python benchmarks/bench_stage1_efficiency.py [--teacher DIR] [--docs N] [--repeats R]
+The default teacher is the real SmolLM2-135M-Instruct (prepared offline from PyPI on first use).
+Both sides run alternately `repeats` times in one process; the best time of each is compared, so
+load from other processes on the machine hurts both sides alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
+from stage1_score.backends.hf import padded_batch  # noqa: E402
+from stage1_score.batching import plan_batches  # noqa: E402
+from stage1_score.teacher import resolve_teacher  # noqa: E402
+from stage1_score.units import plan_units  # noqa: E402
+from stage1_score.windows import plan_document_windows  # noqa: E402
+from stage1_score.worker import UnitScorer, WorkerSpec  # noqa: E402
+
+CORPUS = Path(__file__).resolve().parents[1] / "pipeline/assets/corpus/gsm_symbolic-train.jsonl.zst"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--teacher", help="teacher folder (default: the prepared SmolLM2)")
+    parser.add_argument("--docs", type=int, default=48, help="documents in the scored unit")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each side")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--stride", type=int, default=256)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if args.teacher is None:
+        from pipeline.teacher_assets import prepare_smollm2_teacher
+
+        args.teacher = str(prepare_smollm2_teacher())
+    torch.set_num_threads(args.threads)
+    documents = itertools.islice(Corpus(CORPUS, CorpusOptions(id_column="id")), args.docs)
+    unit = next(plan_units(documents, args.docs))
+    with tempfile.TemporaryDirectory() as out:
+        spec = WorkerSpec(
+            teacher=resolve_teacher(args.teacher), tokenizer=None, backend="hf", dtype="float32",
+            max_length=args.max_length, stride=args.stride, batch_tokens=args.batch_tokens,
+            loss_dtype="float16", out=Path(out), run_fingerprint="benchmark",
+            threads=args.threads, progress_seconds=1e9,
+        )  # fmt: skip
+        worker = UnitScorer(spec)
+        print(f"teacher {args.teacher}: {worker.describe()}")
+        model = worker._scorer.model
+        ids = [e.ids for e in worker._tokenizer.encode_batch(unit.texts)]
+        windows = plan_document_windows([len(i) for i in ids], args.max_length, args.stride)
+        batches = [
+            padded_batch(ids, windows, rows)
+            for rows in plan_batches(windows.length, args.batch_tokens)
+        ]
+        scored = int(windows.scored.sum())
+        padded = sum(b[0].size for b in batches)
+        print(
+            f"{args.docs} documents, {scored} scored tokens, {len(batches)} batches, "
+            f"{padded} padded positions ({1 - windows.length.sum() / padded:.1%} padding), "
+            f"{args.threads} threads"
+        )
+
+        def stage1() -> None:
+            worker.score_unit(unit)
+
+        @torch.inference_mode()
+        def bare_forward() -> None:
+            for input_ids, mask in batches:
+                _ = model(
+                    input_ids=torch.from_numpy(input_ids),
+                    attention_mask=torch.from_numpy(mask),
+                    use_cache=False,
+                ).logits
+
+        stage1()  # warm up both paths once
+        bare_forward()
+        times: dict[str, list[float]] = {"stage 1 (score_unit)": [], "bare forward": []}
+        for _ in range(args.repeats):
+            for name, run in (("stage 1 (score_unit)", stage1), ("bare forward", bare_forward)):
+                started = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - started)
+    rates = {}
+    for name, seconds in times.items():
+        rates[name] = scored / min(seconds)
+        print(
+            f"{name:22s} best {min(seconds):7.2f} s  median {statistics.median(seconds):7.2f} s  "
+            f"-> {rates[name]:8.1f} scored tokens/s"
+        )
+    ratio = rates["stage 1 (score_unit)"] / rates["bare forward"]
+    print(f"scoring efficiency (stage 1 / bare forward, best of {args.repeats}): {ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""1 vs 2 Ray workers on this machine: the same stage-1 job (same corpus, same teacher) run with
+one worker using every CPU and with two workers splitting them, in one local Ray instance.
+
+Usage: python benchmarks/bench_stage1_workers.py [--teacher DIR] [--docs N] [--cpus C]
+Wall time includes starting the actors and loading the teacher in each (what a user waits for);
+the unit seconds reported by the workers give the steady-state rate without that start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
+from stage1_score.run import main as stage1  # noqa: E402
+
+CORPUS = Path(__file__).resolve().parents[1] / "pipeline/assets/corpus/gsm_symbolic-train.jsonl.zst"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--teacher", help="teacher folder (default: the prepared SmolLM2)")
+    parser.add_argument("--docs", type=int, default=64)
+    parser.add_argument("--docs-per-shard", type=int, default=8)
+    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
+    args = parser.parse_args()
+    if args.teacher is None:
+        from pipeline.teacher_assets import prepare_smollm2_teacher
+
+        args.teacher = str(prepare_smollm2_teacher())
+    import ray
+
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR")
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        corpus = Path(scratch) / "docs.jsonl"
+        docs = itertools.islice(Corpus(CORPUS, CorpusOptions(id_column="id")), args.docs)
+        corpus.write_text(
+            "".join(json.dumps({"id": d.doc_id, "text": d.text}) + "\n" for d in docs)
+        )
+        for workers in (1, 2):
+            out = Path(scratch) / f"cache-{workers}"
+            command = [
+                "--teacher", args.teacher, "--corpus", str(corpus), "--out", str(out),
+                "--id-column", "id", "--docs-per-shard", str(args.docs_per_shard),
+                "--max-length", "512", "--stride", "256", "--batch-tokens", "4096",
+                "--num-workers", str(workers), "--progress-seconds", "1e9",
+            ]  # fmt: skip
+            log = io.StringIO()
+            started = time.perf_counter()
+            with contextlib.redirect_stderr(log):
+                assert stage1(command) == 0, log.getvalue()
+            wall = time.perf_counter() - started
+            manifest = json.loads((out / "manifest.json").read_text())
+            tokens = manifest["totals"]["teacher_tokens"]
+            final = [line for line in log.getvalue().splitlines() if "finished in" in line][-1]
+            per_worker = [
+                float(r.replace(",", "")) for r in re.findall(r"w\d+ ([\d,]+) tok/s", final)
+            ]
+            results[workers] = (wall, tokens, per_worker, manifest["shards"])
+    ray.shutdown()
+    print(f"{args.docs} documents, teacher {args.teacher}, {args.cpus} CPUs")
+    for workers, (wall, tokens, per_worker, _) in results.items():
+        print(
+            f"{workers} worker(s) x {args.cpus // workers} CPU(s): wall {wall:6.1f} s -> "
+            f"{tokens / wall:7.1f} tokens/s end to end; steady state {sum(per_worker):7.1f} "
+            f"tokens/s ({' + '.join(f'{r:.0f}' for r in per_worker)})"
+        )
+    one, two = results[1], results[2]
+    print(f"2 workers / 1 worker: end to end {one[0] / two[0]:.2f}x, steady state "
+          f"{sum(two[2]) / sum(one[2]):.2f}x")  # fmt: skip
+    same = [a["sha256"] == b["sha256"] for a, b in zip(one[3], two[3], strict=True)]
+    print(f"shards byte-identical between the two runs: {sum(same)}/{len(same)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
