@@ -1,0 +1,61 @@
+"""Every checked-in job manifest loads into the typed configs, and the paper's runs say what the
+paper says (section 4.3 and appendix B)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import from_dict, load_manifest_section
+from pipeline.demo.config import DemoConfig
+from pipeline.evaluation.config import EvalConfig
+from stage1_score.config import ScoreConfig
+from stage2_train.config import TrainConfig
+
+MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
+PAPER = sorted((MANIFESTS / "paper").glob("table1-*.toml"))
+SECTIONS = {"demo": DemoConfig, "stage1": ScoreConfig, "stage2": TrainConfig, "eval": EvalConfig}
+# Paths and inputs a manifest may leave to the command line.
+PLACEHOLDERS = {
+    "stage1": {"teacher": "t", "corpus": "c", "out": "o"},
+    "stage2": {"cache": "c", "student": "s", "out": "o"},
+    "eval": {"model": "m"},
+}
+
+
+def _tables(path: Path) -> dict[str, dict]:
+    import tomllib
+
+    return {name: load_manifest_section(path, name) for name in tomllib.loads(path.read_text())}
+
+
+@pytest.mark.parametrize("path", sorted(MANIFESTS.rglob("*.toml")), ids=lambda p: p.name)
+def test_manifest_tables_are_valid_configs(path):
+    tables = _tables(path)
+    assert tables and set(tables) <= set(SECTIONS), f"{path}: unknown tables {set(tables)}"
+    for name, values in tables.items():
+        from_dict(SECTIONS[name], {**PLACEHOLDERS.get(name, {}), **values}, f"{path} [{name}]")
+
+
+def test_there_is_one_manifest_per_table1_run():
+    names = {p.stem.removeprefix("table1-") for p in PAPER}
+    assert names == {
+        "tinyllama-cpt", "llemma-7b", "mistral-proxmath-7b", "deepseekmath-7b",
+        "deepseekmath-7b-rl", "qwen2.5-math-7b", "qwen2.5-math-7b-instruct",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("path", PAPER, ids=lambda p: p.name)
+def test_paper_runs_use_the_papers_hyperparameters(path):
+    stage2 = from_dict(TrainConfig, load_manifest_section(path, "stage2"))
+    assert stage2.student.startswith("TinyLlama/")
+    assert (stage2.seq_len, stage2.global_batch_tokens) == (2048, 2**21)
+    assert (stage2.lr, stage2.min_lr) == (8e-5, 8e-6)
+    assert stage2.max_steps * stage2.global_batch_tokens == pytest.approx(15e9, rel=1e-3)
+    assert stage2.accumulation_steps(32) >= 1  # 32 GPUs, as in the paper
+    if stage2.guidance == "token":
+        assert (stage2.topk, stage2.aggregate, stage2.unmapped) == (0.4, "max", "include")
+        stage1 = load_manifest_section(path, "stage1")
+        assert stage1["out"] == str(stage2.cache)
+        assert stage1["corpus"] == "hf:open-web-math/open-web-math"
