@@ -22,22 +22,24 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.cache_schema import (  # noqa: E402
-    DOC_ID,
     LOSS,
     TEXT,
+    TOKEN_END,
     TOKEN_IDS,
-    WRITE_OPTIONS,
+    TOKEN_START,
     cache_schema,
+    leaf,
+    write_options,
     write_shard,
 )
 from pipeline.cache_stats import _text_bytes  # noqa: E402
 from pipeline.manifest import load_manifest  # noqa: E402
 
 
-def variant(**changes) -> dict:
-    options = copy.deepcopy(WRITE_OPTIONS)
-    encodings = changes.pop("column_encoding", {})
-    for column, encoding in encodings.items():
+def variant(loss_dtype: str, **changes) -> dict:
+    """The shipped options with some changed; an encoding of None drops the column's entry."""
+    options = copy.deepcopy(write_options(loss_dtype))
+    for column, encoding in changes.pop("column_encoding", {}).items():
         if encoding is None:
             options["column_encoding"].pop(column, None)
         else:
@@ -46,24 +48,36 @@ def variant(**changes) -> dict:
     return options
 
 
-VARIANTS = {
-    "shipped (WRITE_OPTIONS)": variant(),
-    "token_ids PLAIN": variant(column_encoding={TOKEN_IDS: "PLAIN"}),
-    "token_ids dictionary": variant(
-        column_encoding={TOKEN_IDS: None}, use_dictionary=[DOC_ID, TOKEN_IDS]
-    ),
-    "loss PLAIN (no byte split)": variant(column_encoding={LOSS: "PLAIN"}),
-    "zstd level 3": variant(compression_level=3),
-    "zstd level 19": variant(compression_level=19),
-    "no dictionary for doc_id": variant(use_dictionary=False),
-}
+def variants(loss_dtype: str) -> dict[str, dict]:
+    other_loss = "PLAIN" if loss_dtype == "float32" else "BYTE_STREAM_SPLIT"
+    offsets = (leaf(TOKEN_START), leaf(TOKEN_END))
+    return {
+        "shipped (write_options)": variant(loss_dtype),
+        "token_ids delta-packed": variant(
+            loss_dtype, column_encoding={leaf(TOKEN_IDS): "DELTA_BINARY_PACKED"}
+        ),
+        "token_ids dictionary": variant(
+            loss_dtype, column_encoding={leaf(TOKEN_IDS): None}, use_dictionary=[leaf(TOKEN_IDS)]
+        ),
+        "offsets plain": variant(loss_dtype, column_encoding=dict.fromkeys(offsets, "PLAIN")),
+        "offsets byte-split (Parquet 2.11)": variant(
+            loss_dtype, column_encoding=dict.fromkeys(offsets, "BYTE_STREAM_SPLIT")
+        ),
+        f"loss {other_loss.lower()}": variant(loss_dtype, column_encoding={leaf(LOSS): other_loss}),
+        "zstd level 3": variant(loss_dtype, compression_level=3),
+        "zstd level 19": variant(loss_dtype, compression_level=19),
+    }
 
 
-def measure(table: pa.Table, options: dict, folder: Path) -> tuple[int, int]:
-    """(bytes with text, bytes of the text column) of `table` written as one shard."""
+def measure(table: pa.Table, options: dict, folder: Path) -> tuple[int, int, dict]:
+    """(bytes with text, bytes of the text column, encodings per column) of `table` as a shard."""
     path = folder / "probe.parquet"
     size, _ = write_shard(path, table, {"benchmark": True}, options)
-    return size, _text_bytes(path)
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    encodings = {
+        group.column(i).path_in_schema: group.column(i).encodings for i in range(group.num_columns)
+    }
+    return size, _text_bytes(path), encodings
 
 
 def main() -> int:
@@ -90,13 +104,16 @@ def main() -> int:
                 ).select(schema.names)
                 for t in tables
             ]
-            for name, options in VARIANTS.items():
+            for name, options in variants(loss_dtype).items():
                 sizes = [measure(t, options, Path(scratch)) for t in cast]
-                total = sum(s for s, _ in sizes)
-                text = sum(t for _, t in sizes)
+                total = sum(s for s, _, _ in sizes)
+                text = sum(t for _, t, _ in sizes)
                 print(
                     f"{name:34s} {loss_dtype:8s} {(total - text) / tokens:17.3f} {total / tokens:18.3f}"
                 )
+                if name.startswith("shipped"):
+                    used = {k: "+".join(v) for k, v in sizes[0][2].items()}
+                    print(f"    encodings: {used}")
     text_chars = sum(pc.sum(pc.utf8_length(t.column(TEXT))).as_py() for t in tables)
     print(f"(text: {text_chars / tokens:.2f} characters per teacher token before compression)")
     return 0

@@ -49,23 +49,37 @@ def shard_name(index: int) -> str:
     return f"shard-{index:06d}.parquet"
 
 
-# Offsets grow slowly within a document, so delta encoding stores them in a few bits each; the
-# split bytes of a float compress better than the float. benchmarks/bench_stage1_storage.py
-# measures the alternatives. No statistics and a fixed writer make shards byte-reproducible.
-WRITE_OPTIONS = {
-    "compression": "zstd",
-    "compression_level": 9,
-    "use_dictionary": [DOC_ID],
-    "column_encoding": {
-        TOKEN_IDS: "DELTA_BINARY_PACKED",
-        TOKEN_START: "DELTA_BINARY_PACKED",
-        TOKEN_END: "DELTA_BINARY_PACKED",
-        LOSS: "BYTE_STREAM_SPLIT",
+def leaf(column: str) -> str:
+    """Parquet path of a list column's values: encodings are set per leaf, not per list."""
+    return f"{column}.list.element"
+
+
+def write_options(loss_dtype: str = "float32") -> dict:
+    """pyarrow `write_table` arguments for a shard (benchmarks/bench_stage1_storage.py compares
+    alternatives on real teacher losses).
+
+    Encodings are picked for size among those every common Parquet reader decodes: offsets grow
+    by a few characters per token, so delta packing stores them in a few bits; the split bytes of
+    float32 losses compress better than whole floats. Byte-split integers and float16 (Parquet
+    2.11) gain little here and are not yet readable everywhere. Token ids stay plain: zstd does
+    better on them than delta packing. No statistics and a fixed writer keep shards
+    byte-reproducible.
+    """
+    encodings = {
+        leaf(TOKEN_START): "DELTA_BINARY_PACKED",
+        leaf(TOKEN_END): "DELTA_BINARY_PACKED",
+        leaf(TOKEN_IDS): "PLAIN",
+        leaf(LOSS): "BYTE_STREAM_SPLIT" if loss_dtype == "float32" else "PLAIN",
         TEXT_SHA256: "PLAIN",
-    },
-    "write_statistics": False,
-    "store_schema": True,
-}
+    }
+    return {
+        "compression": "zstd",
+        "compression_level": 9,
+        "use_dictionary": False,  # ids are unique, hashes random: a dictionary only adds bytes
+        "column_encoding": encodings,
+        "write_statistics": False,
+        "store_schema": True,
+    }
 
 
 def write_shard(
@@ -73,11 +87,15 @@ def write_shard(
 ) -> tuple[int, str]:
     """Write `table` atomically with our metadata in the Parquet footer; returns (bytes, sha256).
 
-    `options` (pyarrow.parquet.write_table arguments) default to WRITE_OPTIONS.
+    `options` (pyarrow.parquet.write_table arguments) default to `write_options` for the table's
+    loss dtype.
     """
+    if options is None:
+        is_half = table.schema.field(LOSS).type.value_type == pa.float16()
+        options = write_options("float16" if is_half else "float32")
     table = table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata, sort_keys=True)})
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, **(WRITE_OPTIONS if options is None else options))
+        pq.write_table(table, tmp, **options)
     return path.stat().st_size, sha256_file(path)
 
 
