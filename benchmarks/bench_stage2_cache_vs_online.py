@@ -1,0 +1,181 @@
+"""What does the cache save? Time per student step with the teacher running in the loop (what the
+method costs without a cache) against reading the teacher's losses from the cache, and how many
+student runs it takes for scoring once (stage 1) to pay off.
+
+Teacher: the real SmolLM2-135M-Instruct (pipeline.teacher_assets, fp32, transformers on the CPU).
+Student: a from-scratch --preset with the tinyllama vocabulary; llama-small (19.5M parameters)
+against the 135M teacher is about the paper's ratio (TinyLlama 1.1B against 7B teachers).
+1. Stage 1 (stage1_score/run.py, a subprocess: Ray, teacher load, scoring, shards, manifest)
+   scores --docs documents of the shipped corpus once: the cost of the cache.
+2. One epoch over those documents is trained twice, the same steps of the same student, the
+   two runs taking turns step by step:
+   - online: the same stream (stage2_train.data.ConsumerStream), but each read's texts are
+     tokenized and scored by the loaded teacher (stage1_score.backends.hf.HFScorer) before
+     alignment; the cached losses are not used;
+   - cached: the stream as stage 2 runs it, losses from the cache.
+   Per-step time = the epoch's wall time / its steps (the teacher's work is amortized over them).
+Runs to pay off = scoring's time / (per-step saving x steps per run), for runs of one epoch;
+scoring's time is shown both as stage 1 end to end (start-up included: dominant on a small
+corpus) and as the teacher's own work (what remains on a large one). The teacher's load time is
+left out of the online side, which favours it.
+
+    python benchmarks/bench_stage2_cache_vs_online.py [--docs 16] [--seq-len 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests/ holds the corpus reader for fixtures
+
+from bench_stage2_step import training_step  # noqa: E402
+
+from pipeline.cache_schema import DOC_ID, TEXT  # noqa: E402
+from pipeline.guidance import GuidanceSettings  # noqa: E402
+from pipeline.manifest import load_manifest  # noqa: E402
+from pipeline.teacher_assets import prepare_smollm2_teacher  # noqa: E402
+from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from stage2_train.data import ConsumerStream, DataPlan, annotate  # noqa: E402
+from stage2_train.model import build_student  # noqa: E402
+from tests.cache_fixtures import corpus_documents  # noqa: E402
+
+
+class OnlineTeacherStream(ConsumerStream):
+    """ConsumerStream whose teacher losses come from a live teacher instead of the cache."""
+
+    def __init__(self, plan: DataPlan, scorer, teacher_tokenizer):
+        super().__init__(plan, 0)
+        self.scorer, self.teacher_tokenizer = scorer, teacher_tokenizer
+        self.teacher_seconds = 0.0
+
+    def _annotate_rows(self, batch, path):
+        texts = batch.column(TEXT).to_pylist()
+        begin = time.perf_counter()
+        encodings = self.teacher_tokenizer.encode_batch(texts)
+        losses = self.scorer.score([e.ids for e in encodings])
+        self.teacher_seconds += time.perf_counter() - begin
+        docs = annotate(
+            self.tokenizer, texts,
+            np.concatenate([e.start for e in encodings]).astype(np.int64),
+            np.concatenate([e.end for e in encodings]).astype(np.int64),
+            np.concatenate(losses),
+            np.array([len(e) for e in encodings]),
+            alignment=self.plan.alignment, aggregate=self.plan.aggregate,
+        )
+        docs.doc_ids = batch.column(DOC_ID).to_pylist()
+        return docs
+
+
+def train_side_by_side(streams: dict, steps: int, args, tokenizer) -> dict:
+    """Per stream: seconds for `steps` student steps (data + step), run in turn step by step so
+    that both see the same machine load, and the teacher losses of its batches."""
+    settings = GuidanceSettings()
+    sides = {}
+    for name, stream in streams.items():
+        model = build_student(args.preset, tokenizer, seed=0, seq_len=args.seq_len)
+        sides[name] = (iter(stream), model, torch.optim.AdamW(model.parameters(), lr=1e-5))
+    seconds, seen = dict.fromkeys(streams, 0.0), {name: [] for name in streams}
+    for _ in range(steps):
+        for name, (batches, model, optimizer) in sides.items():
+            begin = time.perf_counter()
+            batch = next(batches)
+            training_step(model, optimizer, batch, settings)
+            seconds[name] += time.perf_counter() - begin
+            seen[name].append(batch["teacher_loss"])
+    return {name: (seconds[name], seen[name]) for name in streams}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--docs", type=int, default=16, help="documents scored and trained on")
+    parser.add_argument("--preset", default="llama-small", help="student preset")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    args = parser.parse_args()
+
+    teacher = prepare_smollm2_teacher()
+    student_tokenizer = load_tokenizer("tinyllama")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        corpus = tmp / "corpus.jsonl"
+        corpus.write_text(
+            "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in corpus_documents(args.docs))
+        )
+        # 1. Score once: the whole of stage 1, as a user runs it.
+        begin = time.perf_counter()
+        subprocess.run(
+            [sys.executable, str(ROOT / "stage1_score" / "run.py"), "--teacher", str(teacher),
+             "--corpus", str(corpus), "--out", str(tmp / "cache"), "--id-column", "id",
+             "--docs-per-shard", str(args.docs), "--max-length", "2048"],
+            check=True, capture_output=True, text=True,
+        )
+        stage1_seconds = time.perf_counter() - begin
+        manifest = load_manifest(tmp / "cache")
+        plan = DataPlan(
+            cache_dir=tmp / "cache", shards=tuple(manifest.shards), student_tokenizer="tinyllama",
+            alignment="token", num_chunks=1, aggregate="max", seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch_size, seed=0, world_size=1, num_workers=0,
+        )
+        student_tokens = sum(
+            len(e) for e in student_tokenizer.encode_batch(
+                [t for _, t in corpus_documents(args.docs)], add_eos=True
+            )
+        )
+        steps = (student_tokens - 1) // (args.seq_len * args.micro_batch_size)  # one epoch
+
+        # 2. The same epoch twice: teacher in the loop, then from the cache.
+        from stage1_score.backends.hf import HFScorer
+        from stage1_score.teacher import resolve_teacher
+
+        begin = time.perf_counter()
+        scorer = HFScorer(resolve_teacher(str(teacher)), dtype="float32", max_length=2048,
+                          stride=1024, batch_tokens=16384)
+        teacher_load = time.perf_counter() - begin
+        online_stream = OnlineTeacherStream(plan, scorer, load_tokenizer(str(teacher)))
+        results = train_side_by_side(
+            {"online": online_stream, "cached": ConsumerStream(plan, 0)}, steps, args,
+            student_tokenizer,
+        )
+
+    online, cached = results["online"][0] / steps, results["cached"][0] / steps
+    difference = max(
+        float((a - b).abs().nan_to_num().max())
+        for a, b in zip(results["online"][1], results["cached"][1], strict=True)
+    )
+    saving_per_run = (online - cached) * steps
+    print(
+        f"{args.docs} documents, {student_tokens:,} student tokens, {manifest.total_teacher_tokens:,} "
+        f"teacher tokens; student {args.preset}, {steps} steps of {args.micro_batch_size} x "
+        f"{args.seq_len} tokens = one epoch; teacher SmolLM2-135M fp32 (load {teacher_load:.1f} s)"
+    )
+    print()
+    header = f"{'':<28} {'s / step':>9} {'relative':>9}"
+    print(header)
+    print("-" * len(header))
+    print(f"{'teacher in the loop':<28} {online:>9.2f} {online / cached:>8.2f}x")
+    print(f"{'teacher losses from cache':<28} {cached:>9.2f} {1:>8.2f}x")
+    print()
+    print(f"saving per one-epoch run: {saving_per_run:.1f} s")
+    print(f"scoring once, stage 1 end to end (with Ray and teacher start-up): {stage1_seconds:.1f} s"
+          f" -> pays off after {stage1_seconds / saving_per_run:.2f} runs")
+    marginal = online_stream.teacher_seconds
+    print(f"scoring once, teacher work only (a corpus large enough to amortize start-up): "
+          f"{marginal:.1f} s -> pays off after {marginal / saving_per_run:.2f} runs")
+    print(f"online vs cached teacher loss per student token: max |difference| {difference:.4f} "
+          "(cache stores float16)")
+    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
