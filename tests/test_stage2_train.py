@@ -217,3 +217,10 @@ def test_accumulation_must_divide_the_global_batch_by_world_size():
     assert config.accumulation_steps(1) == 3
     with pytest.raises(ConfigError, match="world size x --micro-batch-size x --seq-len"):
         config.accumulation_steps(2)
+
+
+def test_the_example_manifest_is_a_valid_stage2_job():
+    manifest = Path(__file__).resolve().parents[1] / "manifests" / "stage2-example.toml"
+    config = parse_train_config(["--manifest", str(manifest)])
+    assert config.guidance == "token" and config.student_tokenizer == "tinyllama"
+    assert [config.accumulation_steps(n) for n in (1, 2)] == [8, 4]
