@@ -62,15 +62,20 @@ def runs(tmp_path_factory) -> dict:
     cache = root / "cache"
     build_cache(cache, documents=documents, docs_per_shard=3, teacher=fake_teacher(teacher))
     audited = audited_env(root)
-    whole, parts = root / "whole", root / "parts"
-    # The uninterrupted run and the first half of the stopped one share the machine.
-    first = [torchrun(run_args(cache, whole)), torchrun(run_args(cache, parts, "--stop-at-step", "4"))]
+    whole, parts, sharded = root / "whole", root / "parts", root / "fsdp"
+    # The uninterrupted run, the first half of the stopped one and an FSDP run share the machine.
+    first = [
+        torchrun(run_args(cache, whole)),
+        torchrun(run_args(cache, parts, "--stop-at-step", "4")),
+        torchrun(run_args(cache, sharded, "--fsdp", "--save-every", "4")),
+    ]
     for process in first:
         finish(process)
     stopped_metrics = (parts / "metrics.jsonl").read_text()
     finish(torchrun(run_args(cache, parts), env=audited))
     return {
-        "cache": cache, "whole": whole, "parts": parts, "teacher": teacher, "root": root,
+        "cache": cache, "whole": whole, "parts": parts, "fsdp": sharded, "teacher": teacher,
+        "root": root,
         "documents": documents, "stopped_metrics": stopped_metrics,
     }
 
@@ -102,6 +107,28 @@ def test_every_document_is_used_exactly_once_per_epoch_across_ranks(runs):
         seen[rank] = [doc_id for epoch, doc_id in entries if epoch == 0]
     assert not set(seen[0]) & set(seen[1])
     assert sorted(seen[0] + seen[1]) == sorted(doc_id for doc_id, _ in runs["documents"])
+
+
+def test_fsdp_trains_the_same_model_sharded(runs):
+    """FSDP (fully_shard per decoder layer, gloo on CPU) computes what DDP computes: the same
+    first-step loss, and a trajectory equal up to float summation order; its checkpoints hold
+    one shard per rank, and its final model is a whole Hugging Face model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sharded, replicated = metrics(runs["fsdp"]), metrics(runs["whole"])
+    assert sharded[0]["loss"] == pytest.approx(replicated[0]["loss"], rel=1e-6)
+    for a, b in zip(sharded, replicated, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["kept_fraction"] == b["kept_fraction"]
+    for step in (4, 8):
+        shards = sorted((runs["fsdp"] / "checkpoints" / f"step-{step}" / "state").glob("*.distcp"))
+        assert len(shards) == 2
+    a = AutoModelForCausalLM.from_pretrained(runs["fsdp"] / "final").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(runs["whole"] / "final").state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)
 
 
 def test_resuming_with_another_world_size_is_refused(runs, tmp_path):
