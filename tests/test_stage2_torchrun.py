@@ -1,9 +1,10 @@
 """Stage 2 under `torchrun --nproc-per-node 2` (gloo on CPU), tiny Llama student on the real
 tinyllama tokenizer: a run stopped at step 4 and resumed equals the uninterrupted run bit for bit,
-every document is used once per epoch across the ranks, a resume on another world size is
-refused, and no process of the job imports a teacher backend or opens a teacher's files.
+every document is used once per epoch across the ranks, FSDP matches DDP, a resume on another
+world size is refused, and no process of the job imports a teacher backend or opens a teacher's
+files.
 
-Three torchrun launches in all (each costs several seconds of start-up on a small machine), so
+Four torchrun launches in all (each costs several seconds of start-up on a small machine), so
 the module is marked slow; the default run proves the same properties in-process
 (test_stage2_train.py) and on the real 2-rank x 2-worker partition (test_stage2_data.py).
 """
@@ -22,21 +23,17 @@ import pytest
 from pipeline.errors import ConfigError
 from stage2_train.config import parse_train_config
 from tests.cache_fixtures import build_cache, corpus_documents
+from tests.stage2_runs import TRAIN, read_metrics, train_args
 from tests.teacher_audit import assert_no_teacher, audited_env, fake_teacher
 
 pytestmark = pytest.mark.slow
-TRAIN = Path(__file__).resolve().parents[1] / "stage2_train" / "train.py"
-LOSS_FIELDS = ("step", "loss", "loss_all", "kept_fraction", "mapped_fraction", "tokens", "lr", "grad_norm")
 
 
 def run_args(cache: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--cache", str(cache), "--student", "llama-tiny", "--student-tokenizer", "tinyllama",
-        "--out", str(out), "--max-steps", "8", "--warmup-steps", "1", "--seq-len", "32",
-        "--micro-batch-size", "2", "--global-batch-tokens", "256", "--num-workers", "1",
-        "--selection-scope", "global", "--record-documents", "--save-every", "100",
-        "--lr", "1e-3", "--min-lr", "1e-4", *extra,
-    ]
+    return train_args(
+        cache, out, "--max-steps", "8", "--global-batch-tokens", "256", "--num-workers", "1",
+        "--selection-scope", "global", "--record-documents", *extra,
+    )
 
 
 def torchrun(args: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -80,15 +77,10 @@ def runs(tmp_path_factory) -> dict:
     }
 
 
-def metrics(out: Path) -> list[dict]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [{k: json.loads(line)[k] for k in LOSS_FIELDS} for line in lines]
-
-
 def test_stopped_and_resumed_2_rank_run_is_bit_identical(runs):
     assert len(runs["stopped_metrics"].splitlines()) == 4
-    assert [m["step"] for m in metrics(runs["whole"])] == list(range(1, 9))
-    assert metrics(runs["parts"]) == metrics(runs["whole"])
+    assert [m["step"] for m in read_metrics(runs["whole"])] == list(range(1, 9))
+    assert read_metrics(runs["parts"]) == read_metrics(runs["whole"])
     for name in ("rank-0.jsonl", "rank-1.jsonl"):  # the same documents at the same steps
         assert (runs["parts"] / "documents" / name).read_text() == (
             runs["whole"] / "documents" / name
@@ -116,7 +108,7 @@ def test_fsdp_trains_the_same_model_sharded(runs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    sharded, replicated = metrics(runs["fsdp"]), metrics(runs["whole"])
+    sharded, replicated = read_metrics(runs["fsdp"]), read_metrics(runs["whole"])
     assert sharded[0]["loss"] == pytest.approx(replicated[0]["loss"], rel=1e-6)
     for a, b in zip(sharded, replicated, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)

@@ -20,24 +20,8 @@ from stage2_train.config import TrainConfig, parse_train_config
 from stage2_train.train import main
 from stage2_train.trainer import lr_at
 from tests.cache_fixtures import build_cache
+from tests.stage2_runs import TRAIN, read_metrics, train_args
 from tests.teacher_audit import assert_no_teacher, audited_env, fake_teacher
-
-TRAIN = Path(__file__).resolve().parents[1] / "stage2_train" / "train.py"
-LOSS_FIELDS = ("step", "loss", "loss_all", "kept_fraction", "mapped_fraction", "tokens", "lr", "grad_norm")
-
-
-def tiny_run_args(cache: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--cache", str(cache), "--student", "llama-tiny", "--student-tokenizer", "tinyllama",
-        "--out", str(out), "--max-steps", "6", "--warmup-steps", "1", "--seq-len", "32",
-        "--micro-batch-size", "2", "--global-batch-tokens", "128", "--lr", "1e-3",
-        "--min-lr", "1e-4", "--save-every", "100", *extra,
-    ]
-
-
-def read_metrics(out: Path) -> list[dict]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [{k: json.loads(line)[k] for k in LOSS_FIELDS} for line in lines]
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +40,17 @@ RESUME_ARGS = ("--num-workers", "2", "--global-batch-tokens", "64", "--guidance"
 @pytest.fixture(scope="module")
 def uninterrupted(cache, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run") / "out"
-    assert main(tiny_run_args(cache, out, *RESUME_ARGS)) == 0
+    assert main(train_args(cache, out, *RESUME_ARGS)) == 0
     return out
 
 
 def test_stopped_and_resumed_run_matches_the_uninterrupted_one_bit_for_bit(cache, uninterrupted, tmp_path):
     out = tmp_path / "out"
     # Stop at step 3, as a time limit would, then continue the same schedule with --resume auto.
-    assert main(tiny_run_args(cache, out, *RESUME_ARGS, "--stop-at-step", "3")) == 0
+    assert main(train_args(cache, out, *RESUME_ARGS, "--stop-at-step", "3")) == 0
     assert [s for s, _ in complete_checkpoints(out)] == [3]
     assert not (out / "final").exists()  # the schedule is not finished
-    assert main(tiny_run_args(cache, out, *RESUME_ARGS)) == 0
+    assert main(train_args(cache, out, *RESUME_ARGS)) == 0
     assert read_metrics(out) == read_metrics(uninterrupted)  # floats compared exactly
     assert (out / "final" / "model.safetensors").read_bytes() == (
         uninterrupted / "final" / "model.safetensors"
@@ -111,7 +95,7 @@ def test_metrics_and_final_model(uninterrupted, cache):
 
 def test_guidance_none_keeps_every_token(cache, tmp_path):
     out = tmp_path / "out"
-    assert main(tiny_run_args(cache, out, "--num-workers", "0", "--guidance", "none", "--max-steps", "2")) == 0
+    assert main(train_args(cache, out, "--num-workers", "0", "--guidance", "none", "--max-steps", "2")) == 0
     for record in read_metrics(out):
         assert record["kept_fraction"] == 1.0 and record["loss"] == record["loss_all"]
 
@@ -119,8 +103,8 @@ def test_guidance_none_keeps_every_token(cache, tmp_path):
 def test_chunk_guidance_runs_and_differs_from_token(cache, tmp_path):
     token, chunk = tmp_path / "token", tmp_path / "chunk"
     common = ("--num-workers", "0", "--max-steps", "2")
-    assert main(tiny_run_args(cache, token, *common)) == 0
-    assert main(tiny_run_args(cache, chunk, *common, "--guidance", "chunk", "--num-chunks", "4")) == 0
+    assert main(train_args(cache, token, *common)) == 0
+    assert main(train_args(cache, chunk, *common, "--guidance", "chunk", "--num-chunks", "4")) == 0
     assert read_metrics(token)[0]["loss_all"] == read_metrics(chunk)[0]["loss_all"]  # same data
     assert read_metrics(token)[0]["loss"] != read_metrics(chunk)[0]["loss"]  # other selection
     assert read_metrics(chunk)[0]["mapped_fraction"] == 1.0  # chunks map every token
@@ -130,15 +114,15 @@ def test_resume_refuses_other_settings_other_cache_and_never(cache, uninterrupte
     out = tmp_path / "out"
     shutil.copytree(uninterrupted, out)
     with pytest.raises(ConfigError, match=r"topk: 0\.4 -> 0\.5"):
-        run(tiny_run_args(cache, out, *RESUME_ARGS, "--topk", "0.5"))
+        run(train_args(cache, out, *RESUME_ARGS, "--topk", "0.5"))
     with pytest.raises(ConfigError, match="2 data-loader workers per rank, this run has 1"):
-        run(tiny_run_args(cache, out, *RESUME_ARGS, "--num-workers", "1"))
+        run(train_args(cache, out, *RESUME_ARGS, "--num-workers", "1"))
     other = tmp_path / "other-cache"
     build_cache(other, teacher_tokenizer="qwen2.5", num_documents=16, docs_per_shard=8, seed=1)
     with pytest.raises(CacheError, match="was trained on cache"):
-        run(tiny_run_args(other, out, *RESUME_ARGS))
+        run(train_args(other, out, *RESUME_ARGS))
     with pytest.raises(ConfigError, match="already has checkpoints up to step 6"):
-        run(tiny_run_args(cache, out, *RESUME_ARGS, "--resume", "never"))
+        run(train_args(cache, out, *RESUME_ARGS, "--resume", "never"))
 
 
 def run(argv: list[str]) -> None:
@@ -149,12 +133,12 @@ def run(argv: list[str]) -> None:
 
 
 def test_errors_are_one_line_and_exit_2(cache, tmp_path, capsys):
-    assert main(tiny_run_args(tmp_path / "nowhere", tmp_path / "out")) == 2
+    assert main(train_args(tmp_path / "nowhere", tmp_path / "out")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("stage2_train/train.py: error: cache folder") and "\n" not in err
-    assert main(tiny_run_args(cache, tmp_path / "out", "--global-batch-tokens", "96")) == 2
+    assert main(train_args(cache, tmp_path / "out", "--global-batch-tokens", "96")) == 2
     assert "must be a multiple of --micro-batch-size x --seq-len (64)" in capsys.readouterr().err
-    assert main([*tiny_run_args(cache, tmp_path / "out")[:2], "--student", "llama-tiny",
+    assert main([*train_args(cache, tmp_path / "out")[:2], "--student", "llama-tiny",
                  "--out", str(tmp_path / "o"), "--max-steps", "3", "--warmup-steps", "1"]) == 2
     assert "pass --student-tokenizer" in capsys.readouterr().err
 
@@ -164,7 +148,7 @@ def test_training_never_imports_a_teacher_nor_opens_its_files(tmp_path):
     2-rank torchrun version is in test_stage2_torchrun.py."""
     cache, out = tmp_path / "cache", tmp_path / "out"
     build_cache(cache, num_documents=4, docs_per_shard=4, teacher=fake_teacher(tmp_path / "teacher"))
-    command = [sys.executable, str(TRAIN), *tiny_run_args(cache, out, "--num-workers", "0",
+    command = [sys.executable, str(TRAIN), *train_args(cache, out, "--num-workers", "0",
                                                            "--stop-at-step", "1")]
     result = subprocess.run(command, env={**os.environ, **audited_env(tmp_path)},
                             capture_output=True, text=True, timeout=600)
