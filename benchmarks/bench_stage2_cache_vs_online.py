@@ -66,12 +66,14 @@ class OnlineTeacherStream(ConsumerStream):
         losses = self.scorer.score([e.ids for e in encodings])
         self.teacher_seconds += time.perf_counter() - begin
         docs = annotate(
-            self.tokenizer, texts,
+            self.tokenizer,
+            texts,
             np.concatenate([e.start for e in encodings]).astype(np.int64),
             np.concatenate([e.end for e in encodings]).astype(np.int64),
             np.concatenate(losses),
             np.array([len(e) for e in encodings]),
-            alignment=self.plan.alignment, aggregate=self.plan.aggregate,
+            alignment=self.plan.alignment,
+            aggregate=self.plan.aggregate,
         )
         docs.doc_ids = batch.column(DOC_ID).to_pylist()
         return docs
@@ -115,20 +117,44 @@ def main() -> None:
         # 1. Score once: the whole of stage 1, as a user runs it.
         begin = time.perf_counter()
         subprocess.run(
-            [sys.executable, str(ROOT / "stage1_score" / "run.py"), "--teacher", str(teacher),
-             "--corpus", str(corpus), "--out", str(tmp / "cache"), "--id-column", "id",
-             "--docs-per-shard", str(args.docs), "--max-length", "2048"],
-            check=True, capture_output=True, text=True,
+            [
+                sys.executable,
+                str(ROOT / "stage1_score" / "run.py"),
+                "--teacher",
+                str(teacher),
+                "--corpus",
+                str(corpus),
+                "--out",
+                str(tmp / "cache"),
+                "--id-column",
+                "id",
+                "--docs-per-shard",
+                str(args.docs),
+                "--max-length",
+                "2048",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
         )
         stage1_seconds = time.perf_counter() - begin
         manifest = load_manifest(tmp / "cache")
         plan = DataPlan(
-            cache_dir=tmp / "cache", shards=tuple(manifest.shards), student_tokenizer="tinyllama",
-            alignment="token", num_chunks=1, aggregate="max", seq_len=args.seq_len,
-            micro_batch_size=args.micro_batch_size, seed=0, world_size=1, num_workers=0,
+            cache_dir=tmp / "cache",
+            shards=tuple(manifest.shards),
+            student_tokenizer="tinyllama",
+            alignment="token",
+            num_chunks=1,
+            aggregate="max",
+            seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch_size,
+            seed=0,
+            world_size=1,
+            num_workers=0,
         )
         student_tokens = sum(
-            len(e) for e in student_tokenizer.encode_batch(
+            len(e)
+            for e in student_tokenizer.encode_batch(
                 [t for _, t in corpus_documents(args.docs)], add_eos=True
             )
         )
@@ -139,12 +165,19 @@ def main() -> None:
         from stage1_score.teacher import resolve_teacher
 
         begin = time.perf_counter()
-        scorer = HFScorer(resolve_teacher(str(teacher)), dtype="float32", max_length=2048,
-                          stride=1024, batch_tokens=16384)
+        scorer = HFScorer(
+            resolve_teacher(str(teacher)),
+            dtype="float32",
+            max_length=2048,
+            stride=1024,
+            batch_tokens=16384,
+        )
         teacher_load = time.perf_counter() - begin
         online_stream = OnlineTeacherStream(plan, scorer, load_tokenizer(str(teacher)))
         results = train_side_by_side(
-            {"online": online_stream, "cached": ConsumerStream(plan, 0)}, steps, args,
+            {"online": online_stream, "cached": ConsumerStream(plan, 0)},
+            steps,
+            args,
             student_tokenizer,
         )
 
@@ -155,7 +188,8 @@ def main() -> None:
     )
     saving_per_run = (online - cached) * steps
     print(
-        f"{args.docs} documents, {student_tokens:,} student tokens, {manifest.total_teacher_tokens:,} "
+        f"{args.docs} documents, {student_tokens:,} student tokens, "
+        f"{manifest.total_teacher_tokens:,} "
         f"teacher tokens; student {args.preset}, {steps} steps of {args.micro_batch_size} x "
         f"{args.seq_len} tokens = one epoch; teacher SmolLM2-135M fp32 (load {teacher_load:.1f} s)"
     )
@@ -167,14 +201,22 @@ def main() -> None:
     print(f"{'teacher losses from cache':<28} {cached:>9.2f} {1:>8.2f}x")
     print()
     print(f"saving per one-epoch run: {saving_per_run:.1f} s")
-    print(f"scoring once, stage 1 end to end (with Ray and teacher start-up): {stage1_seconds:.1f} s"
-          f" -> pays off after {stage1_seconds / saving_per_run:.2f} runs")
+    print(
+        f"scoring once, stage 1 end to end (with Ray and teacher start-up): {stage1_seconds:.1f} s"
+        f" -> pays off after {stage1_seconds / saving_per_run:.2f} runs"
+    )
     marginal = online_stream.teacher_seconds
-    print(f"scoring once, teacher work only (a corpus large enough to amortize start-up): "
-          f"{marginal:.1f} s -> pays off after {marginal / saving_per_run:.2f} runs")
-    print(f"online vs cached teacher loss per student token: max |difference| {difference:.4f} "
-          "(cache stores float16)")
-    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"scoring once, teacher work only (a corpus large enough to amortize start-up): "
+        f"{marginal:.1f} s -> pays off after {marginal / saving_per_run:.2f} runs"
+    )
+    print(
+        f"online vs cached teacher loss per student token: max |difference| {difference:.4f} "
+        "(cache stores float16)"
+    )
+    print(
+        f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
 
 
 if __name__ == "__main__":

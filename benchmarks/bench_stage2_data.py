@@ -49,7 +49,9 @@ def stream_tokens(plan: DataPlan, batches: int) -> int:
 def tokenize_reads(tokenizer, texts: list[str]) -> int:
     tokens = 0
     for first in range(0, len(texts), READ_ROWS):
-        tokens += sum(len(e) for e in tokenizer.encode_batch(texts[first : first + READ_ROWS], add_eos=True))
+        tokens += sum(
+            len(e) for e in tokenizer.encode_batch(texts[first : first + READ_ROWS], add_eos=True)
+        )
     return tokens
 
 
@@ -75,12 +77,23 @@ def main() -> None:
     student = load_tokenizer(args.student)
     total = tokenize_reads(student, texts)
     with tempfile.TemporaryDirectory() as tmp:
-        build_cache(Path(tmp), teacher_tokenizer=args.teacher, documents=documents,
-                    docs_per_shard=max(1, args.docs // 4))
+        build_cache(
+            Path(tmp),
+            teacher_tokenizer=args.teacher,
+            documents=documents,
+            docs_per_shard=max(1, args.docs // 4),
+        )
         plan = DataPlan(
-            cache_dir=Path(tmp), shards=tuple(load_manifest(Path(tmp)).shards),
-            student_tokenizer=args.student, alignment="token", num_chunks=1, aggregate="max",
-            seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, seed=0, world_size=1,
+            cache_dir=Path(tmp),
+            shards=tuple(load_manifest(Path(tmp)).shards),
+            student_tokenizer=args.student,
+            alignment="token",
+            num_chunks=1,
+            aggregate="max",
+            seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch_size,
+            seed=0,
+            world_size=1,
             num_workers=0,
         )
         # Whole micro-batches within one epoch: the stream reads every document once.
@@ -98,7 +111,11 @@ def main() -> None:
         )
         # Timed apart: torch's OpenMP threads keep spinning after a step and would slow the
         # single-threaded tokenizer runs that follow it.
-        best.update(interleaved_best_times(args.repeats, {"train step": (train_step, model, optimizer, inputs)}))
+        best.update(
+            interleaved_best_times(
+                args.repeats, {"train step": (train_step, model, optimizer, inputs)}
+            )
+        )
     streamed = batches * args.micro_batch_size * args.seq_len
     data_rate, tokenize_rate = streamed / best["data path"], total / best["tokenize"]
     train_rate = args.micro_batch_size * args.seq_len / best["train step"]
@@ -113,13 +130,18 @@ def main() -> None:
     print("-" * len(header))
     print(f"{'bare student tokenization':<34} {tokenize_rate:>17,.0f} {1:>8.2f}x")
     print(f"{'data path (one worker)':<34} {data_rate:>17,.0f} {data_rate / tokenize_rate:>8.2f}x")
-    print(f"{'trainer consumption (one rank)':<34} {train_rate:>17,.0f} {train_rate / tokenize_rate:>8.3f}x")
+    print(
+        f"{'trainer consumption (one rank)':<34} {train_rate:>17,.0f} "
+        f"{train_rate / tokenize_rate:>8.3f}x"
+    )
     print()
     print(
         f"data path / tokenization = {data_rate / tokenize_rate:.2f} (target >= 0.8); one worker "
         f"feeds {data_rate / train_rate:,.0f}x what the trainer consumes"
     )
-    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,10 @@ MODES = ("none", "token", "random")
 def training_step(model, optimizer, batch, settings: GuidanceSettings) -> float:
     logits = model(input_ids=batch["input_ids"]).logits
     result = guided_loss(
-        token_loss(logits, batch["labels"]), batch["teacher_loss"], batch["labels"] >= 0, settings,
+        token_loss(logits, batch["labels"]),
+        batch["teacher_loss"],
+        batch["labels"] >= 0,
+        settings,
         generator=torch.Generator().manual_seed(0),
     )
     result.loss.backward()
@@ -48,7 +51,9 @@ def training_step(model, optimizer, batch, settings: GuidanceSettings) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="llama-small", help="student preset (stage2_train.model)")
+    parser.add_argument(
+        "--preset", default="llama-small", help="student preset (stage2_train.model)"
+    )
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7, help="timings per mode (best kept)")
@@ -58,23 +63,38 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         build_cache(Path(tmp), num_documents=64, docs_per_shard=64)
         plan = DataPlan(
-            cache_dir=Path(tmp), shards=tuple(load_manifest(Path(tmp)).shards),
-            student_tokenizer="tinyllama", alignment="token", num_chunks=1, aggregate="max",
-            seq_len=args.seq_len, micro_batch_size=args.micro_batch_size, seed=0, world_size=1,
+            cache_dir=Path(tmp),
+            shards=tuple(load_manifest(Path(tmp)).shards),
+            student_tokenizer="tinyllama",
+            alignment="token",
+            num_chunks=1,
+            aggregate="max",
+            seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch_size,
+            seed=0,
+            world_size=1,
             num_workers=0,
         )
         batch = next(iter(ConsumerStream(plan, 0)))
     model = build_student(args.preset, tokenizer, seed=0, seq_len=args.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     settings = {mode: GuidanceSettings(mode=mode) for mode in MODES}
-    kept = {mode: training_step(model, optimizer, batch, settings[mode]) for mode in MODES}  # warm-up
+    kept = {
+        mode: training_step(model, optimizer, batch, settings[mode]) for mode in MODES
+    }  # warm-up
 
     with torch.no_grad():
         per_token = token_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
-    tasks = {f"step {mode}": (training_step, model, optimizer, batch, settings[mode]) for mode in MODES}
+    tasks = {
+        f"step {mode}": (training_step, model, optimizer, batch, settings[mode]) for mode in MODES
+    }
     for mode in MODES:
         tasks[f"select {mode}"] = (
-            guided_loss, per_token, batch["teacher_loss"], batch["labels"] >= 0, settings[mode],
+            guided_loss,
+            per_token,
+            batch["teacher_loss"],
+            batch["labels"] >= 0,
+            settings[mode],
             torch.Generator().manual_seed(0),
         )
     best = interleaved_best_times(args.repeats, tasks)
@@ -82,12 +102,16 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     tokens = args.micro_batch_size * args.seq_len
     print(
-        f"student {args.preset} ({params / 1e6:.1f}M parameters, vocabulary {tokenizer.vocab_size}), "
+        f"student {args.preset} ({params / 1e6:.1f}M parameters, "
+        f"vocabulary {tokenizer.vocab_size}), "
         f"{args.micro_batch_size} x {args.seq_len} tokens per step, {torch.get_num_threads()} "
         f"torch threads, best of {args.repeats}"
     )
     print()
-    header = f"{'guidance':<9} {'kept':>6} {'step ms':>9} {'tokens/s':>9} {'selection ms':>13} {'step / none':>12}"
+    header = (
+        f"{'guidance':<9} {'kept':>6} {'step ms':>9} {'tokens/s':>9} {'selection ms':>13} "
+        f"{'step / none':>12}"
+    )
     print(header)
     print("-" * len(header))
     for mode in MODES:
@@ -98,7 +122,9 @@ def main() -> None:
         )
     print()
     print("target: step token / step none <= 1.05")
-    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
 
 
 if __name__ == "__main__":

@@ -58,9 +58,13 @@ class GuidanceSettings:
         if not 0.0 < self.topk <= 1.0:
             raise ValueError(f"topk must be in (0, 1], not {self.topk}")
         if self.unmapped not in UNMAPPED_STRATEGIES:
-            raise ValueError(f"unmapped must be one of {UNMAPPED_STRATEGIES}, not {self.unmapped!r}")
+            raise ValueError(
+                f"unmapped must be one of {UNMAPPED_STRATEGIES}, not {self.unmapped!r}"
+            )
         if self.scope not in SELECTION_SCOPES:
-            raise ValueError(f"selection scope must be one of {SELECTION_SCOPES}, not {self.scope!r}")
+            raise ValueError(
+                f"selection scope must be one of {SELECTION_SCOPES}, not {self.scope!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,11 @@ class GuidedLoss:
     @property
     def loss_all(self) -> float:
         return float(self.loss_sum) / max(self.valid, 1)
+
+
+def mapped_tokens(teacher_loss: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Valid tokens that have a teacher loss (the candidates of token/chunk/random selection)."""
+    return valid & ~torch.isnan(teacher_loss)
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -116,7 +125,7 @@ def kept_in_step(counts: torch.Tensor, settings: GuidanceSettings) -> int:
 
 
 def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int) -> torch.Tensor:
-    """Exactly min(k, #candidates) candidates with the highest score; ties go to earlier positions."""
+    """The min(k, #candidates) highest-scoring candidates; ties go to earlier positions."""
     keep = torch.zeros(candidate.numel(), dtype=torch.bool, device=candidate.device)
     index = candidate.flatten().nonzero().squeeze(1)
     order = torch.sort(score.flatten()[index], descending=True, stable=True).indices
@@ -131,7 +140,7 @@ def _select(
     settings: GuidanceSettings,
     noise: torch.Tensor | None,
 ) -> torch.Tensor:
-    mapped = valid & ~torch.isnan(teacher_loss)
+    mapped = mapped_tokens(teacher_loss, valid)
     if settings.unmapped == "mean":
         candidate = valid
         mean = teacher_loss[mapped].mean() if mapped.any() else teacher_loss.new_zeros(())
@@ -196,7 +205,7 @@ def guided_loss(
 ) -> GuidedLoss:
     """Select (eq. 4) and reduce (eq. 3): the student loss summed over kept tokens, with counts."""
     keep = select_tokens(student_loss, teacher_loss, valid, settings, generator)
-    mapped = valid & ~torch.isnan(teacher_loss)
+    mapped = mapped_tokens(teacher_loss, valid)
     zero = student_loss.new_zeros(())
     return GuidedLoss(
         kept_loss_sum=torch.where(keep, student_loss, zero).sum(),

@@ -149,7 +149,9 @@ def save_checkpoint(
     if runtime.is_main:
         torch.save({"scheduler": scheduler.state_dict()}, partial / "trainer.pt")
         (partial / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
-        (partial / "checkpoint.json").write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
+        (partial / "checkpoint.json").write_text(
+            json.dumps({"step": step, **meta}, indent=2) + "\n"
+        )
         _fsync_tree(partial)
         (partial / MARKER).write_text(f"step {step}\n")
         _fsync_tree(partial)
@@ -170,7 +172,10 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
             f"{config.cache} is cache {meta['cache_fingerprint']}: resume with the same cache "
             "or start a new --out"
         )
-    for key, what in (("world_size", "ranks"), ("workers_per_rank", "data-loader workers per rank")):
+    for key, what in (
+        ("world_size", "ranks"),
+        ("workers_per_rank", "data-loader workers per rank"),
+    ):
         if saved[key] != meta[key]:
             raise ConfigError(
                 f"checkpoint {folder} was written by {saved[key]} {what}, this run has "

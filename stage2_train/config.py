@@ -94,11 +94,16 @@ class TrainConfig:
     adam_beta1: float = option(0.9, help="AdamW beta1")
     adam_beta2: float = option(0.95, help="AdamW beta2")
     grad_clip: float = option(1.0, help="clip the global gradient norm to this (0: no clipping)")
-    num_workers: int = option(2, help="data-loader worker processes per rank (0: in the main process)")
-    fsdp: bool = option(False, help="shard the student with FSDP (for students too big for one device)")
+    num_workers: int = option(
+        2, help="data-loader worker processes per rank (0: in the main process)"
+    )
+    fsdp: bool = option(
+        False, help="shard the student with FSDP (for students too big for one device)"
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = option(
         "auto",
-        help="compute dtype: bfloat16 autocast needs a GPU; auto is bfloat16 on GPU, float32 on CPU "
+        help="compute dtype: bfloat16 autocast needs a GPU; auto is bfloat16 on GPU, float32 "
+        "on CPU "
         "(weights and optimizer state stay float32)",
     )
     record_documents: bool = option(
@@ -107,11 +112,19 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.cache, self.out = Path(self.cache), Path(self.out)
-        positive = ("max_steps", "num_chunks", "seq_len", "save_every", "global_batch_tokens",
-                    "micro_batch_size")
+        positive = (
+            "max_steps",
+            "num_chunks",
+            "seq_len",
+            "save_every",
+            "global_batch_tokens",
+            "micro_batch_size",
+        )
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}"
+                )
         for name in ("warmup_steps", "num_workers", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative")

@@ -7,6 +7,9 @@ epoch e the items are permuted by (seed, e) and consumer c takes items c, c + C,
 disjoint parts whose union is every row, so each document is used exactly once per epoch.
 Within one Parquet read (READ_ROWS rows) the item's rows are shuffled by (seed, e, shard, read).
 Each consumer's stream is endless (epoch after epoch), so every rank runs exactly --max-steps.
+Consumers get equally many items (+-1); a consumer that finishes its part of epoch e goes on to
+its part of epoch e + 1, so with few items per consumer (fewer shards than ~10x the consumers)
+some documents come round again before others have been seen once.
 
 Per document (vectorized over a whole read, no per-token Python loop): check text_sha256, tokenize
 `text` with the student tokenizer (BOS per the student's policy, EOS appended), align to the
@@ -185,7 +188,6 @@ def annotate(
         empty = np.zeros(0, dtype=np.int32)
         return AnnotatedDocuments(empty, np.zeros(0, dtype=np.float32), lengths)
     ids = np.concatenate([e.ids for e in encodings])
-    teacher_first = _exclusive_cumsum(teacher_lengths)
     if alignment == "token":
         # Shift each document's offsets past the previous one (plus a gap, so that zero-width
         # spans at a boundary touch neither side): one align call serves the whole read.
@@ -204,7 +206,7 @@ def annotate(
             equal_chunk_alignment(int(n_s), int(n_t), num_chunks)
             for n_s, n_t in zip(lengths, teacher_lengths, strict=True)
         ]
-        offset = np.repeat(teacher_first, lengths)
+        offset = np.repeat(_exclusive_cumsum(teacher_lengths), lengths)  # document's first teacher
         map_start = np.concatenate([p[0] for p in pairs])
         map_end = np.concatenate([p[1] for p in pairs])
         mapped = map_start >= 0
@@ -285,9 +287,13 @@ class ConsumerStream:
     def _annotate_rows(self, batch: pa.RecordBatch, path: Path) -> AnnotatedDocuments:
         texts = batch.column(TEXT).to_pylist()
         doc_ids = batch.column(DOC_ID).to_pylist()
-        for doc_id, text, digest in zip(doc_ids, texts, batch.column(TEXT_SHA256).to_pylist(), strict=True):
+        for doc_id, text, digest in zip(
+            doc_ids, texts, batch.column(TEXT_SHA256).to_pylist(), strict=True
+        ):
             if sha256_text(text) != digest:
-                raise CacheError(f"shard {path}: document {doc_id!r} does not match its text_sha256")
+                raise CacheError(
+                    f"shard {path}: document {doc_id!r} does not match its text_sha256"
+                )
         start, lengths = _list_column(batch, TOKEN_START, np.int64)
         end, _ = _list_column(batch, TOKEN_END, np.int64)
         loss, loss_lengths = _list_column(batch, LOSS, np.float32)
@@ -299,8 +305,14 @@ class ConsumerStream:
         ):
             raise CacheError(f"shard {path}: teacher offsets or losses do not fit their texts")
         docs = annotate(
-            self.tokenizer, texts, start, end, loss, lengths,
-            alignment=self.plan.alignment, num_chunks=self.plan.num_chunks,
+            self.tokenizer,
+            texts,
+            start,
+            end,
+            loss,
+            lengths,
+            alignment=self.plan.alignment,
+            num_chunks=self.plan.num_chunks,
             aggregate=self.plan.aggregate,
         )
         docs.doc_ids = doc_ids
@@ -308,7 +320,9 @@ class ConsumerStream:
 
     # -- packing -----------------------------------------------------------------------------
     def _append(self, docs: AnnotatedDocuments, positions: np.ndarray, epoch: int) -> None:
-        self._doc_start = np.concatenate((self._doc_start, self._ids.size + _exclusive_cumsum(docs.lengths)))
+        self._doc_start = np.concatenate(
+            (self._doc_start, self._ids.size + _exclusive_cumsum(docs.lengths))
+        )
         self._doc_length = np.concatenate((self._doc_length, docs.lengths))
         self._doc_position = np.concatenate((self._doc_position, positions))
         self._doc_ids.extend((epoch, doc_id) for doc_id in docs.doc_ids)
@@ -363,7 +377,9 @@ class CacheStream(IterableDataset):
     consumer whose turn it was (DataLoader always starts with worker 0).
     """
 
-    def __init__(self, plan: DataPlan, rank: int, positions: list[StreamPosition], first_consumer: int):
+    def __init__(
+        self, plan: DataPlan, rank: int, positions: list[StreamPosition], first_consumer: int
+    ):
         super().__init__()
         if len(positions) != plan.consumers_per_rank:
             raise ValueError("one position per consumer of this rank is needed")
@@ -410,14 +426,19 @@ class DataState:
         self.next_consumer = (local + 1) % len(self.positions)
 
     def to_dict(self) -> dict:
-        return {"positions": [asdict(p) for p in self.positions], "next_consumer": self.next_consumer}
+        return {
+            "positions": [asdict(p) for p in self.positions],
+            "next_consumer": self.next_consumer,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> DataState:
         return cls([StreamPosition(**p) for p in data["positions"]], data["next_consumer"])
 
 
-def make_loader(plan: DataPlan, rank: int, state: DataState, pin_memory: bool = False) -> DataLoader:
+def make_loader(
+    plan: DataPlan, rank: int, state: DataState, pin_memory: bool = False
+) -> DataLoader:
     dataset = CacheStream(plan, rank, list(state.positions), state.next_consumer)
     return DataLoader(
         dataset,

@@ -16,25 +16,39 @@ from stage2_train.distributed import Runtime
 # Llama-architecture students for training from scratch; the vocabulary comes from the tokenizer.
 PRESETS: dict[str, dict] = {
     "llama-tiny": {  # tests: a forward pass costs milliseconds
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
     },
     "llama-small": {  # benchmarks on a CPU
-        "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 4,
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
     },
     "tinyllama-1.1b": {  # the paper's student architecture
-        "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
     },
 }
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def student_kind(spec: str) -> str:
-    """preset | config (a config.json, or a folder with no weights) | pretrained (folder, hub id)."""
+    """preset | config (config.json, or a folder without weights) | pretrained (folder, hub id)."""
     if spec in PRESETS:
         return "preset"
     path = Path(spec).expanduser()
@@ -100,8 +114,10 @@ def wrap(model: nn.Module, runtime: Runtime, fsdp: bool) -> nn.Module:
     model = model.to(runtime.device)
     if fsdp:
         if not runtime.distributed:
-            raise ConfigError("--fsdp shards the student across ranks: run it under torchrun "
-                              "with --nproc-per-node 2 or more")
+            raise ConfigError(
+                "--fsdp shards the student across ranks: run it under torchrun "
+                "with --nproc-per-node 2 or more"
+            )
         from torch.distributed.fsdp import fully_shard
 
         for layer in getattr(getattr(model, "model", None), "layers", []):
@@ -163,7 +179,8 @@ def save_tokenizer(tokenizer: TextTokenizer, folder: Path) -> None:
     if tokenizer.policy.add_bos and tokenizer.policy.bos_token:
         bos = tokenizer.policy.bos_token
         template = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
             special_tokens=[(bos, tokenizer.bos_id)],
         )
         existing = backend.post_processor

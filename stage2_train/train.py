@@ -1,4 +1,5 @@
-"""Stage 2 entry: `torchrun --nproc-per-node N stage2_train/train.py --cache DIR --student S --out OUT`
+"""Stage 2 entry:
+`torchrun --nproc-per-node N stage2_train/train.py --cache DIR --student S --out OUT ...`
 (or `python stage2_train/train.py ...` as one process). Options: `--help`, or a TOML manifest's
 [stage2] table via `--manifest`. No teacher model is imported or loaded here: its losses come from
 the cache."""

@@ -25,7 +25,13 @@ import torch
 from torch import nn
 
 from pipeline.config import to_dict
-from pipeline.guidance import IGNORE_INDEX, guided_loss, kept_in_step, token_loss
+from pipeline.guidance import (
+    IGNORE_INDEX,
+    guided_loss,
+    kept_in_step,
+    mapped_tokens,
+    token_loss,
+)
 from pipeline.io import atomic_write_json, atomic_write_text, fsync_dir
 from pipeline.manifest import load_manifest
 from pipeline.tokenizer import load_tokenizer
@@ -196,8 +202,12 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
         documents = JsonLines(config.out / "documents" / f"rank-{runtime.rank}.jsonl", start_step)
     stream = batches(make_loader(plan, runtime.rank, data_state, runtime.device.type == "cuda"))
     progress = tqdm(
-        total=stop_step, initial=start_step, disable=not runtime.is_main, unit="step",
-        dynamic_ncols=True, file=sys.stderr,
+        total=stop_step,
+        initial=start_step,
+        disable=not runtime.is_main,
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stderr,
     )
     started, step_tokens = time.monotonic(), 0
 
@@ -208,8 +218,10 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
             data_state.observe(batch)
         valid = [batch["labels"] != IGNORE_INDEX for batch in micro_batches]
         counts = torch.tensor(
-            [[int((v & ~b["teacher_loss"].isnan()).sum()), int(v.sum())]
-             for v, b in zip(valid, micro_batches, strict=True)]
+            [
+                [int(mapped_tokens(b["teacher_loss"], v).sum()), int(v.sum())]
+                for v, b in zip(valid, micro_batches, strict=True)
+            ]
         )
         kept_total = kept_in_step(runtime.all_gather(counts), settings)
         scale = runtime.world_size / max(kept_total, 1)
@@ -224,13 +236,22 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
                 with compute:
                     logits = model(input_ids=inputs).logits
                 result = guided_loss(
-                    token_loss(logits, labels), teacher, labels != IGNORE_INDEX, settings,
+                    token_loss(logits, labels),
+                    teacher,
+                    labels != IGNORE_INDEX,
+                    settings,
                     generator=selection_generator(config, step, micro, runtime.rank),
                 )
                 (result.kept_loss_sum * scale).backward()
             totals += torch.tensor(
-                [float(result.kept_loss_sum.detach()), float(result.loss_sum), result.kept, result.mapped,
-                 result.valid], dtype=torch.float64,
+                [
+                    float(result.kept_loss_sum.detach()),
+                    float(result.loss_sum),
+                    result.kept,
+                    result.mapped,
+                    result.valid,
+                ],
+                dtype=torch.float64,
             )
 
         # step
@@ -267,8 +288,10 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
                 writer.add_scalar(f"train/{key}", record[key], step)
             rate = step_tokens / max(time.monotonic() - started, 1e-9)
             progress.set_postfix(
-                loss=f"{record['loss']:.3f}", kept=f"{record['kept_fraction']:.2f}",
-                tok_s=f"{rate:,.0f}", refresh=False,
+                loss=f"{record['loss']:.3f}",
+                kept=f"{record['kept_fraction']:.2f}",
+                tok_s=f"{rate:,.0f}",
+                refresh=False,
             )
             progress.update()
 

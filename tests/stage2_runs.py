@@ -7,17 +7,47 @@ from pathlib import Path
 
 TRAIN = Path(__file__).resolve().parents[1] / "stage2_train" / "train.py"
 # Every field a resumed run must reproduce exactly.
-LOSS_FIELDS = ("step", "loss", "loss_all", "kept_fraction", "mapped_fraction", "tokens", "lr", "grad_norm")
+LOSS_FIELDS = (
+    "step",
+    "loss",
+    "loss_all",
+    "kept_fraction",
+    "mapped_fraction",
+    "tokens",
+    "lr",
+    "grad_norm",
+)
 
 
 def train_args(cache: Path, out: Path, *extra: str) -> list[str]:
     """A llama-tiny student on the real tinyllama tokenizer, 6 steps of 2 x 32-token sequences;
     `extra` options win over these (argparse keeps the last value given)."""
     return [
-        "--cache", str(cache), "--student", "llama-tiny", "--student-tokenizer", "tinyllama",
-        "--out", str(out), "--max-steps", "6", "--warmup-steps", "1", "--seq-len", "32",
-        "--micro-batch-size", "2", "--global-batch-tokens", "128", "--lr", "1e-3",
-        "--min-lr", "1e-4", "--save-every", "100", *extra,
+        "--cache",
+        str(cache),
+        "--student",
+        "llama-tiny",
+        "--student-tokenizer",
+        "tinyllama",
+        "--out",
+        str(out),
+        "--max-steps",
+        "6",
+        "--warmup-steps",
+        "1",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-tokens",
+        "128",
+        "--lr",
+        "1e-3",
+        "--min-lr",
+        "1e-4",
+        "--save-every",
+        "100",
+        *extra,
     ]
 
 

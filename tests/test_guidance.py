@@ -46,12 +46,16 @@ def test_include_keeps_top_k_of_mapped_plus_every_unmapped_token():
 
 def test_exclude_drops_unmapped_tokens():
     result = guided_loss(STUDENT, TEACHER, ALL, settings(unmapped="exclude"))
-    assert kept_positions(select_tokens(STUDENT, TEACHER, ALL, settings(unmapped="exclude"))) == [2, 4]
+    assert kept_positions(select_tokens(STUDENT, TEACHER, ALL, settings(unmapped="exclude"))) == [
+        2,
+        4,
+    ]
     assert result.loss.item() == pytest.approx((3.0 + 2.5) / 2)
 
 
 def test_mean_gives_unmapped_tokens_the_mean_teacher_loss_and_lets_them_compete():
-    # mean teacher loss of mapped tokens = 0.625; excess = 1.375, .5, 2, 0, 2, .875; k = ceil(2.4) = 3
+    # mean teacher loss of mapped tokens = 0.625; excess = 1.375, .5, 2, 0, 2, .875;
+    # k = ceil(0.4 * 6) = 3
     keep = select_tokens(STUDENT, TEACHER, ALL, settings(unmapped="mean"))
     assert kept_positions(keep) == [0, 2, 4]
     result = guided_loss(STUDENT, TEACHER, ALL, settings(unmapped="mean"))
@@ -65,7 +69,9 @@ def test_ties_at_the_threshold_go_to_earlier_positions_and_keep_exactly_k():
     assert kept_positions(keep) == [0, 1]
     # Ties across rows follow row-major order.
     student = torch.tensor([[1.0, 5.0], [5.0, 5.0]])
-    keep = select_tokens(student, torch.zeros_like(student), torch.ones(2, 2, dtype=torch.bool), settings())
+    keep = select_tokens(
+        student, torch.zeros_like(student), torch.ones(2, 2, dtype=torch.bool), settings()
+    )
     assert keep.tolist() == [[False, True], [True, False]]
 
 
@@ -87,7 +93,9 @@ def test_all_unmapped_row_and_all_unmapped_batch():
     for how, kept in (("include", 6), ("exclude", 0), ("mean", 3)):
         result = guided_loss(student, nothing_mapped, valid, settings(unmapped=how))
         assert result.kept == kept and result.mapped == 0
-    empty = guided_loss(student.requires_grad_(), nothing_mapped, valid, settings(unmapped="exclude"))
+    empty = guided_loss(
+        student.requires_grad_(), nothing_mapped, valid, settings(unmapped="exclude")
+    )
     assert empty.loss.item() == 0.0
     empty.loss.backward()  # still a graph: a rank with nothing kept joins DDP's all-reduce
     assert torch.equal(student.grad, torch.zeros_like(student))
@@ -118,15 +126,24 @@ def test_random_keeps_as_many_as_token_with_seeded_noise():
     for how in ("include", "exclude", "mean"):
         token = select_tokens(student, teacher, valid, settings(unmapped=how))
         first = select_tokens(
-            student, teacher, valid, settings(mode="random", unmapped=how),
+            student,
+            teacher,
+            valid,
+            settings(mode="random", unmapped=how),
             generator=torch.Generator().manual_seed(7),
         )
         again = select_tokens(
-            student, teacher, valid, settings(mode="random", unmapped=how),
+            student,
+            teacher,
+            valid,
+            settings(mode="random", unmapped=how),
             generator=torch.Generator().manual_seed(7),
         )
         other = select_tokens(
-            student, teacher, valid, settings(mode="random", unmapped=how),
+            student,
+            teacher,
+            valid,
+            settings(mode="random", unmapped=how),
             generator=torch.Generator().manual_seed(8),
         )
         assert int(first.sum()) == int(token.sum())
@@ -179,7 +196,13 @@ def test_kept_in_step_sums_per_selection_scope():
 
 
 def test_invalid_settings_are_refused():
-    for bad in ({"mode": "soft"}, {"topk": 0.0}, {"topk": 1.5}, {"unmapped": "skip"}, {"scope": "node"}):
+    for bad in (
+        {"mode": "soft"},
+        {"topk": 0.0},
+        {"topk": 1.5},
+        {"unmapped": "skip"},
+        {"scope": "node"},
+    ):
         with pytest.raises(ValueError):
             GuidanceSettings(**bad)
 
@@ -189,8 +212,12 @@ def test_none_equals_transformers_mean_cross_entropy():
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     model = LlamaForCausalLM(config).eval()
     window = torch.randint(0, 97, (3, 17))
@@ -205,7 +232,9 @@ def test_none_equals_transformers_mean_cross_entropy():
     torch.testing.assert_close(ours.loss, reference, rtol=1e-6, atol=1e-6)
     full = guided_loss(
         token_loss(model(input_ids=window).logits[:, :-1], window[:, 1:]).detach(),
-        torch.zeros(3, 16), torch.ones(3, 16, dtype=torch.bool), settings(mode="none"),
+        torch.zeros(3, 16),
+        torch.ones(3, 16, dtype=torch.bool),
+        settings(mode="none"),
     )
     torch.testing.assert_close(full.loss, unshifted, rtol=1e-6, atol=1e-6)
 
@@ -225,7 +254,8 @@ def _global_worker(rank: int, world: int, init_file: str, queue) -> None:
                 keep = select_tokens(
                     student[rank], teacher[rank], torch.ones(2, 25, dtype=torch.bool), config, noise
                 )
-                out[mode, how] = keep
+                # Plain lists: a tensor would be shared through memory that dies with this process.
+                out[mode, how] = keep.tolist()
         queue.put((rank, out))
     finally:
         dist.destroy_process_group()
@@ -237,7 +267,9 @@ def test_global_scope_is_one_selection_over_all_ranks():
     queue = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [context.Process(target=_global_worker, args=(r, 2, init_file, queue)) for r in (0, 1)]
+        procs = [
+            context.Process(target=_global_worker, args=(r, 2, init_file, queue)) for r in (0, 1)
+        ]
         for proc in procs:
             proc.start()
         results = dict(queue.get(timeout=120) for _ in procs)
@@ -250,7 +282,7 @@ def test_global_scope_is_one_selection_over_all_ranks():
     teacher[torch.rand(2, 2, 25, generator=generator) < 0.25] = NAN
     valid = torch.ones(4, 25, dtype=torch.bool)
     for mode, how in results[0]:
-        joined = torch.cat([results[0][mode, how], results[1][mode, how]])
+        joined = torch.tensor(results[0][mode, how] + results[1][mode, how])
         if mode == "token":
             expected = select_tokens(
                 student.reshape(4, 25), teacher.reshape(4, 25), valid, settings(unmapped=how)

@@ -41,9 +41,17 @@ def qwen_cache(tmp_path_factory) -> Path:
 def make_plan(cache: Path, **changes) -> DataPlan:
     manifest = load_manifest(cache)
     plan = DataPlan(
-        cache_dir=cache, shards=tuple(manifest.shards), student_tokenizer="tinyllama",
-        alignment="token", num_chunks=4, aggregate="max", seq_len=48, micro_batch_size=2,
-        seed=5, world_size=1, num_workers=0,
+        cache_dir=cache,
+        shards=tuple(manifest.shards),
+        student_tokenizer="tinyllama",
+        alignment="token",
+        num_chunks=4,
+        aggregate="max",
+        seq_len=48,
+        micro_batch_size=2,
+        seed=5,
+        world_size=1,
+        num_workers=0,
     )
     return replace(plan, **changes)
 
@@ -138,11 +146,15 @@ def test_packing_is_the_document_stream_cut_into_overlapping_windows(qwen_cache)
         for b in range(plan.micro_batch_size):
             first = k * width + b * length
             np.testing.assert_array_equal(batch["input_ids"][b], docs.ids[first : first + length])
-            np.testing.assert_array_equal(batch["labels"][b], docs.ids[first + 1 : first + length + 1])
+            np.testing.assert_array_equal(
+                batch["labels"][b], docs.ids[first + 1 : first + length + 1]
+            )
             np.testing.assert_array_equal(
                 batch["teacher_loss"][b], docs.teacher_loss[first + 1 : first + length + 1]
             )
-    assert got[0]["input_ids"].dtype == torch.int64 and got[0]["teacher_loss"].dtype == torch.float32
+    assert (
+        got[0]["input_ids"].dtype == torch.int64 and got[0]["teacher_loss"].dtype == torch.float32
+    )
     # A document is listed in the batch that consumes its first token.
     starts = np.concatenate(([0], np.cumsum(docs.lengths)[:-1]))
     listed = [k for k, batch in enumerate(got) for _ in batch["documents"]]
@@ -178,6 +190,7 @@ def test_each_document_is_used_exactly_once_per_epoch_across_ranks_and_workers(
 
 def test_epoch_order_is_a_pure_function_of_seed_and_epoch(qwen_cache):
     plan = make_plan(qwen_cache, world_size=2, num_workers=2)
+
     def assignment(plan, epoch):
         return [work_items(plan, consumer, epoch) for consumer in range(plan.consumers)]
 
@@ -254,7 +267,9 @@ def test_text_that_does_not_match_its_hash_is_refused(tmp_path):
     table = table.set_column(table.schema.get_field_index(TEXT), TEXT, [texts])
     size, digest = write_shard(path, table, read_shard_metadata(path))
     manifest = load_manifest(tmp_path)
-    manifest.shards = [ShardRecord(0, shard_name(0), 4, manifest.shards[0].teacher_tokens, size, digest)]
+    manifest.shards = [
+        ShardRecord(0, shard_name(0), 4, manifest.shards[0].teacher_tokens, size, digest)
+    ]
     write_manifest(tmp_path, manifest)
     with pytest.raises(CacheError, match="text_sha256"):
         first_batches(make_plan(tmp_path))

@@ -31,17 +31,38 @@ pytestmark = pytest.mark.slow
 
 def run_args(cache: Path, out: Path, *extra: str) -> list[str]:
     return train_args(
-        cache, out, "--max-steps", "8", "--global-batch-tokens", "256", "--num-workers", "1",
-        "--selection-scope", "global", "--record-documents", *extra,
+        cache,
+        out,
+        "--max-steps",
+        "8",
+        "--global-batch-tokens",
+        "256",
+        "--num-workers",
+        "1",
+        "--selection-scope",
+        "global",
+        "--record-documents",
+        *extra,
     )
 
 
 def torchrun(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(TRAIN), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(TRAIN),
+        *args,
+    ]
     return subprocess.Popen(
-        command, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -71,9 +92,14 @@ def runs(tmp_path_factory) -> dict:
     stopped_metrics = (parts / "metrics.jsonl").read_text()
     finish(torchrun(run_args(cache, parts), env=audited))
     return {
-        "cache": cache, "whole": whole, "parts": parts, "fsdp": sharded, "teacher": teacher,
+        "cache": cache,
+        "whole": whole,
+        "parts": parts,
+        "fsdp": sharded,
+        "teacher": teacher,
         "root": root,
-        "documents": documents, "stopped_metrics": stopped_metrics,
+        "documents": documents,
+        "stopped_metrics": stopped_metrics,
     }
 
 

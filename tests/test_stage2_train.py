@@ -44,7 +44,9 @@ def uninterrupted(cache, tmp_path_factory) -> Path:
     return out
 
 
-def test_stopped_and_resumed_run_matches_the_uninterrupted_one_bit_for_bit(cache, uninterrupted, tmp_path):
+def test_stopped_and_resumed_run_matches_the_uninterrupted_one_bit_for_bit(
+    cache, uninterrupted, tmp_path
+):
     out = tmp_path / "out"
     # Stop at step 3, as a time limit would, then continue the same schedule with --resume auto.
     assert main(train_args(cache, out, *RESUME_ARGS, "--stop-at-step", "3")) == 0
@@ -65,7 +67,9 @@ def test_metrics_and_final_model(uninterrupted, cache):
     from pipeline.tokenizer import load_tokenizer
     from stage2_train.data import cache_fingerprint
 
-    records = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r["tokens"] for r in records] == [64 * s for s in range(1, 7)]
     for r in records:
@@ -95,7 +99,10 @@ def test_metrics_and_final_model(uninterrupted, cache):
 
 def test_guidance_none_keeps_every_token(cache, tmp_path):
     out = tmp_path / "out"
-    assert main(train_args(cache, out, "--num-workers", "0", "--guidance", "none", "--max-steps", "2")) == 0
+    assert (
+        main(train_args(cache, out, "--num-workers", "0", "--guidance", "none", "--max-steps", "2"))
+        == 0
+    )
     for record in read_metrics(out):
         assert record["kept_fraction"] == 1.0 and record["loss"] == record["loss_all"]
 
@@ -138,8 +145,22 @@ def test_errors_are_one_line_and_exit_2(cache, tmp_path, capsys):
     assert err.startswith("stage2_train/train.py: error: cache folder") and "\n" not in err
     assert main(train_args(cache, tmp_path / "out", "--global-batch-tokens", "96")) == 2
     assert "must be a multiple of --micro-batch-size x --seq-len (64)" in capsys.readouterr().err
-    assert main([*train_args(cache, tmp_path / "out")[:2], "--student", "llama-tiny",
-                 "--out", str(tmp_path / "o"), "--max-steps", "3", "--warmup-steps", "1"]) == 2
+    assert (
+        main(
+            [
+                *train_args(cache, tmp_path / "out")[:2],
+                "--student",
+                "llama-tiny",
+                "--out",
+                str(tmp_path / "o"),
+                "--max-steps",
+                "3",
+                "--warmup-steps",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "pass --student-tokenizer" in capsys.readouterr().err
 
 
@@ -147,17 +168,29 @@ def test_training_never_imports_a_teacher_nor_opens_its_files(tmp_path):
     """A real `python stage2_train/train.py` process, audited (tests/teacher_audit.py); the
     2-rank torchrun version is in test_stage2_torchrun.py."""
     cache, out = tmp_path / "cache", tmp_path / "out"
-    build_cache(cache, num_documents=4, docs_per_shard=4, teacher=fake_teacher(tmp_path / "teacher"))
-    command = [sys.executable, str(TRAIN), *train_args(cache, out, "--num-workers", "0",
-                                                           "--stop-at-step", "1")]
-    result = subprocess.run(command, env={**os.environ, **audited_env(tmp_path)},
-                            capture_output=True, text=True, timeout=600)
+    build_cache(
+        cache, num_documents=4, docs_per_shard=4, teacher=fake_teacher(tmp_path / "teacher")
+    )
+    command = [
+        sys.executable,
+        str(TRAIN),
+        *train_args(cache, out, "--num-workers", "0", "--stop-at-step", "1"),
+    ]
+    result = subprocess.run(
+        command,
+        env={**os.environ, **audited_env(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert_no_teacher(tmp_path, tmp_path / "teacher", out, ranks=1)
 
 
 def test_incomplete_checkpoints_are_never_resumed(tmp_path):
-    config = TrainConfig(cache=tmp_path, student="llama-tiny", out=tmp_path, max_steps=10, warmup_steps=1)
+    config = TrainConfig(
+        cache=tmp_path, student="llama-tiny", out=tmp_path, max_steps=10, warmup_steps=1
+    )
     for step, complete in ((2, True), (4, True), (6, False)):
         folder = tmp_path / "checkpoints" / f"step-{step}"
         folder.mkdir(parents=True)
@@ -170,8 +203,15 @@ def test_incomplete_checkpoints_are_never_resumed(tmp_path):
 
 
 def test_schedule_warms_up_then_decays_to_min_lr():
-    config = TrainConfig(cache=Path("c"), student="s", out=Path("o"), max_steps=11, warmup_steps=2,
-                         lr=1.0, min_lr=0.1)
+    config = TrainConfig(
+        cache=Path("c"),
+        student="s",
+        out=Path("o"),
+        max_steps=11,
+        warmup_steps=2,
+        lr=1.0,
+        min_lr=0.1,
+    )
     assert [lr_at(s, config) for s in (1, 2)] == [0.5, 1.0]
     assert lr_at(3, config) == pytest.approx(1.0) and lr_at(11, config) == pytest.approx(0.1)
     decay = [lr_at(s, config) for s in range(3, 12)]
@@ -196,8 +236,16 @@ def test_config_validation(change, message):
 
 
 def test_accumulation_must_divide_the_global_batch_by_world_size():
-    config = TrainConfig(cache=Path("c"), student="s", out=Path("o"), max_steps=10, warmup_steps=1,
-                         seq_len=32, micro_batch_size=2, global_batch_tokens=192)
+    config = TrainConfig(
+        cache=Path("c"),
+        student="s",
+        out=Path("o"),
+        max_steps=10,
+        warmup_steps=1,
+        seq_len=32,
+        micro_batch_size=2,
+        global_batch_tokens=192,
+    )
     assert config.accumulation_steps(1) == 3
     with pytest.raises(ConfigError, match="world size x --micro-batch-size x --seq-len"):
         config.accumulation_steps(2)
