@@ -256,3 +256,62 @@ def test_the_example_manifest_is_a_valid_stage2_job():
     config = parse_train_config(["--manifest", str(manifest)])
     assert config.guidance == "token" and config.student_tokenizer == "tinyllama"
     assert [config.accumulation_steps(n) for n in (1, 2)] == [8, 4]
+
+
+def test_continual_pretraining_starts_from_a_local_hf_folder(cache, uninterrupted, tmp_path):
+    """A trained student folder (weights + tokenizer) as --student: its own tokenizer is used and
+    the first step's loss is exactly what those weights give on the first batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.manifest import load_manifest
+    from stage2_train.data import ConsumerStream, DataPlan
+
+    folder, out = uninterrupted / "final", tmp_path / "out"
+    args = train_args(cache, out, "--num-workers", "0", "--global-batch-tokens", "64")
+    args[args.index("--student") + 1] = str(folder)
+    del args[args.index("--student-tokenizer") : args.index("--student-tokenizer") + 2]
+    assert main([*args, "--guidance", "none", "--max-steps", "2"]) == 0
+    plan = DataPlan(
+        cache_dir=cache,
+        shards=tuple(load_manifest(cache).shards),
+        student_tokenizer=str(folder),
+        alignment="token",
+        num_chunks=32,
+        aggregate="max",
+        seq_len=32,
+        micro_batch_size=2,
+        seed=0,
+        world_size=1,
+        num_workers=0,
+    )
+    batch = next(iter(ConsumerStream(plan, 0)))
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        expected = model(
+            input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"]
+        ).loss
+    assert read_metrics(out)[0]["loss_all"] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_a_config_json_student_is_trained_from_scratch(cache, tmp_path):
+    config = tmp_path / "student.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 32000,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+            }
+        )
+    )
+    out = tmp_path / "out"
+    args = train_args(cache, out, "--num-workers", "0", "--max-steps", "2")
+    args[args.index("--student") + 1] = str(config)
+    assert main(args) == 0
+    saved = json.loads((out / "final" / "config.json").read_text())
+    assert saved["hidden_size"] == 32 and saved["num_hidden_layers"] == 1
