@@ -55,21 +55,17 @@ class Runtime:
             dist.barrier()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
-            dist.all_reduce(tensor)
-        return tensor
+        if not self.distributed:
+            return tensor
+        on_device = tensor.to(self.device)  # nccl reduces only GPU tensors
+        dist.all_reduce(on_device)
+        return on_device.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Stack of every rank's tensor, in rank order (shape [world, ...])."""
         if not self.distributed:
             return tensor.unsqueeze(0)
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor)
-        return torch.stack(parts)
-
-    def all_gather_object(self, value):
-        if not self.distributed:
-            return [value]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, value)
-        return out
+        on_device = tensor.to(self.device)
+        parts = [torch.empty_like(on_device) for _ in range(self.world_size)]
+        dist.all_gather(parts, on_device)
+        return torch.stack(parts).to(tensor.device)
