@@ -32,7 +32,7 @@ from torch import nn
 
 from pipeline.config import to_dict
 from pipeline.errors import CacheError, ConfigError
-from pipeline.io import fsync_dir
+from pipeline.io import atomic_write_json, atomic_write_text, fsync_dir
 from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
 from stage2_train.data import DataState
 from stage2_train.distributed import Runtime
@@ -94,12 +94,11 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def _fsync_tree(folder: Path) -> None:
-    for root, _, files in os.walk(folder):
-        for name in files:
-            with open(Path(root) / name, "rb") as handle:
-                os.fsync(handle.fileno())
-        fsync_dir(root)
+def _save_synced(obj, path: Path) -> None:
+    """torch.save and fsync by the rank that wrote it (its node's cache holds the bytes)."""
+    torch.save(obj, path)
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
 
 
 @contextlib.contextmanager
@@ -142,19 +141,16 @@ def save_checkpoint(
             checkpoint_id=partial / "state",
             no_dist=not runtime.distributed,
         )
-    torch.save(
+    # dcp.save fsyncs its own files; every file below is flushed by the rank that wrote it.
+    _save_synced(
         {"rng": _rng_state(), "data": data_state.to_dict()}, partial / f"rank-{runtime.rank}.pt"
     )
     runtime.barrier()
     if runtime.is_main:
-        torch.save({"scheduler": scheduler.state_dict()}, partial / "trainer.pt")
-        (partial / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
-        (partial / "checkpoint.json").write_text(
-            json.dumps({"step": step, **meta}, indent=2) + "\n"
-        )
-        _fsync_tree(partial)
-        (partial / MARKER).write_text(f"step {step}\n")
-        _fsync_tree(partial)
+        _save_synced({"scheduler": scheduler.state_dict()}, partial / "trainer.pt")
+        atomic_write_json(partial / "config.json", to_dict(config))
+        atomic_write_json(partial / "checkpoint.json", {"step": step, **meta})
+        atomic_write_text(partial / MARKER, f"step {step}\n")  # last: the folder is complete
         if final.exists():  # an identical step re-saved after a resume from an older one
             shutil.rmtree(final)
         partial.rename(final)
