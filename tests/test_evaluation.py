@@ -85,3 +85,18 @@ def test_eval_command_reports_both_measures(tmp_path, capsys):
 def test_eval_of_a_missing_model_is_one_clear_error(tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_generation_stops_per_row_once_the_final_answer_line_is_written():
+    from pipeline.evaluation.answer_accuracy import FinalAnswerStop
+
+    tokenizer = load_tokenizer("smollm2")
+    prompt = tokenizer.encode("Question: 1 + 1?\nAnswer:").ids.tolist()
+    rows = [" 1 + 1 = 2\n#### 2\n", " 1 + 1 = 2\n#### 2", " so\n\nQuestion: next"]
+    encoded = [prompt + tokenizer.encode(r).ids.tolist() for r in rows]
+    width = max(map(len, encoded))
+    pad = tokenizer.eos_id
+    # Right-pad here: the criterion decodes everything after the prompt, skipping specials.
+    batch = torch.tensor([ids + [pad] * (width - len(ids)) for ids in encoded])
+    stop = FinalAnswerStop(tokenizer, len(prompt))(batch, None)
+    assert stop.tolist() == [True, False, True]

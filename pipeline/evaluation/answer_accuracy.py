@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from pipeline.tokenizer import TextTokenizer
 
 _FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+_DONE = re.compile(r"####\s*-?[\d,]*\.?\d+\s*\n|\nQuestion:")
 _ANSWER_MARK = "\nAnswer:"
 
 
@@ -47,6 +49,23 @@ def same_number(predicted: str | None, reference: str) -> bool:
         return abs(float(predicted) - float(reference.replace(",", ""))) < 1e-6
     except ValueError:
         return predicted.strip() == reference.strip()
+
+
+class FinalAnswerStop(StoppingCriteria):
+    """Stop each row once it has written its `#### N` line or begun another question.
+
+    Rows stop independently; without this every row runs to max_new_tokens.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, prompt_width: int):
+        self.tokenizer = tokenizer
+        self.prompt_width = prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.backend.decode_batch(
+            input_ids[:, self.prompt_width :].tolist(), skip_special_tokens=True
+        )
+        return torch.tensor([bool(_DONE.search(t)) for t in texts], device=input_ids.device)
 
 
 def build_prompt(shots: list[str], problem: Problem) -> str:
@@ -82,6 +101,7 @@ def answer_accuracy(
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=pad_id,
+            stopping_criteria=StoppingCriteriaList([FinalAnswerStop(tokenizer, width)]),
         )
         for problem, row in zip(batch, generated[:, width:].tolist(), strict=True):
             completion = tokenizer.backend.decode(row, skip_special_tokens=True)
