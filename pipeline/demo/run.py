@@ -1,0 +1,132 @@
+"""The demo's steps, each the real thing: stage 1 as a Ray job on a local cluster, stage 2 under
+`torchrun`, then `vocagno eval` of every model and a report. Finished steps are reused on a rerun
+(stage 1 skips finished shards, stage 2 resumes from its checkpoints)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config import load_manifest_section
+from pipeline.demo.config import DemoConfig
+from pipeline.demo.ray_cluster import local_ray_cluster, submit_and_follow
+from pipeline.demo.report import write_report
+from pipeline.errors import VocagnoError
+from pipeline.evaluation.config import SECTION as EVAL_SECTION
+from pipeline.evaluation.config import EvalConfig
+from pipeline.io import atomic_path, atomic_write_json, open_binary_stream
+from pipeline.shipped import shipped_corpus
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def log(message: str) -> None:
+    print(f"\n[demo {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def write_corpus_slice(dest: Path, count: int) -> Path:
+    """The first `count` documents of the shipped training split, as plain JSON lines."""
+    if dest.exists():
+        return dest
+    with open_binary_stream(shipped_corpus("train")) as lines, atomic_path(dest) as tmp:
+        tmp.write_bytes(b"".join(itertools.islice(lines, count)))
+    return dest
+
+
+def make_student_init(config: DemoConfig, seed: int, seq_len: int) -> Path:
+    """The untrained student both arms start from, saved so it can be evaluated too."""
+    from pipeline.tokenizer import load_tokenizer
+    from stage2_train.model import build_student, save_tokenizer
+
+    folder = config.out / "student-init"
+    if (folder / "config.json").exists():
+        return folder
+    tokenizer = load_tokenizer(config.student_tokenizer)
+    model = build_student(config.student, tokenizer, seed, seq_len)
+    partial = folder.with_name(".student-init.partial")
+    model.save_pretrained(partial, safe_serialization=True)
+    save_tokenizer(tokenizer, partial)
+    partial.rename(folder)
+    return folder
+
+
+def score_with_ray(config: DemoConfig, manifest: Path, teacher: Path, corpus: Path) -> Path:
+    cache = config.out / "cache"
+    if (cache / "manifest.json").exists():
+        return cache
+    entrypoint = [
+        sys.executable, "stage1_score/run.py", "--manifest", str(manifest),
+        "--teacher", str(teacher), "--corpus", str(corpus), "--out", str(cache),
+    ]  # fmt: skip
+    with local_ray_cluster(config.ray_cpus, config.out / "logs" / "ray-head.log") as cluster:
+        log(f"Ray cluster up at {cluster.address}; submitting stage 1")
+        submit_and_follow(cluster, f"vocagno-demo-stage1-{int(time.time())}", entrypoint, REPO)
+    return cache
+
+
+def train_arm(config: DemoConfig, manifest: Path, cache: Path, student: Path, arm: str) -> Path:
+    out = config.out / "arms" / arm
+    if (out / "final" / "config.json").exists():
+        return out
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [
+        torchrun, f"--nproc-per-node={config.nproc_per_node}", "--standalone",
+        "stage2_train/train.py", "--manifest", str(manifest), "--cache", str(cache),
+        "--student", str(student), "--student-tokenizer", config.student_tokenizer,
+        "--out", str(out), "--guidance", arm,
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if result.returncode != 0:
+        raise VocagnoError(f"stage 2 ({arm}) failed with exit code {result.returncode}")
+    return out
+
+
+def evaluate_models(config: DemoConfig, manifest: Path, models: dict[str, Path]) -> dict:
+    from pipeline.evaluation.run import evaluate
+
+    settings = load_manifest_section(manifest, EVAL_SECTION)
+    results = {}
+    for name, model in models.items():
+        dest = config.out / "eval" / f"{name}.json"
+        if not dest.exists():
+            log(f"evaluating {name}")
+            evaluate(EvalConfig(model=str(model), out=dest, **settings))
+        results[name] = json.loads(dest.read_text())
+    return results
+
+
+def run_demo(config: DemoConfig, manifest: Path) -> Path:
+    from pipeline.teacher_assets import prepare_smollm2_teacher
+
+    stage2 = load_manifest_section(manifest, "stage2")
+    timings: dict[str, float] = {}
+
+    def timed(name, fn, *args):
+        start = time.monotonic()
+        result = fn(*args)
+        timings[name] = round(time.monotonic() - start, 1)
+        return result
+
+    config.out.mkdir(parents=True, exist_ok=True)
+    log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
+    teacher = Path(config.teacher) if config.teacher else timed("teacher", prepare_smollm2_teacher)
+    corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
+    log(f"stage 1: scoring {config.train_docs} documents with the teacher")
+    cache = timed("stage1", score_with_ray, config, manifest, teacher, corpus)
+    student = make_student_init(config, stage2.get("seed", 0), stage2.get("seq_len", 2048))
+    arms = {}
+    for arm in config.arms:
+        log(f"stage 2: training arm --guidance {arm} with torchrun x{config.nproc_per_node}")
+        arms[arm] = timed(f"stage2-{arm}", train_arm, config, manifest, cache, student, arm)
+    models = {"teacher": teacher, "student-init": student}
+    models.update({f"student-{arm}": out / "final" for arm, out in arms.items()})
+    results = timed("eval", evaluate_models, config, manifest, models)
+    atomic_write_json(config.out / "timings.json", timings)
+    report = write_report(config, teacher, cache, arms, results, timings)
+    log(f"done: {report}")
+    return report

@@ -1,0 +1,36 @@
+"""`make demo`: the whole pipeline on the embedded default (manifests/demo.toml), on a CPU.
+
+Starts a private local Ray cluster and submits stage 1 as a Ray job, trains each arm with
+`torchrun --nproc-per-node 2`, evaluates teacher and students, and writes runs/demo/report.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pipeline.config import parse_config
+from pipeline.demo.config import SECTION, DemoConfig
+from pipeline.errors import VocagnoError
+
+DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "demo.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--manifest" not in argv:
+        argv = ["--manifest", str(DEFAULT_MANIFEST), *argv]
+    config = parse_config(DemoConfig, argv, __doc__, SECTION)
+    manifest = Path(argv[argv.index("--manifest") + 1])
+    from pipeline.demo.run import run_demo
+
+    try:
+        run_demo(config, manifest)
+    except VocagnoError as exc:
+        print(f"demo: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
