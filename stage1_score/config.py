@@ -70,10 +70,14 @@ class ScoreConfig:
         16384, help="hf backend: padded tokens per forward batch (rows x longest window)"
     )
     num_workers: int = option(
-        0, help="Ray scoring actors; 0: one per GPU, or CPUs / cpus-per-worker without GPUs"
+        0,
+        help="Ray scoring actors; 0: one per GPU, or CPUs / cpus-per-worker without GPUs (each "
+        "actor loads the teacher: mind the memory of a big teacher on CPUs)",
     )
     cpus_per_worker: int = option(
-        0, help="CPU threads per actor; 0: 1 with GPUs, else the cluster's CPUs / num-workers"
+        0,
+        help="CPU threads per actor; 0: 1, or the cluster's CPUs / num-workers without GPUs when "
+        "num-workers is given",
     )
     ray_address: str | None = option(
         None,

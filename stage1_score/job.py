@@ -18,7 +18,6 @@ from pipeline.corpus import Corpus
 from pipeline.errors import ConfigError, CorpusError, VocagnoError
 from pipeline.io import atomic_write_json, sha256_text
 from pipeline.manifest import CacheManifest, ShardRecord, SkippedDocument, write_manifest
-from pipeline.tokenizer import TextTokenizer
 from stage1_score.config import ScoreConfig, result_settings
 from stage1_score.output import RUN_RECORD_NAME, OutputLock, finished_shard, prepare_output
 from stage1_score.progress import Progress, log
@@ -51,7 +50,6 @@ class Plan:
     config: ScoreConfig
     corpus: Corpus
     teacher: TeacherSource
-    tokenizer: TextTokenizer
     max_length: int
     stride: int
     identity: dict
@@ -109,7 +107,7 @@ def plan(config: ScoreConfig) -> Plan:
         "settings": result_settings(config, max_length, stride),
         "corpus": corpus.describe(),
     }
-    return Plan(config, corpus, teacher, tokenizer, max_length, stride, identity)
+    return Plan(config, corpus, teacher, max_length, stride, identity)
 
 
 def connect_ray(address: str | None) -> bool:
@@ -133,7 +131,10 @@ def size_pool(config: ScoreConfig) -> tuple[int, int, int]:
     if total_gpus:
         workers, cpus, gpus = config.num_workers or total_gpus, config.cpus_per_worker or 1, 1
     else:
-        cpus = config.cpus_per_worker or max(1, total_cpus // (config.num_workers or 1))
+        # Without GPUs, one-thread workers are the default: on 2 shared cores they scored 1.7x
+        # faster than one two-thread worker (benchmarks/bench_stage1_workers.py).
+        split = total_cpus // config.num_workers if config.num_workers else 1
+        cpus = config.cpus_per_worker or max(1, split)
         workers, gpus = config.num_workers or max(1, total_cpus // cpus), 0
     if workers * cpus > total_cpus or workers * gpus > total_gpus:
         raise ConfigError(
@@ -316,9 +317,15 @@ def _score_corpus(job: Plan, pool: WorkerPool, run_fingerprint: str) -> CacheMan
     if not shards:
         raise CorpusError(f"corpus {config.corpus} holds no documents")
     progress.report(final=True)
+    documents = sum(s.rows for s in shards.values())
+    if documents != progress.planned_docs or sorted(shards) != list(range(len(unit_hashes))):
+        raise ScoringError(
+            f"{documents} documents in {len(shards)} shards, but the corpus gave "
+            f"{progress.planned_docs} in {len(unit_hashes)} units; not writing a manifest"
+        )
     corpus = job.identity["corpus"] | {
         "content_sha256": sha256_text("".join(f"{h}\n" for h in unit_hashes)),
-        "documents": sum(s.rows for s in shards.values()),
+        "documents": documents,
         "skipped": len(skipped),
     }
     return CacheManifest(
