@@ -173,6 +173,21 @@ def test_other_settings_refuse_to_mix_until_overwrite(built, tmp_path, capsys):
     assert pq.read_schema(out / "shard-000000.parquet").field("loss").type.value_type == "halffloat"
 
 
+def test_a_corpus_changed_in_place_is_refused(built, corpus, tmp_path, capsys):
+    """Same file name and size, other text: the unit content hash catches it on resume."""
+    source, command, _ = built
+    out, changed_corpus = tmp_path / "cache", tmp_path / corpus.name
+    shutil.copytree(source, out)
+    text = corpus.read_text()
+    changed_corpus.write_text(text.replace("Question", "Questiom", 1))
+    assert len(changed_corpus.read_bytes()) == len(corpus.read_bytes())
+    changed = [str(changed_corpus) if a == str(corpus) else a for a in command]
+    changed[changed.index("--out") + 1] = str(out)
+    assert main(changed) == 2
+    error = one_line_error(capsys)
+    assert "unit 0 in" in error and "the corpus changed" in error
+
+
 def test_bad_record_stops_the_run_naming_file_and_record(teacher, corpus, tmp_path, capsys):
     lines = corpus.read_text().splitlines()
     lines[2] = '{"id": "x", "text": null}'
