@@ -80,20 +80,22 @@ class OnlineTeacherStream(ConsumerStream):
 
 
 def train_side_by_side(streams: dict, steps: int, args, tokenizer) -> dict:
-    """Per stream: seconds for `steps` student steps (data + step), run in turn step by step so
-    that both see the same machine load, and the teacher losses of its batches."""
+    """Per stream: (wall, CPU) seconds for `steps` student steps (data + step), run in turn step
+    by step so that both see the same machine load, and the teacher losses of its batches."""
     settings = GuidanceSettings()
     sides = {}
     for name, stream in streams.items():
         model = build_student(args.preset, tokenizer, seed=0, seq_len=args.seq_len)
         sides[name] = (iter(stream), model, torch.optim.AdamW(model.parameters(), lr=1e-5))
-    seconds, seen = dict.fromkeys(streams, 0.0), {name: [] for name in streams}
+    seconds = {name: [0.0, 0.0] for name in streams}  # wall, CPU
+    seen = {name: [] for name in streams}
     for _ in range(steps):
         for name, (batches, model, optimizer) in sides.items():
-            begin = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             batch = next(batches)
             training_step(model, optimizer, batch, settings)
-            seconds[name] += time.perf_counter() - begin
+            seconds[name][0] += time.perf_counter() - wall
+            seconds[name][1] += time.process_time() - cpu
             seen[name].append(batch["teacher_loss"])
     return {name: (seconds[name], seen[name]) for name in streams}
 
@@ -181,7 +183,9 @@ def main() -> None:
             student_tokenizer,
         )
 
-    online, cached = results["online"][0] / steps, results["cached"][0] / steps
+    (online, online_cpu), (cached, cached_cpu) = (
+        [t / steps for t in results[name][0]] for name in ("online", "cached")
+    )
     difference = max(
         float((a - b).abs().nan_to_num().max())
         for a, b in zip(results["online"][1], results["cached"][1], strict=True)
@@ -194,11 +198,16 @@ def main() -> None:
         f"{args.seq_len} tokens = one epoch; teacher SmolLM2-135M fp32 (load {teacher_load:.1f} s)"
     )
     print()
-    header = f"{'':<28} {'s / step':>9} {'relative':>9}"
+    header = f"{'':<28} {'s / step':>9} {'relative':>9} {'CPU s / step':>13} {'relative':>9}"
     print(header)
     print("-" * len(header))
-    print(f"{'teacher in the loop':<28} {online:>9.2f} {online / cached:>8.2f}x")
-    print(f"{'teacher losses from cache':<28} {cached:>9.2f} {1:>8.2f}x")
+    print(
+        f"{'teacher in the loop':<28} {online:>9.2f} {online / cached:>8.2f}x "
+        f"{online_cpu:>13.2f} {online_cpu / cached_cpu:>8.2f}x"
+    )
+    print(
+        f"{'teacher losses from cache':<28} {cached:>9.2f} {1:>8.2f}x {cached_cpu:>13.2f} {1:>8.2f}x"
+    )
     print()
     print(f"saving per one-epoch run: {saving_per_run:.1f} s")
     print(
