@@ -1,4 +1,4 @@
-"""`vocagno cache verify DIR` and `vocagno cache stats DIR`: audit and summarize a stage-1 cache."""
+"""`vocagno cache verify|stats|inspect DIR`: audit, summarize, or look inside a stage-1 cache."""
 
 from __future__ import annotations
 
@@ -38,6 +38,35 @@ def add_parser(subparsers) -> None:
     )
     stats.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     stats.set_defaults(func=run_stats)
+    _add_inspect(actions)
+
+
+def _add_inspect(actions) -> None:
+    from pipeline.alignment import AGGREGATIONS
+    from pipeline.guidance import UNMAPPED_STRATEGIES
+
+    inspect = actions.add_parser(
+        "inspect",
+        help="an HTML page of one document's student tokens under teacher guidance (Figure 8)",
+        description="Tokenize one cached document with the student's tokenizer, align it to the "
+        "cached teacher tokens, and write an HTML page: each student token shaded by its excess "
+        "loss (student - teacher), marked kept or dropped by the top-k selection, with the "
+        "teacher tokens it maps to. Needs the student model (for its loss), never the teacher.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    inspect.add_argument("cache_dir", type=Path, metavar="DIR", help="cache folder")
+    inspect.add_argument("--student", required=True, help="student model folder or hub id")
+    inspect.add_argument(
+        "--student-tokenizer", default=None, help="student tokenizer (default: the student's own)"
+    )
+    which = inspect.add_mutually_exclusive_group()
+    which.add_argument("--doc-id", default=None, help="the document's doc_id")
+    which.add_argument("--index", type=int, default=0, help="the document's position in the cache")
+    inspect.add_argument("--topk", type=float, default=0.4, help="fraction of mapped tokens kept")
+    inspect.add_argument("--unmapped", choices=UNMAPPED_STRATEGIES, default="include")
+    inspect.add_argument("--aggregate", choices=AGGREGATIONS, default="max")
+    inspect.add_argument("--out", type=Path, default=Path("inspect.html"), help="HTML file")
+    inspect.set_defaults(func=run_inspect)
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -83,4 +112,30 @@ def run_stats(args: argparse.Namespace) -> int:
         f"bytes            {stats.bytes} ({stats.bytes_per_token:.2f}/token; "
         f"{stats.bytes_per_token_without_text:.2f}/token without the text column)"
     )
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.analysis.guidance_page import find_document, guided_tokens, write_guidance_page
+    from pipeline.errors import ConfigError
+    from pipeline.guidance import GuidanceSettings
+    from pipeline.tokenizer import load_tokenizer
+
+    try:
+        settings = GuidanceSettings(mode="token", topk=args.topk, unmapped=args.unmapped)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    document = find_document(args.cache_dir, args.doc_id, args.index)
+    tokenizer = load_tokenizer(args.student_tokenizer or args.student)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.student).eval()
+    except OSError as exc:
+        raise ConfigError(f"cannot load student {args.student!r}: {exc}") from exc
+    tokens = guided_tokens(document, model, tokenizer, settings, args.aggregate)
+    title = f"{Path(args.student).name}: teacher guidance on {document.doc_id}"
+    write_guidance_page(args.out, document, tokens, title)
+    kept, valid = int(tokens["kept"].sum()), int(tokens["valid"].sum())
+    print(f"wrote {args.out}: {document.doc_id}, {kept} of {valid} student tokens kept")
     return 0
