@@ -84,6 +84,15 @@ def write_report(
         "",
         "![training curves](training_curves.png)",
         "",
+        *(
+            [
+                "[inspect.html](inspect.html): one training document as the guided student sees it "
+                "(excess loss per token, kept or dropped, the teacher tokens each maps to).",
+                "",
+            ]
+            if (config.out / "inspect.html").exists()
+            else []
+        ),
         "## Evaluation (held-out split of the corpus)",
         "",
         "| model | bits per character | answer accuracy |",

@@ -100,6 +100,31 @@ def evaluate_models(config: DemoConfig, manifest: Path, models: dict[str, Path])
     return results
 
 
+def inspect_guided_arm(config: DemoConfig, manifest: Path, cache: Path, arms: dict) -> Path | None:
+    """The paper's Figure 8 for the guided student: which tokens the teacher made it train on."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.analysis.guidance_page import find_document, guided_tokens, write_guidance_page
+    from pipeline.guidance import GuidanceSettings
+    from pipeline.tokenizer import load_tokenizer
+
+    if "token" not in arms:
+        return None
+    stage2 = load_manifest_section(manifest, "stage2")
+    student = arms["token"] / "final"
+    document = find_document(cache, None, 0)
+    settings = GuidanceSettings(
+        mode="token", topk=stage2.get("topk", 0.4), unmapped=stage2.get("unmapped", "include")
+    )
+    model = AutoModelForCausalLM.from_pretrained(student).eval()
+    tokens = guided_tokens(
+        document, model, load_tokenizer(str(student)), settings, stage2.get("aggregate", "max")
+    )
+    dest = config.out / "inspect.html"
+    write_guidance_page(dest, document, tokens, "guided student: teacher guidance on one document")
+    return dest
+
+
 def run_demo(config: DemoConfig, manifest: Path) -> Path:
     from pipeline.teacher_assets import prepare_smollm2_teacher
 
@@ -126,6 +151,7 @@ def run_demo(config: DemoConfig, manifest: Path) -> Path:
     models = {"teacher": teacher, "student-init": student}
     models.update({f"student-{arm}": out / "final" for arm, out in arms.items()})
     results = timed("eval", evaluate_models, config, manifest, models)
+    inspect_guided_arm(config, manifest, cache, arms)
     atomic_write_json(config.out / "timings.json", timings)
     report = write_report(config, teacher, cache, arms, results, timings)
     log(f"done: {report}")
