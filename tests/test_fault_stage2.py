@@ -1,0 +1,100 @@
+"""Stage 2 under real faults: a checkpoint save that crashed half-way, and a torchrun rank
+SIGKILLed mid-run. Resuming with --resume auto continues from the last complete checkpoint and
+reproduces the uninterrupted run's per-step metrics bit for bit.
+
+Covered elsewhere, cited in docs/fault-tolerance.md: resuming with another world size
+(test_stage2_torchrun.py::test_resuming_with_another_world_size_is_refused) or another cache or
+settings (test_stage2_train.py::test_resume_refuses_other_settings_other_cache_and_never), and
+which folders count as checkpoints (test_stage2_train.py::test_incomplete_checkpoints_are_never_resumed).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stage2_train.checkpoint import MARKER, complete_checkpoints, step_dir
+from stage2_train.train import main
+from tests.cache_fixtures import build_cache, corpus_documents
+from tests.stage2_runs import read_metrics, train_args
+from tests.test_stage2_torchrun import finish, run_args, torchrun
+
+SAVE_ARGS = ("--save-every", "2", "--num-workers", "0", "--global-batch-tokens", "64")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cache")
+    build_cache(path, teacher_tokenizer="qwen2.5", num_documents=12, docs_per_shard=6)
+    return path
+
+
+def test_a_crash_during_a_checkpoint_save_resumes_from_the_previous_one(cache, tmp_path):
+    whole, out = tmp_path / "whole", tmp_path / "out"
+    assert main(train_args(cache, whole, *SAVE_ARGS)) == 0
+    assert main(train_args(cache, out, *SAVE_ARGS, "--stop-at-step", "4")) == 0
+    assert [s for s, _ in complete_checkpoints(out)] == [2, 4]
+    # What a crash while saving step 4 leaves: the unrenamed partial folder, no marker, a torn
+    # file; and metrics.jsonl already holding steps 3 and 4.
+    partial = step_dir(out, 4).with_name(".step-4.partial")
+    step_dir(out, 4).rename(partial)
+    (partial / MARKER).unlink()
+    torn = sorted((partial / "state").iterdir())[0]
+    torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+
+    assert main(train_args(cache, out, *SAVE_ARGS)) == 0  # --resume auto: from step 2
+    assert read_metrics(out) == read_metrics(whole)  # floats compared exactly
+    assert (out / "final" / "model.safetensors").read_bytes() == (
+        whole / "final" / "model.safetensors"
+    ).read_bytes()
+    assert not partial.exists()  # the torn save was replaced by a complete step 4
+    assert (step_dir(out, 4) / MARKER).exists()
+
+
+def rank_processes(launcher: psutil.Process) -> dict[int, psutil.Process]:
+    found = {}
+    for child in launcher.children(recursive=True):
+        try:
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and "train.py" in " ".join(child.cmdline()):
+            found[int(rank)] = child
+    return found
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_resumes_bit_identical(tmp_path):
+    """Two torchrun launches side by side (uninterrupted, killed), then the resume."""
+    cache, whole, out = tmp_path / "cache", tmp_path / "whole", tmp_path / "out"
+    build_cache(cache, documents=corpus_documents(6), docs_per_shard=3)
+    extra = ("--max-steps", "16", "--save-every", "4")
+    uninterrupted = torchrun(run_args(cache, whole, *extra))
+    killed = torchrun(run_args(cache, out, *extra))
+    deadline = time.monotonic() + 600
+    while not complete_checkpoints(out):
+        assert killed.poll() is None, killed.communicate()[0][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    victim = rank_processes(psutil.Process(killed.pid))[1]
+    victim.send_signal(signal.SIGKILL)
+    output, _ = killed.communicate(timeout=300)
+    finish(uninterrupted)
+    assert killed.returncode != 0, output[-3000:]  # torchrun stops the job when a rank dies
+    assert not (out / "final").exists()  # killed before the schedule ended
+    steps_done = complete_checkpoints(out)[-1][0]
+    assert steps_done < 16
+
+    finish(torchrun(run_args(cache, out, *extra)))  # --resume auto
+    assert read_metrics(out) == read_metrics(whole)
+    for name in ("rank-0.jsonl", "rank-1.jsonl"):  # the same documents at the same steps
+        assert (out / "documents" / name).read_text() == (whole / "documents" / name).read_text()
+    assert (out / "final" / "model.safetensors").read_bytes() == (
+        whole / "final" / "model.safetensors"
+    ).read_bytes()
+    assert not list((out / "checkpoints").glob(".*.partial"))
