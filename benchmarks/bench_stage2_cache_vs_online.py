@@ -141,18 +141,11 @@ def main() -> None:
         )
         stage1_seconds = time.perf_counter() - begin
         manifest = load_manifest(tmp / "cache")
-        plan = DataPlan(
-            cache_dir=tmp / "cache",
-            shards=tuple(manifest.shards),
+        plan = DataPlan.from_cache(
+            tmp / "cache",
             student_tokenizer="tinyllama",
-            alignment="token",
-            num_chunks=1,
-            aggregate="max",
             seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size,
-            seed=0,
-            world_size=1,
-            num_workers=0,
         )
         student_tokens = sum(
             len(e)

@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the
 
 from bench_alignment import interleaved_best_times  # noqa: E402
 
-from pipeline.manifest import load_manifest  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from stage2_train.data import READ_ROWS, ConsumerStream, DataPlan  # noqa: E402
 from stage2_train.model import build_student  # noqa: E402
@@ -84,18 +83,11 @@ def main() -> None:
             documents=documents,
             docs_per_shard=max(1, args.docs // 4),
         )
-        plan = DataPlan(
-            cache_dir=Path(tmp),
-            shards=tuple(load_manifest(Path(tmp)).shards),
+        plan = DataPlan.from_cache(
+            Path(tmp),
             student_tokenizer=args.student,
-            alignment="token",
-            num_chunks=1,
-            aggregate="max",
             seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size,
-            seed=0,
-            world_size=1,
-            num_workers=0,
         )
         # Whole micro-batches within one epoch: the stream reads every document once.
         batches = (total - 1) // (args.micro_batch_size * args.seq_len)

@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the
 from bench_alignment import interleaved_best_times  # noqa: E402
 
 from pipeline.guidance import GuidanceSettings, guided_loss, token_loss  # noqa: E402
-from pipeline.manifest import load_manifest  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from stage2_train.data import ConsumerStream, DataPlan  # noqa: E402
 from stage2_train.model import build_student  # noqa: E402
@@ -63,18 +62,11 @@ def main() -> None:
     tokenizer = load_tokenizer("tinyllama")
     with tempfile.TemporaryDirectory() as tmp:
         build_cache(Path(tmp), num_documents=64, docs_per_shard=64)
-        plan = DataPlan(
-            cache_dir=Path(tmp),
-            shards=tuple(load_manifest(Path(tmp)).shards),
+        plan = DataPlan.from_cache(
+            Path(tmp),
             student_tokenizer="tinyllama",
-            alignment="token",
-            num_chunks=1,
-            aggregate="max",
             seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size,
-            seed=0,
-            world_size=1,
-            num_workers=0,
         )
         batch = next(iter(ConsumerStream(plan, 0)))
     model = build_student(args.preset, tokenizer, seed=0, seq_len=args.seq_len)

@@ -56,7 +56,7 @@ from pipeline.cache_schema import (
 from pipeline.cache_verify import verify_shard
 from pipeline.errors import CacheError, VocagnoError
 from pipeline.io import fingerprint, sha256_text
-from pipeline.manifest import CacheManifest, ShardRecord
+from pipeline.manifest import CacheManifest, ShardRecord, load_manifest
 from pipeline.tokenizer import TextTokenizer, load_tokenizer
 
 READ_ROWS = 128  # rows per Parquet read: the I/O unit and the shuffle window inside an item
@@ -70,14 +70,21 @@ class DataPlan:
     cache_dir: Path
     shards: tuple[ShardRecord, ...]
     student_tokenizer: str
-    alignment: str  # "token" or "chunk"
-    num_chunks: int
-    aggregate: str
     seq_len: int
     micro_batch_size: int
-    seed: int
-    world_size: int
-    num_workers: int
+    alignment: str = "token"  # or "chunk"
+    num_chunks: int = 1
+    aggregate: str = "max"
+    seed: int = 0
+    world_size: int = 1
+    num_workers: int = 0
+
+    @classmethod
+    def from_cache(cls, cache_dir: Path, **settings) -> DataPlan:
+        """A plan over every shard the cache's manifest lists."""
+        return cls(
+            cache_dir=Path(cache_dir), shards=tuple(load_manifest(cache_dir).shards), **settings
+        )
 
     @property
     def consumers_per_rank(self) -> int:

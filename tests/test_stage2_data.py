@@ -39,21 +39,14 @@ def qwen_cache(tmp_path_factory) -> Path:
 
 
 def make_plan(cache: Path, **changes) -> DataPlan:
-    manifest = load_manifest(cache)
-    plan = DataPlan(
-        cache_dir=cache,
-        shards=tuple(manifest.shards),
-        student_tokenizer="tinyllama",
-        alignment="token",
-        num_chunks=4,
-        aggregate="max",
-        seq_len=48,
-        micro_batch_size=2,
-        seed=5,
-        world_size=1,
-        num_workers=0,
-    )
-    return replace(plan, **changes)
+    settings = {
+        "student_tokenizer": "tinyllama",
+        "seq_len": 48,
+        "micro_batch_size": 2,
+        "num_chunks": 4,
+        "seed": 5,
+    }
+    return DataPlan.from_cache(cache, **{**settings, **changes})
 
 
 def overlap_oracle(student_enc, row, how: str) -> np.ndarray:

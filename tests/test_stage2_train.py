@@ -264,7 +264,6 @@ def test_continual_pretraining_starts_from_a_local_hf_folder(cache, uninterrupte
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.manifest import load_manifest
     from stage2_train.data import ConsumerStream, DataPlan
 
     folder, out = uninterrupted / "final", tmp_path / "out"
@@ -272,19 +271,7 @@ def test_continual_pretraining_starts_from_a_local_hf_folder(cache, uninterrupte
     args[args.index("--student") + 1] = str(folder)
     del args[args.index("--student-tokenizer") : args.index("--student-tokenizer") + 2]
     assert main([*args, "--guidance", "none", "--max-steps", "2"]) == 0
-    plan = DataPlan(
-        cache_dir=cache,
-        shards=tuple(load_manifest(cache).shards),
-        student_tokenizer=str(folder),
-        alignment="token",
-        num_chunks=32,
-        aggregate="max",
-        seq_len=32,
-        micro_batch_size=2,
-        seed=0,
-        world_size=1,
-        num_workers=0,
-    )
+    plan = DataPlan.from_cache(cache, student_tokenizer=str(folder), seq_len=32, micro_batch_size=2)
     batch = next(iter(ConsumerStream(plan, 0)))
     model = AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
