@@ -1,0 +1,150 @@
+"""Bad and awkward input in both stages, where no other test covers it (the full table, with the
+tests that cover the rest, is in docs/fault-tolerance.md):
+
+- texts a tokenizer normalizes (ligatures, full-width digits, combining marks) and control
+  characters (NUL, ESC, zero-width space): stage 1 scores them with offsets inside the original
+  text and a verified cache; stage 2 puts each cached teacher loss on exactly the student tokens
+  that share characters with it;
+- a corrupt manifest (truncated, edited, missing) and a shard missing a column: stage 2 and
+  `vocagno cache verify` stop with one line, no traceback, exit 2;
+- a cache from another teacher: stage 1 refuses to mix into it, naming what differs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.cache_schema import TOKEN_END, shard_name, write_shard
+from pipeline.cache_verify import verify_cache
+from pipeline.cli import main as vocagno
+from pipeline.errors import CacheError
+from pipeline.manifest import MANIFEST_NAME, ShardRecord, load_manifest, write_manifest
+from pipeline.tokenizer import load_tokenizer
+from stage1_score.output import prepare_output
+from stage2_train.train import main as train
+from tests.cache_fixtures import build_cache, read_cache_rows
+from tests.stage1_helpers import direct_losses, make_tiny_teacher
+from tests.stage2_runs import train_args
+from tests.test_stage1_hf_backend import score
+from tests.test_stage2_data import annotate_rows, first_batches, make_plan, overlap_oracle
+
+AWKWARD_TEXTS = {
+    "ligatures": "ﬁnd the ﬁle, ﬂoor and oﬀice",
+    "full-width digits": "１２３ + ４５６ = ５７９ apples",
+    "combining marks": "e\u0301cole nai\u0308ve Ame\u0301lie 한국어",
+    "NUL": "before\x00after, 3 + 4 = 7",
+    "ESC sequence": "\x1b[31mred\x1b[0m text and 12 pens",
+    "zero-width space": "zero\u200bwidth\u200bjoined 42 items",
+    "mixed": "ﬁ１\u0301\x00\x1b\u200b end",
+}
+
+
+@pytest.fixture(scope="module")
+def awkward_cache(tmp_path_factory):
+    """The awkward texts in a cache built with the real qwen2.5 tokenizer's offsets."""
+    path = tmp_path_factory.mktemp("awkward")
+    build_cache(path, documents=list(AWKWARD_TEXTS.items()), docs_per_shard=4)
+    return path
+
+
+def test_stage1_scores_awkward_texts_with_offsets_inside_the_original(tmp_path):
+    """The real HF backend on a tiny teacher: every token after the first is scored, equal to a
+    direct forward pass, and every span lies inside the text as given (not as normalized)."""
+    teacher = make_tiny_teacher(tmp_path / "teacher", "tinyllama")
+    texts = list(AWKWARD_TEXTS.values())
+    scorer, ids, losses = score(teacher, texts)
+    tokenizer = load_tokenizer(str(teacher))
+    for text, token_ids, loss in zip(texts, ids, losses, strict=True):
+        encoding = tokenizer.encode(text)
+        assert (encoding.start <= encoding.end).all() and encoding.end.max() <= len(text)
+        assert np.isfinite(loss[1:]).all()
+        np.testing.assert_allclose(loss, direct_losses(scorer.model, token_ids), atol=1e-4)
+
+
+def test_a_cache_of_awkward_texts_verifies(awkward_cache):
+    manifest, problems = verify_cache(awkward_cache)
+    assert problems == [] and manifest.total_rows == len(AWKWARD_TEXTS)
+
+
+@pytest.mark.parametrize("student", ["tinyllama", "smollm2"])
+def test_stage2_aligns_awkward_texts_by_characters(awkward_cache, student):
+    rows = list(read_cache_rows(awkward_cache).values())
+    docs = annotate_rows(rows, student, aggregate="max")
+    tokenizer = load_tokenizer(student)
+    offset = 0
+    for row, length in zip(rows, docs.lengths, strict=True):
+        enc = tokenizer.encode(row["text"], add_eos=True)
+        np.testing.assert_allclose(
+            docs.teacher_loss[offset : offset + length], overlap_oracle(enc, row, "max"), rtol=1e-6
+        )
+        assert np.isfinite(docs.teacher_loss[offset : offset + length]).any(), row["doc_id"]
+        offset += length
+    batches = first_batches(make_plan(awkward_cache, student_tokenizer=student, seq_len=16), 4)
+    assert batches  # the packed stream yields sequences from them
+
+
+def one_line(capsys, prefix: str) -> str:
+    captured = capsys.readouterr()
+    text = (captured.out + captured.err).strip()
+    assert "Traceback" not in text and "\n" not in text, text
+    assert text.startswith(prefix), text
+    return text
+
+
+def edit_teacher_id(cache):
+    data = json.loads((cache / MANIFEST_NAME).read_text())
+    data["teacher"]["id"] = "someone-else/teacher"  # valid JSON, stale fingerprint
+    (cache / MANIFEST_NAME).write_text(json.dumps(data))
+
+
+def truncate(cache):
+    path = cache / MANIFEST_NAME
+    path.write_text(path.read_text()[:50])
+
+
+CORRUPT_MANIFESTS = [
+    (truncate, "is not valid JSON"),
+    (edit_teacher_id, "the manifest was edited or corrupted"),
+    (lambda cache: (cache / MANIFEST_NAME).unlink(), "manifest.json"),
+]
+
+
+@pytest.mark.parametrize(("damage", "message"), CORRUPT_MANIFESTS)
+def test_a_corrupt_manifest_stops_both_readers_with_one_line(tmp_path, capsys, damage, message):
+    cache = tmp_path / "cache"
+    build_cache(cache, num_documents=4, docs_per_shard=4)
+    damage(cache)
+    capsys.readouterr()
+    assert vocagno(["cache", "verify", str(cache)]) == 2
+    assert message in one_line(capsys, "vocagno cache: error:")
+    assert train(train_args(cache, tmp_path / "out")) == 2
+    assert message in one_line(capsys, "stage2_train/train.py: error:")
+
+
+def test_a_shard_missing_a_column_is_refused_by_stage2(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    build_cache(cache, num_documents=4, docs_per_shard=4)
+    path = cache / shard_name(0)
+    size, digest = write_shard(path, pq.read_table(path).drop_columns([TOKEN_END]), {"shard": 0})
+    manifest = load_manifest(cache)
+    manifest.shards = [
+        ShardRecord(0, shard_name(0), 4, manifest.shards[0].teacher_tokens, size, digest)
+    ]
+    write_manifest(cache, manifest)  # checksums match: only the missing column is wrong
+    with pytest.raises(CacheError, match=r"lacks columns \['token_end'\]"):
+        first_batches(make_plan(cache))
+    assert vocagno(["cache", "verify", str(cache)]) == 1
+    assert "token_end" in capsys.readouterr().out
+
+
+def test_stage1_refuses_to_mix_into_another_teachers_cache(tmp_path):
+    cache = tmp_path / "cache"
+    build_cache(cache, num_documents=4, docs_per_shard=4, teacher={"id": "teacher-a"})
+    other = load_manifest(cache).producer | {"teacher": {"id": "teacher-b"}}
+    with pytest.raises(CacheError, match=r"teacher\.id: \"teacher-a\" -> \"teacher-b\""):
+        prepare_output(cache, other, overwrite=False, log=lambda _: None)
+    assert load_manifest(cache).teacher == {"id": "teacher-a"}  # untouched
