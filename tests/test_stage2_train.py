@@ -316,3 +316,23 @@ def test_accumulation_gives_the_same_step_as_one_big_micro_batch(cache, tmp_path
     for a, b in zip(runs[2], runs[4], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_student_specs_and_device_options_are_checked(cache, tmp_path, capsys):
+    import torch
+
+    from stage2_train.distributed import Runtime
+    from stage2_train.model import autocast, student_kind
+
+    assert student_kind("llama-tiny") == "preset"
+    assert student_kind("TinyLlama/TinyLlama_v1.1") == "pretrained"  # a hub id
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no config.json"):
+        student_kind(str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="is not a preset"):
+        student_kind("./no-such-student")
+    cpu = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="bfloat16 needs a GPU"):
+        autocast(cpu, "bfloat16")
+    assert main(train_args(cache, tmp_path / "out", "--fsdp")) == 2
+    assert "--fsdp shards the student across ranks" in capsys.readouterr().err
