@@ -8,6 +8,10 @@ The test process owns one local Ray cluster (2 CPUs); the killed runs are real
 orphans a cluster. Covered elsewhere, cited in docs/fault-tolerance.md: two runs on one folder
 (test_stage1_run.py::test_a_second_run_on_a_locked_folder_refuses), damaged shards
 (test_cache_verify.py, test_stage2_data.py, test_fuzz_shards.py).
+
+Marked slow: three 16-unit runs and the cluster take minutes on 2 shared cores (4.6 min
+measured here under load). The default run keeps the resume proofs that need no kill
+(test_stage1_run.py::test_rerun_is_byte_identical_and_recomputes_only_a_missing_shard).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = REPO / "stage1_score" / "run.py"
 # 16 units of 3 documents; one-window forward batches keep a unit busy long enough to be hit.
 NUM_DOCS, DOCS_PER_SHARD = 48, 3
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
