@@ -55,9 +55,21 @@ def make_student_init(config: DemoConfig, seed: int, seq_len: int) -> Path:
     return folder
 
 
+def cache_done(config: DemoConfig) -> bool:
+    return (config.out / "cache" / "manifest.json").exists()
+
+
+def arm_done(config: DemoConfig, arm: str) -> bool:
+    return (config.out / "arms" / arm / "final" / "config.json").exists()
+
+
+def eval_path(config: DemoConfig, name: str) -> Path:
+    return config.out / "eval" / f"{name}.json"
+
+
 def score_with_ray(config: DemoConfig, manifest: Path, teacher: Path, corpus: Path) -> Path:
     cache = config.out / "cache"
-    if (cache / "manifest.json").exists():
+    if cache_done(config):
         return cache
     entrypoint = [
         sys.executable, "stage1_score/run.py", "--manifest", str(manifest),
@@ -71,7 +83,7 @@ def score_with_ray(config: DemoConfig, manifest: Path, teacher: Path, corpus: Pa
 
 def train_arm(config: DemoConfig, manifest: Path, cache: Path, student: Path, arm: str) -> Path:
     out = config.out / "arms" / arm
-    if (out / "final" / "config.json").exists():
+    if arm_done(config, arm):
         return out
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     command = [
@@ -92,7 +104,7 @@ def evaluate_models(config: DemoConfig, manifest: Path, models: dict[str, Path])
     settings = load_manifest_section(manifest, EVAL_SECTION)
     results = {}
     for name, model in models.items():
-        dest = config.out / "eval" / f"{name}.json"
+        dest = eval_path(config, name)
         if not dest.exists():
             log(f"evaluating {name}")
             evaluate(EvalConfig(model=str(model), out=dest, **settings))
@@ -129,30 +141,38 @@ def run_demo(config: DemoConfig, manifest: Path) -> Path:
     from pipeline.teacher_assets import prepare_smollm2_teacher
 
     stage2 = load_manifest_section(manifest, "stage2")
-    timings: dict[str, float] = {}
+    timings_path = config.out / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
 
-    def timed(name, fn, *args):
+    def timed(name: str, done: bool, fn, *args):
+        """Run a step; its wall time is kept only from the run that did the work."""
         start = time.monotonic()
         result = fn(*args)
-        timings[name] = round(time.monotonic() - start, 1)
+        if not done:
+            timings[name] = round(time.monotonic() - start, 1)
+            atomic_write_json(timings_path, timings)
         return result
 
     config.out.mkdir(parents=True, exist_ok=True)
     log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
-    teacher = Path(config.teacher) if config.teacher else timed("teacher", prepare_smollm2_teacher)
+    teacher = (
+        Path(config.teacher) if config.teacher else timed("teacher", False, prepare_smollm2_teacher)
+    )
     corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
     log(f"stage 1: scoring {config.train_docs} documents with the teacher")
-    cache = timed("stage1", score_with_ray, config, manifest, teacher, corpus)
+    cache = timed("stage1", cache_done(config), score_with_ray, config, manifest, teacher, corpus)
     student = make_student_init(config, stage2.get("seed", 0), stage2.get("seq_len", 2048))
     arms = {}
     for arm in config.arms:
         log(f"stage 2: training arm --guidance {arm} with torchrun x{config.nproc_per_node}")
-        arms[arm] = timed(f"stage2-{arm}", train_arm, config, manifest, cache, student, arm)
+        arms[arm] = timed(
+            f"stage2-{arm}", arm_done(config, arm), train_arm, config, manifest, cache, student, arm
+        )
     models = {"teacher": teacher, "student-init": student}
     models.update({f"student-{arm}": out / "final" for arm, out in arms.items()})
-    results = timed("eval", evaluate_models, config, manifest, models)
+    evaluated = all(eval_path(config, name).exists() for name in models)
+    results = timed("eval", evaluated, evaluate_models, config, manifest, models)
     inspect_guided_arm(config, manifest, cache, arms)
-    atomic_write_json(config.out / "timings.json", timings)
     report = write_report(config, teacher, cache, arms, results, timings)
     log(f"done: {report}")
     return report
