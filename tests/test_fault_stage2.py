@@ -1,5 +1,5 @@
-"""Stage 2 under real faults: a checkpoint save that crashed half-way, and a torchrun rank
-SIGKILLed mid-run. Resuming with --resume auto continues from the last complete checkpoint and
+"""Stage 2 under real faults: a checkpoint save that crashed half-way, a training process
+SIGKILLed mid-run, and a torchrun rank SIGKILLed mid-run. Resuming with --resume auto continues from the last complete checkpoint and
 reproduces the uninterrupted run's per-step metrics bit for bit.
 
 Covered elsewhere, cited in docs/fault-tolerance.md: resuming with another world size
@@ -11,6 +11,8 @@ which folders count as checkpoints (test_stage2_train.py::test_incomplete_checkp
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,10 +22,12 @@ import pytest
 from stage2_train.checkpoint import MARKER, complete_checkpoints, step_dir
 from stage2_train.train import main
 from tests.cache_fixtures import build_cache, corpus_documents
-from tests.stage2_runs import read_metrics, train_args
+from tests.stage2_runs import TRAIN, read_metrics, train_args
 from tests.test_stage2_torchrun import finish, run_args, torchrun
 
-SAVE_ARGS = ("--save-every", "2", "--num-workers", "0", "--global-batch-tokens", "64")
+SAVE_ARGS = (
+    "--max-steps", "8", "--save-every", "2", "--num-workers", "0", "--global-batch-tokens", "64",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +37,23 @@ def cache(tmp_path_factory) -> Path:
     return path
 
 
-def test_a_crash_during_a_checkpoint_save_resumes_from_the_previous_one(cache, tmp_path):
-    whole, out = tmp_path / "whole", tmp_path / "out"
-    assert main(train_args(cache, whole, *SAVE_ARGS)) == 0
+@pytest.fixture(scope="module")
+def whole(cache, tmp_path_factory) -> Path:
+    """The uninterrupted run."""
+    out = tmp_path_factory.mktemp("whole") / "out"
+    assert main(train_args(cache, out, *SAVE_ARGS)) == 0
+    return out
+
+
+def assert_same_run(out: Path, whole: Path) -> None:
+    assert read_metrics(out) == read_metrics(whole)  # floats compared exactly
+    assert (out / "final" / "model.safetensors").read_bytes() == (
+        whole / "final" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_a_crash_during_a_checkpoint_save_resumes_from_the_previous_one(cache, whole, tmp_path):
+    out = tmp_path / "out"
     assert main(train_args(cache, out, *SAVE_ARGS, "--stop-at-step", "4")) == 0
     assert [s for s, _ in complete_checkpoints(out)] == [2, 4]
     # What a crash while saving step 4 leaves: the unrenamed partial folder, no marker, a torn
@@ -48,12 +66,33 @@ def test_a_crash_during_a_checkpoint_save_resumes_from_the_previous_one(cache, t
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
 
     assert main(train_args(cache, out, *SAVE_ARGS)) == 0  # --resume auto: from step 2
-    assert read_metrics(out) == read_metrics(whole)  # floats compared exactly
-    assert (out / "final" / "model.safetensors").read_bytes() == (
-        whole / "final" / "model.safetensors"
-    ).read_bytes()
+    assert_same_run(out, whole)
     assert not partial.exists()  # the torn save was replaced by a complete step 4
     assert (step_dir(out, 4) / MARKER).exists()
+
+
+def test_a_training_process_killed_mid_run_resumes_bit_identical(cache, whole, tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, str(TRAIN), *train_args(cache, out, *SAVE_ARGS)]
+    with (tmp_path / "killed.log").open("w") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # the pytest process's thread count: resuming on another one is not bit-identical
+        deadline = time.monotonic() + 300
+        while not complete_checkpoints(out):
+            assert process.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    assert not (out / "final").exists()  # killed before the schedule ended
+    assert complete_checkpoints(out)[-1][0] < 8
+    assert main(train_args(cache, out, *SAVE_ARGS)) == 0  # --resume auto
+    assert_same_run(out, whole)
+    assert not list((out / "checkpoints").glob(".*.partial"))
 
 
 def rank_processes(launcher: psutil.Process) -> dict[int, psutil.Process]:
