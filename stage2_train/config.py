@@ -152,11 +152,6 @@ class TrainConfig:
             mode=self.guidance, topk=self.topk, unmapped=self.unmapped, scope=self.selection_scope
         )
 
-    @property
-    def alignment(self) -> str:
-        """How student tokens find their teacher tokens: chunks only for the chunk baseline."""
-        return "chunk" if self.guidance == "chunk" else "token"
-
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step; the global batch must split evenly."""
         per_step = world_size * self.micro_batch_size * self.seq_len

@@ -72,7 +72,7 @@ class DataPlan:
     student_tokenizer: str
     seq_len: int
     micro_batch_size: int
-    alignment: str = "token"  # or "chunk"
+    alignment: str = "token"  # or "chunk", or "identity" (see choose_alignment)
     num_chunks: int = 1
     aggregate: str = "max"
     seed: int = 0
@@ -173,6 +173,20 @@ def _exclusive_cumsum(values: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(values)[:-1])).astype(np.int64)
 
 
+def choose_alignment(guidance: str, student_fingerprint: str, cache_tokenizer: dict) -> str:
+    """chunk for the chunk baseline; identity when the student's tokenizer is the teacher's
+    (same-vocabulary guidance, Rho-1); otherwise token-level lexical alignment.
+
+    With one tokenizer on both sides, offsets cannot tell the byte pieces of one character apart
+    (they share a span) and would map each piece to the whole group; positions can.
+    """
+    if guidance == "chunk":
+        return "chunk"
+    if cache_tokenizer.get("fingerprint") == student_fingerprint:
+        return "identity"
+    return "token"
+
+
 def annotate(
     tokenizer: TextTokenizer,
     texts: list[str],
@@ -219,8 +233,15 @@ def annotate(
         mapped = map_start >= 0
         map_start = np.where(mapped, map_start + offset, -1)
         map_end = np.where(mapped, map_end + offset, -1)
+    elif alignment == "identity":
+        # Student token i is teacher token i; the student's trailing EOS has no teacher token.
+        position = np.arange(ids.size) - np.repeat(_exclusive_cumsum(lengths), lengths)
+        mapped = position < np.repeat(teacher_lengths, lengths)
+        first_teacher = np.repeat(_exclusive_cumsum(teacher_lengths), lengths)
+        map_start = np.where(mapped, position + first_teacher, -1)
+        map_end = map_start
     else:
-        raise ValueError(f"alignment must be 'token' or 'chunk', not {alignment!r}")
+        raise ValueError(f"alignment must be 'token', 'chunk' or 'identity', not {alignment!r}")
     per_token = aggregate_teacher_loss(teacher_loss, map_start, map_end, aggregate)
     return AnnotatedDocuments(ids.astype(np.int32), per_token, lengths)
 

@@ -47,6 +47,7 @@ from stage2_train.data import (
     DataState,
     batches,
     cache_fingerprint,
+    choose_alignment,
     make_loader,
 )
 from stage2_train.distributed import Runtime
@@ -156,7 +157,7 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
         cache_dir=config.cache,
         shards=tuple(manifest.shards),
         student_tokenizer=tokenizer.spec,
-        alignment=config.alignment,
+        alignment=choose_alignment(config.guidance, tokenizer.fingerprint, manifest.tokenizer),
         num_chunks=config.num_chunks,
         aggregate=config.aggregate,
         seq_len=config.seq_len,

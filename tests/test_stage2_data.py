@@ -24,6 +24,7 @@ from stage2_train.data import (
     DataState,
     annotate,
     batches,
+    choose_alignment,
     make_loader,
     work_items,
 )
@@ -102,10 +103,18 @@ def test_teacher_losses_land_on_the_right_student_tokens(qwen_cache, how, studen
 
 def test_same_tokenizer_gives_identity_alignment_rho1(tmp_path):
     """Teacher and student share the tinyllama vocabulary: each student token gets exactly its
-    own cached teacher loss (same-vocabulary guidance falls out of the same code)."""
-    build_cache(tmp_path, teacher_tokenizer="tinyllama", num_documents=6, docs_per_shard=6)
+    own cached teacher loss (same-vocabulary guidance, Rho-1), byte-fallback pieces included."""
+    documents = [*corpus_documents(4), ("emoji", "x 😀 and 漢字 √2 ≈ 1.41"), ("cjk", "数学 é")]
+    build_cache(tmp_path, teacher_tokenizer="tinyllama", documents=documents, docs_per_shard=6)
+    manifest = load_manifest(tmp_path)
+    student = load_tokenizer("tinyllama")
+    assert choose_alignment("token", student.fingerprint, manifest.tokenizer) == "identity"
+    assert choose_alignment("chunk", student.fingerprint, manifest.tokenizer) == "chunk"
+    assert choose_alignment("token", load_tokenizer("mistral").fingerprint, manifest.tokenizer) == (
+        "token"
+    )
     rows = list(read_cache_rows(tmp_path).values())
-    docs = annotate_rows(rows, "tinyllama")
+    docs = annotate_rows(rows, "tinyllama", alignment="identity")
     offset = 0
     for row, length in zip(rows, docs.lengths, strict=True):
         ids = docs.ids[offset : offset + length]
@@ -113,7 +122,13 @@ def test_same_tokenizer_gives_identity_alignment_rho1(tmp_path):
         np.testing.assert_array_equal(
             docs.teacher_loss[offset : offset + length - 1], np.array(row["loss"], np.float32)
         )
+        assert np.isnan(docs.teacher_loss[offset + length - 1])  # EOS: no teacher token
         offset += length
+    # Offsets alone would give each byte piece of 😀 the max over all four pieces.
+    by_offsets = annotate_rows(rows, "tinyllama", alignment="token")
+    assert not np.array_equal(
+        np.nan_to_num(by_offsets.teacher_loss), np.nan_to_num(docs.teacher_loss)
+    )
 
 
 def test_chunk_alignment_maps_each_chunk_to_the_teacher_chunk(qwen_cache):
