@@ -42,6 +42,11 @@ from pipeline.errors import TokenizerError
 from pipeline.io import fingerprint, read_bytes
 
 _ASSETS = resources.files("pipeline") / "assets"
+# What a tokenizer spec may be, for --help texts.
+TOKENIZER_SPEC = (
+    "shipped name (tinyllama, mistral, qwen2.5, deepseek, smollm2), tokenizer.json[.zst], "
+    "Hugging Face folder, .gguf file or hub id"
+)
 # Bump when the offset repairs below change: offsets from an older rule set are different data.
 OFFSET_RULES = 1
 

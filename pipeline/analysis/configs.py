@@ -8,11 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from pipeline.config import option
-
-TOKENIZER_SPEC = (
-    "shipped name (tinyllama, mistral, qwen2.5, deepseek, smollm2), tokenizer.json[.zst], "
-    "Hugging Face folder, .gguf file or hub id"
-)
+from pipeline.tokenizer import TOKENIZER_SPEC
 
 
 @dataclass

@@ -15,7 +15,7 @@ import json
 import sys
 from collections.abc import Iterator
 
-from pipeline.analysis.configs import TOKENIZER_SPEC
+from pipeline.commands.tokenizer_options import add_tokenizer_pair
 
 _BATCH_DOCS = 64  # documents tokenized per encode_batch call
 
@@ -27,18 +27,7 @@ def add_parser(subparsers) -> None:
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--student-tokenizer",
-        required=True,
-        metavar="S",
-        help=f"student tokenizer: {TOKENIZER_SPEC}",
-    )
-    parser.add_argument(
-        "--teacher-tokenizer",
-        required=True,
-        metavar="T",
-        help=f"teacher tokenizer: {TOKENIZER_SPEC}",
-    )
+    add_tokenizer_pair(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", metavar="STR", help="align this one text")
     source.add_argument(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pipeline.analysis.configs import TOKENIZER_SPEC
+from pipeline.commands.tokenizer_options import add_tokenizer_pair
 
 
 def add_parser(subparsers) -> None:
@@ -21,18 +21,7 @@ def add_parser(subparsers) -> None:
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--student-tokenizer",
-        required=True,
-        metavar="S",
-        help=f"student tokenizer: {TOKENIZER_SPEC}",
-    )
-    parser.add_argument(
-        "--teacher-tokenizer",
-        required=True,
-        metavar="T",
-        help=f"teacher tokenizer: {TOKENIZER_SPEC}",
-    )
+    add_tokenizer_pair(parser)
     parser.set_defaults(func=run)
 
 
