@@ -178,6 +178,15 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
                 f"{meta[key]}: the data partition and saved positions depend on it; resume with "
                 f"{saved[key]} {what}"
             )
+    threads = saved.get("torch_threads")
+    if threads is not None and threads != meta["torch_threads"]:
+        # CPU kernels split reductions by thread: the run continues correctly, not bit for bit.
+        warnings.warn(
+            f"checkpoint {folder} was written with {threads} torch threads, this run has "
+            f"{meta['torch_threads']}: losses continue, but not bit-identical to an "
+            f"uninterrupted run (set OMP_NUM_THREADS={threads} for that)",
+            stacklevel=2,
+        )
     old = json.loads((folder / "config.json").read_text())
     new = to_dict(config)
     changed = sorted(k for k in new if k not in RESUMABLE_CHANGES and old.get(k) != new[k])

@@ -171,6 +171,7 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
         "workers_per_rank": plan.consumers_per_rank,
         "cache_fingerprint": cache_fingerprint(manifest),
         "config_fingerprint": config.fingerprint,
+        "torch_threads": torch.get_num_threads(),
     }
     model = wrap(
         build_student(config.student, tokenizer, config.seed, config.seq_len), runtime, config.fsdp

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.errors import CacheError, ConfigError
 from stage2_train.checkpoint import MARKER, complete_checkpoints, resume_from
@@ -336,3 +337,17 @@ def test_student_specs_and_device_options_are_checked(cache, tmp_path, capsys):
         autocast(cpu, "bfloat16")
     assert main(train_args(cache, tmp_path / "out", "--fsdp")) == 2
     assert "--fsdp shards the student across ranks" in capsys.readouterr().err
+
+
+def test_resume_under_another_thread_count_warns_that_it_is_not_bit_identical(
+    cache, uninterrupted, tmp_path
+):
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted, out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        with pytest.warns(UserWarning, match=f"written with {threads} torch threads"):
+            run(train_args(cache, out, *RESUME_ARGS))
+    finally:
+        torch.set_num_threads(threads)
