@@ -1,0 +1,44 @@
+"""The lm-evaluation-harness adapter on a local task: lm-eval and `vocagno eval` agree."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pipeline.evaluation.bits_per_character import bits_per_character
+from pipeline.evaluation.harness import heldout_task, run_lm_eval
+from pipeline.evaluation.run import _documents
+from pipeline.shipped import shipped_corpus
+from pipeline.tokenizer import load_tokenizer
+from stage1_score.backends.hf import HFScorer
+from stage1_score.teacher import resolve_teacher
+from stage2_train.model import save_tokenizer
+from tests.stage1_helpers import make_tiny_teacher
+
+pytest.importorskip("lm_eval", reason="lm-eval is the `eval` extra; make test installs it")
+
+
+@pytest.mark.parametrize("tokenizer_name", ["tinyllama", "smollm2"])  # BOS / EOS as first context
+def test_lm_eval_scores_heldout_documents_exactly_as_vocagno_eval(tmp_path, tokenizer_name):
+    model = make_tiny_teacher(tmp_path / "model", tokenizer_name)
+    save_tokenizer(load_tokenizer(tokenizer_name), model)  # as stage 2 saves a student
+    texts = [d.text for d in _documents(str(shipped_corpus("eval")), 3)]
+    task = heldout_task(tmp_path / "tasks", texts)
+    results = run_lm_eval(
+        model, [task], include_path=tmp_path / "tasks", add_bos_token=False, log_samples=True
+    )
+    harness_nats = {s["doc"]["text"]: -float(s["resps"][0][0]) for s in results["samples"][task]}
+    scorer = HFScorer(
+        resolve_teacher(str(model)), dtype="float32", max_length=256, stride=128, batch_tokens=2048
+    )
+    tokenizer = load_tokenizer(str(model))
+    for text in texts:
+        ours = bits_per_character(scorer, tokenizer, [text])
+        ours_nats = ours.bits_per_character * ours.characters * math.log(2)
+        assert harness_nats[text] == pytest.approx(ours_nats, rel=1e-4)
+    bits_per_byte = results["results"][task]["bits_per_byte,none"]
+    total_bytes = sum(len(t.encode()) for t in texts)
+    assert bits_per_byte == pytest.approx(
+        sum(harness_nats.values()) / math.log(2) / total_bytes, rel=1e-6
+    )
