@@ -20,11 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--manifest" not in argv:
         argv = ["--manifest", str(DEFAULT_MANIFEST), *argv]
-    config = parse_config(DemoConfig, argv, __doc__, SECTION)
     manifest = Path(argv[argv.index("--manifest") + 1])
-    from pipeline.demo.run import run_demo
-
     try:
+        config = parse_config(DemoConfig, argv, __doc__, SECTION)
+        from pipeline.demo.run import run_demo
+
         run_demo(config, manifest)
     except VocagnoError as exc:
         print(f"demo: error: {exc}", file=sys.stderr)

@@ -81,3 +81,12 @@ max_length = 256
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Ray cluster up" not in again.stderr
     assert json.loads((out / "timings.json").read_text())["stage1"] == timings["stage1"]
+
+
+@pytest.mark.parametrize("bad", [["--train-docs", "0"], ["--arms", "bogus"]])
+def test_bad_demo_options_are_one_line_and_exit_2(bad):
+    result = subprocess.run(
+        [sys.executable, "scripts/demo.py", *bad], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("demo: error: ") and result.stderr.count("\n") == 1
