@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from pipeline.errors import VocagnoError
+from pipeline.errors import exit_code
 
 COMMAND_MODULES = (
     "align",
@@ -33,10 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
-    except VocagnoError as exc:
-        print(f"vocagno {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return exit_code(f"vocagno {args.command}", lambda: args.func(args))
     except BrokenPipeError:
         return 0
 

@@ -1,5 +1,8 @@
 """The project's own error types: each says what failed and where, for a message without a traceback."""
 
+import sys
+from collections.abc import Callable
+
 
 class VocagnoError(Exception):
     """Base class; the CLI prints these as one clear line and exits non-zero."""
@@ -19,3 +22,12 @@ class CacheError(VocagnoError):
 
 class ConfigError(VocagnoError):
     """Invalid options or manifest."""
+
+
+def exit_code(prog: str, action: Callable[[], int | None]) -> int:
+    """Run a command's `action`: our own errors become one line on stderr and exit code 2."""
+    try:
+        return int(action() or 0)
+    except VocagnoError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.config import parse_config
 from pipeline.demo.config import SECTION, DemoConfig
-from pipeline.errors import VocagnoError
+from pipeline.errors import exit_code
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "demo.toml"
 
@@ -20,16 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--manifest" not in argv:
         argv = ["--manifest", str(DEFAULT_MANIFEST), *argv]
-    manifest = Path(argv[argv.index("--manifest") + 1])
-    try:
-        config = parse_config(DemoConfig, argv, __doc__, SECTION)
-        from pipeline.demo.run import run_demo
+    return exit_code("demo", lambda: _demo(argv))
 
-        run_demo(config, manifest)
-    except VocagnoError as exc:
-        print(f"demo: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+def _demo(argv: list[str]) -> None:
+    config = parse_config(DemoConfig, argv, __doc__, SECTION)
+    from pipeline.demo.run import run_demo
+
+    run_demo(config, Path(argv[argv.index("--manifest") + 1]))
 
 
 if __name__ == "__main__":

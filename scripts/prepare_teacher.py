@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.errors import VocagnoError
+from pipeline.errors import exit_code
 from pipeline.teacher_assets import prepare_smollm2_teacher
 
 
@@ -22,12 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         help="cache root (default: $VOCAGNO_CACHE or ~/.cache/vocagno)",
     )
     args = parser.parse_args(argv)
-    try:
-        print(prepare_smollm2_teacher(args.cache_dir))
-    except VocagnoError as exc:
-        print(f"prepare_teacher: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code("prepare_teacher", lambda: print(prepare_smollm2_teacher(args.cache_dir)))
 
 
 if __name__ == "__main__":

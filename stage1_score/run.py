@@ -17,7 +17,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import parse_config  # noqa: E402
-from pipeline.errors import VocagnoError  # noqa: E402
+from pipeline.errors import exit_code  # noqa: E402
 from stage1_score.config import SECTION, ScoreConfig  # noqa: E402
 
 DESCRIPTION = (
@@ -29,15 +29,14 @@ DESCRIPTION = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = parse_config(ScoreConfig, argv, description=DESCRIPTION, section=SECTION)
-        from stage1_score.job import run
+    return exit_code("stage1", lambda: _score(argv))
 
-        run(config)
-    except VocagnoError as exc:
-        print(f"stage1: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+def _score(argv: list[str] | None) -> None:
+    config = parse_config(ScoreConfig, argv, description=DESCRIPTION, section=SECTION)
+    from stage1_score.job import run
+
+    run(config)
 
 
 if __name__ == "__main__":

@@ -12,22 +12,21 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script (torchrun, python): make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.errors import VocagnoError  # noqa: E402
+from pipeline.errors import exit_code  # noqa: E402
 from stage2_train.config import parse_train_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = parse_train_config(argv)
-        from stage2_train.trainer import train
+    return exit_code("stage2_train/train.py", lambda: _train(argv))
 
-        final = train(config)
-    except VocagnoError as exc:
-        print(f"stage2_train/train.py: error: {exc}", file=sys.stderr)
-        return 2
+
+def _train(argv: list[str] | None) -> None:
+    config = parse_train_config(argv)
+    from stage2_train.trainer import train
+
+    final = train(config)
     if final is not None:
         print(f"final student: {final}", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":
