@@ -21,15 +21,15 @@ import argparse
 import os
 import time
 from bisect import bisect_left, bisect_right
-from importlib import resources
 
 import numpy as np
 
 from pipeline.alignment import UNMAPPED, align
 from pipeline.corpus import Corpus
+from pipeline.shipped import shipped_corpus
 from pipeline.tokenizer import Encoding, load_tokenizer
 
-CORPUS = resources.files("pipeline") / "assets" / "corpus" / "gsm_symbolic-train.jsonl.zst"
+CORPUS = shipped_corpus("train")
 
 
 def align_python(s_start, s_end, t_start, t_end) -> tuple[list[int], list[int]]:

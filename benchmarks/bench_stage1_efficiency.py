@@ -23,14 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
-from stage1_score.backends.hf import padded_batch  # noqa: E402
-from stage1_score.batching import plan_batches  # noqa: E402
-from stage1_score.teacher import resolve_teacher  # noqa: E402
+from pipeline.scoring.batching import plan_batches  # noqa: E402
+from pipeline.scoring.hf import padded_batch  # noqa: E402
+from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
+from pipeline.scoring.windows import plan_document_windows  # noqa: E402
+from pipeline.shipped import shipped_corpus  # noqa: E402
 from stage1_score.units import plan_units  # noqa: E402
-from stage1_score.windows import plan_document_windows  # noqa: E402
 from stage1_score.worker import UnitScorer, WorkerSpec  # noqa: E402
 
-CORPUS = Path(__file__).resolve().parents[1] / "pipeline/assets/corpus/gsm_symbolic-train.jsonl.zst"
+CORPUS = shipped_corpus("train")
 
 
 def main() -> int:
@@ -44,7 +45,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if args.teacher is None:
-        from pipeline.teacher_assets import prepare_smollm2_teacher
+        from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
         args.teacher = str(prepare_smollm2_teacher())
     torch.set_num_threads(args.threads)

@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cache_schema import (  # noqa: E402
+from pipeline.cache.manifest import load_manifest  # noqa: E402
+from pipeline.cache.schema import (  # noqa: E402
     LOSS,
     TEXT,
     TOKEN_END,
@@ -32,8 +33,7 @@ from pipeline.cache_schema import (  # noqa: E402
     write_options,
     write_shard,
 )
-from pipeline.cache_stats import _text_bytes  # noqa: E402
-from pipeline.manifest import load_manifest  # noqa: E402
+from pipeline.cache.stats import _text_bytes  # noqa: E402
 
 
 def variant(loss_dtype: str, **changes) -> dict:

@@ -22,9 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
+from pipeline.shipped import shipped_corpus  # noqa: E402
 from stage1_score.run import main as stage1  # noqa: E402
 
-CORPUS = Path(__file__).resolve().parents[1] / "pipeline/assets/corpus/gsm_symbolic-train.jsonl.zst"
+CORPUS = shipped_corpus("train")
 
 
 def main() -> int:
@@ -35,7 +36,7 @@ def main() -> int:
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
     args = parser.parse_args()
     if args.teacher is None:
-        from pipeline.teacher_assets import prepare_smollm2_teacher
+        from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
         args.teacher = str(prepare_smollm2_teacher())
     import ray

@@ -2,7 +2,7 @@
 method costs without a cache) against reading the teacher's losses from the cache, and how many
 student runs it takes for scoring once (stage 1) to pay off.
 
-Teacher: the real SmolLM2-135M-Instruct (pipeline.teacher_assets, fp32, transformers on the CPU).
+Teacher: the real SmolLM2-135M-Instruct (pipeline.models.teacher_assets, fp32, transformers on the CPU).
 Student: a from-scratch --preset with the tinyllama vocabulary; llama-small (19.5M parameters)
 against the 135M teacher is about the paper's ratio (TinyLlama 1.1B against 7B teachers).
 1. Stage 1 (stage1_score/run.py, a subprocess: Ray, teacher load, scoring, shards, manifest)
@@ -10,7 +10,7 @@ against the 135M teacher is about the paper's ratio (TinyLlama 1.1B against 7B t
 2. One epoch over those documents is trained twice, the same steps of the same student, the
    two runs taking turns step by step:
    - online: the same stream (stage2_train.data.ConsumerStream), but each read's texts are
-     tokenized and scored by the loaded teacher (stage1_score.backends.hf.HFScorer) before
+     tokenized and scored by the loaded teacher (pipeline.scoring.hf.HFScorer) before
      alignment; the cached losses are not used;
    - cached: the stream as stage 2 runs it, losses from the cache.
    Per-step time = the epoch's wall time / its steps (the teacher's work is amortized over them).
@@ -41,13 +41,13 @@ sys.path.insert(0, str(ROOT))  # tests/ holds the corpus reader for fixtures
 
 from bench_stage2_step import training_step  # noqa: E402
 
-from pipeline.cache_schema import DOC_ID, TEXT  # noqa: E402
+from pipeline.cache.manifest import load_manifest  # noqa: E402
+from pipeline.cache.schema import DOC_ID, TEXT  # noqa: E402
 from pipeline.guidance import GuidanceSettings  # noqa: E402
-from pipeline.manifest import load_manifest  # noqa: E402
-from pipeline.teacher_assets import prepare_smollm2_teacher  # noqa: E402
+from pipeline.models.student import build_student  # noqa: E402
+from pipeline.models.teacher_assets import prepare_smollm2_teacher  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from stage2_train.data import ConsumerStream, DataPlan, annotate  # noqa: E402
-from stage2_train.model import build_student  # noqa: E402
 from tests.cache_fixtures import corpus_documents  # noqa: E402
 
 
@@ -156,8 +156,8 @@ def main() -> None:
         steps = (student_tokens - 1) // (args.seq_len * args.micro_batch_size)  # one epoch
 
         # 2. The same epoch twice: teacher in the loop, then from the cache.
-        from stage1_score.backends.hf import HFScorer
-        from stage1_score.teacher import resolve_teacher
+        from pipeline.scoring.hf import HFScorer
+        from pipeline.scoring.teacher import resolve_teacher
 
         begin = time.perf_counter()
         scorer = HFScorer(

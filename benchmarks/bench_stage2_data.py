@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the
 
 from bench_alignment import interleaved_best_times  # noqa: E402
 
+from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from stage2_train.data import READ_ROWS, ConsumerStream, DataPlan  # noqa: E402
-from stage2_train.model import build_student  # noqa: E402
 from tests.cache_fixtures import build_cache, corpus_documents  # noqa: E402
 
 

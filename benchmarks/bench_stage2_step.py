@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the
 from bench_alignment import interleaved_best_times  # noqa: E402
 
 from pipeline.guidance import GuidanceSettings, guided_loss, token_loss  # noqa: E402
+from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from stage2_train.data import ConsumerStream, DataPlan  # noqa: E402
-from stage2_train.model import build_student  # noqa: E402
 from tests.cache_fixtures import build_cache  # noqa: E402
 
 MODES = ("none", "token", "random")
@@ -52,7 +52,7 @@ def training_step(model, optimizer, batch, settings: GuidanceSettings) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--preset", default="llama-small", help="student preset (stage2_train.model)"
+        "--preset", default="llama-small", help="student preset (pipeline.models.student)"
     )
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=4)

@@ -38,9 +38,9 @@ from typing import IO, Any, Literal
 
 import zstandard
 
+from pipeline.cache.manifest import SkippedDocument
 from pipeline.errors import CorpusError
 from pipeline.io import is_zstd
-from pipeline.manifest import SkippedDocument
 
 HUB_PREFIX = "hf:"
 JSON_LINES = ("*.jsonl", "*.ndjson", "*.json")

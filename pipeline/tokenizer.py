@@ -32,7 +32,6 @@ import json
 import os
 import tomllib
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +39,8 @@ from tokenizers import Tokenizer
 
 from pipeline.errors import TokenizerError
 from pipeline.io import fingerprint, read_bytes
+from pipeline.shipped import ASSETS, shipped_tokenizer_file
 
-_ASSETS = resources.files("pipeline") / "assets"
 # What a tokenizer spec may be, for --help texts.
 TOKENIZER_SPEC = (
     "shipped name (tinyllama, mistral, qwen2.5, deepseek, smollm2), tokenizer.json[.zst], "
@@ -212,7 +211,7 @@ def _cover_dropped_characters(start: np.ndarray, end: np.ndarray, text_length: i
 @functools.cache
 def shipped_tokenizers() -> dict[str, dict]:
     """Name -> provenance record of the tokenizers that ship inside the package."""
-    return tomllib.loads((_ASSETS / "tokenizers.toml").read_text(encoding="utf-8"))
+    return tomllib.loads((ASSETS / "tokenizers.toml").read_text(encoding="utf-8"))
 
 
 def _policy_from_template(backend: Tokenizer) -> FramingPolicy:
@@ -312,8 +311,8 @@ def load_tokenizer(spec: str | os.PathLike) -> TextTokenizer:
     shipped = shipped_tokenizers()
     if spec in shipped:
         record = shipped[spec]
-        with resources.as_file(_ASSETS / "tokenizers" / record["file"]) as path:
-            backend = Tokenizer.from_str(read_bytes(path).decode("utf-8"))
+        path = shipped_tokenizer_file(record["file"])
+        backend = Tokenizer.from_str(read_bytes(path).decode("utf-8"))
         policy = FramingPolicy(record["add_bos"], record.get("bos"), record.get("eos"))
         return TextTokenizer(backend, policy, spec)
     path = Path(spec).expanduser()

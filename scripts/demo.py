@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from apps.demo.config import SECTION, DemoConfig
 from pipeline.config import parse_config
-from pipeline.demo.config import SECTION, DemoConfig
 from pipeline.errors import exit_code
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "demo.toml"
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _demo(argv: list[str]) -> None:
     config = parse_config(DemoConfig, argv, __doc__, SECTION)
-    from pipeline.demo.run import run_demo
+    from apps.demo.run import run_demo
 
     run_demo(config, Path(argv[argv.index("--manifest") + 1]))
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from pipeline.errors import exit_code
-from pipeline.teacher_assets import prepare_smollm2_teacher
+from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
 
 def main(argv: list[str] | None = None) -> int:

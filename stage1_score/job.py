@@ -13,15 +13,12 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from pipeline import __version__
+from pipeline.cache.manifest import CacheManifest, ShardRecord, SkippedDocument, write_manifest
 from pipeline.config import to_dict
 from pipeline.corpus import Corpus
 from pipeline.errors import ConfigError, CorpusError, VocagnoError
 from pipeline.io import atomic_write_json, sha256_text
-from pipeline.manifest import CacheManifest, ShardRecord, SkippedDocument, write_manifest
-from stage1_score.config import ScoreConfig, result_settings
-from stage1_score.output import RUN_RECORD_NAME, OutputLock, finished_shard, prepare_output
-from stage1_score.progress import Progress, log
-from stage1_score.teacher import (
+from pipeline.scoring.teacher import (
     TeacherSource,
     check_tokenizer_fits,
     check_weights_readable,
@@ -32,6 +29,9 @@ from stage1_score.teacher import (
     teacher_context_length,
     teacher_identity,
 )
+from stage1_score.config import ScoreConfig, result_settings
+from stage1_score.output import RUN_RECORD_NAME, OutputLock, finished_shard, prepare_output
+from stage1_score.progress import Progress, log
 from stage1_score.units import WorkUnit, plan_units
 from stage1_score.worker import UnitResult, UnitScorer, WorkerSpec
 

@@ -23,11 +23,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipeline.cache_schema import shard_name
-from pipeline.cache_verify import TEMPORARY_GLOB, verify_shard
+from pipeline.cache.manifest import MANIFEST_NAME, ShardRecord, load_manifest
+from pipeline.cache.schema import shard_name
+from pipeline.cache.verify import TEMPORARY_GLOB, verify_shard
 from pipeline.errors import CacheError
 from pipeline.io import atomic_write_json, fingerprint
-from pipeline.manifest import MANIFEST_NAME, ShardRecord, load_manifest
 
 LOCK_NAME = ".stage1.lock"
 PRODUCER_NAME = "producer.json"

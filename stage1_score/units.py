@@ -13,9 +13,9 @@ import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from pipeline.cache.manifest import SkippedDocument
 from pipeline.corpus import Document
 from pipeline.io import sha256_text
-from pipeline.manifest import SkippedDocument
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.cache_schema import SCHEMA_VERSION, shard_name, write_shard
-from pipeline.manifest import ShardRecord
+from pipeline.cache.manifest import ShardRecord
+from pipeline.cache.schema import SCHEMA_VERSION, shard_name, write_shard
+from pipeline.cache.writer import build_unit_table
+from pipeline.scoring.teacher import TeacherSource, load_teacher_tokenizer
 from stage1_score.output import Sidecar, write_sidecar
-from stage1_score.teacher import TeacherSource, load_teacher_tokenizer
 from stage1_score.units import WorkUnit
-from stage1_score.writer import build_unit_table
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def load_scorer(spec: WorkerSpec):
             max_num_batched_tokens=spec.vllm_max_num_batched_tokens,
             gpu_memory_utilization=spec.vllm_gpu_memory_utilization,
         )
-    from stage1_score.backends.hf import HFScorer
+    from pipeline.scoring.hf import HFScorer
 
     return HFScorer(
         spec.teacher,

@@ -44,7 +44,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.alignment import aggregate_teacher_loss, align, equal_chunk_alignment
-from pipeline.cache_schema import (
+from pipeline.cache.manifest import CacheManifest, ShardRecord, load_manifest
+from pipeline.cache.schema import (
     DOC_ID,
     LOSS,
     TEXT,
@@ -53,10 +54,9 @@ from pipeline.cache_schema import (
     TOKEN_START,
     iter_shard_batches,
 )
-from pipeline.cache_verify import verify_shard
+from pipeline.cache.verify import verify_shard
 from pipeline.errors import CacheError, VocagnoError
 from pipeline.io import fingerprint, sha256_text
-from pipeline.manifest import CacheManifest, ShardRecord, load_manifest
 from pipeline.tokenizer import TextTokenizer, load_tokenizer
 
 READ_ROWS = 128  # rows per Parquet read: the I/O unit and the shuffle window inside an item
@@ -152,7 +152,7 @@ def _verify_once(cache_dir: str, record: ShardRecord, mtime_ns: int | None) -> P
 
 
 def verified_shard(cache_dir: Path, record: ShardRecord) -> Path:
-    """pipeline.cache_verify.verify_shard (size and sha256 against the manifest), hashed once per
+    """pipeline.cache.verify.verify_shard (size and sha256 against the manifest), hashed once per
     process and file version rather than once per read."""
     path = Path(cache_dir) / record.file
     mtime_ns = path.stat().st_mtime_ns if path.exists() else None

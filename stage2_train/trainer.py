@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pipeline.cache.manifest import load_manifest
 from pipeline.config import to_dict
 from pipeline.guidance import (
     IGNORE_INDEX,
@@ -33,7 +34,7 @@ from pipeline.guidance import (
     token_loss,
 )
 from pipeline.io import atomic_write_json, atomic_write_text, fsync_dir
-from pipeline.manifest import load_manifest
+from pipeline.models.student import build_student, save_tokenizer, student_tokenizer_spec
 from pipeline.tokenizer import load_tokenizer
 from stage2_train.checkpoint import (
     check_resumable,
@@ -51,16 +52,7 @@ from stage2_train.data import (
     make_loader,
 )
 from stage2_train.distributed import Runtime
-from stage2_train.model import (
-    autocast,
-    build_student,
-    full_state_dict,
-    gradient_sync,
-    save_tokenizer,
-    student_tokenizer_spec,
-    unwrapped,
-    wrap,
-)
+from stage2_train.parallel import autocast, full_state_dict, gradient_sync, unwrapped, wrap
 
 METRIC_KEYS = ("loss", "loss_all", "kept_fraction", "mapped_fraction")
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.cache_schema import (
+from pipeline.cache.manifest import CacheManifest, ShardRecord, write_manifest
+from pipeline.cache.schema import (
     DOC_ID,
     LOSS,
     TEXT,
@@ -28,10 +29,10 @@ from pipeline.cache_schema import (
 )
 from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.io import sha256_text
-from pipeline.manifest import CacheManifest, ShardRecord, write_manifest
+from pipeline.shipped import shipped_corpus
 from pipeline.tokenizer import load_tokenizer
 
-CORPUS = resources.files("pipeline") / "assets" / "corpus" / "gsm_symbolic-train.jsonl.zst"
+CORPUS = shipped_corpus("train")
 
 
 def corpus_documents(count: int, skip: int = 0) -> list[tuple[str, str]]:

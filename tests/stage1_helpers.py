@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.io import read_bytes
+from pipeline.shipped import shipped_corpus, shipped_tokenizer_file
 from pipeline.tokenizer import load_tokenizer, shipped_tokenizers
 
-ASSETS = Path(__file__).resolve().parents[1] / "pipeline" / "assets"
-SHIPPED_CORPUS = ASSETS / "corpus" / "gsm_symbolic-eval.jsonl.zst"
+SHIPPED_CORPUS = shipped_corpus("eval")
 
 
 def make_tiny_teacher(
@@ -43,7 +43,7 @@ def make_tiny_teacher(
         raise ValueError(arch)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    (folder / "tokenizer.json").write_bytes(read_bytes(ASSETS / "tokenizers" / record["file"]))
+    (folder / "tokenizer.json").write_bytes(read_bytes(shipped_tokenizer_file(record["file"])))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": record["add_bos"],

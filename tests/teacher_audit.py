@@ -12,7 +12,7 @@ import os
 import textwrap
 from pathlib import Path
 
-FORBIDDEN_MODULES = ("stage1_score", "vllm", "pipeline.teacher_assets")
+FORBIDDEN_MODULES = ("stage1_score", "vllm", "pipeline.models.teacher_assets")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".distcp")
 SITECUSTOMIZE = textwrap.dedent(
     """

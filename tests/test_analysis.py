@@ -9,21 +9,21 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-from importlib import resources
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from pipeline.analysis.chunk_overlap import measure_chunk_overlap, run_chunk_overlap
-from pipeline.analysis.configs import ChunkOverlapConfig, TrainingCurvesConfig
-from pipeline.analysis.training_curves import FIELDS, plot_training_curves, read_metrics
-from pipeline.cli import main
+from apps.analysis.chunk_overlap import measure_chunk_overlap, run_chunk_overlap
+from apps.analysis.configs import ChunkOverlapConfig, TrainingCurvesConfig
+from apps.analysis.training_curves import FIELDS, plot_training_curves, read_metrics
+from apps.cli import main
 from pipeline.corpus import Corpus
 from pipeline.errors import VocagnoError
+from pipeline.shipped import shipped_corpus
 from pipeline.tokenizer import load_tokenizer
 
-TRAIN_CORPUS = resources.files("pipeline") / "assets" / "corpus" / "gsm_symbolic-train.jsonl.zst"
+TRAIN_CORPUS = shipped_corpus("train")
 CHUNKS = [1, 2, 4, 8, 16, 32, 64]
 
 

@@ -18,11 +18,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cache_schema import TOKEN_END, shard_name, write_shard
-from pipeline.cache_verify import verify_cache
-from pipeline.cli import main as vocagno
+from apps.cli import main as vocagno
+from pipeline.cache.manifest import MANIFEST_NAME, ShardRecord, load_manifest, write_manifest
+from pipeline.cache.schema import TOKEN_END, shard_name, write_shard
+from pipeline.cache.verify import verify_cache
 from pipeline.errors import CacheError
-from pipeline.manifest import MANIFEST_NAME, ShardRecord, load_manifest, write_manifest
 from pipeline.tokenizer import load_tokenizer
 from stage1_score.output import prepare_output
 from stage2_train.train import main as train

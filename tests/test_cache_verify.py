@@ -12,12 +12,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cache_schema import LOSS, TEXT, TEXT_SHA256, TOKEN_END, write_shard
-from pipeline.cache_stats import BIN_WIDTH
-from pipeline.cache_verify import verify_shard
-from pipeline.cli import main
+from apps.cli import main
+from pipeline.cache.manifest import MANIFEST_NAME, ShardRecord, load_manifest, write_manifest
+from pipeline.cache.schema import LOSS, TEXT, TEXT_SHA256, TOKEN_END, write_shard
+from pipeline.cache.stats import BIN_WIDTH
+from pipeline.cache.verify import verify_shard
 from pipeline.errors import CacheError
-from pipeline.manifest import MANIFEST_NAME, ShardRecord, load_manifest, write_manifest
 from tests.cache_fixtures import build_cache
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import zstandard
 
+from apps.cli import main
 from pipeline.alignment import align
-from pipeline.cli import main
 from pipeline.tokenizer import load_tokenizer
 
 TEXTS = ["Probability, Uncertainty", "Tom has 3 apples 🍎 and eats 1.\nHow many are left?"]
@@ -150,7 +150,7 @@ def test_align_skip_reports_bad_records_and_aligns_the_rest(capsys, tmp_path):
 
 def test_console_script_exits_non_zero_with_one_line_for_a_bad_tokenizer():
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "overlap", "--student-tokenizer", "tinyllama",
+        [sys.executable, "-m", "apps.cli", "overlap", "--student-tokenizer", "tinyllama",
          "--teacher-tokenizer", "/no/such/tokenizer.json"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip

@@ -10,9 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from pipeline.cache.manifest import SkippedDocument
 from pipeline.corpus import Corpus, CorpusOptions, Document
 from pipeline.errors import CorpusError
-from pipeline.manifest import SkippedDocument
+from pipeline.shipped import shipped_corpus
 
 ROWS = [
     {"id": "a", "text": "First document.\nWith two lines."},
@@ -52,7 +53,7 @@ def test_id_column_and_blank_lines_keep_record_numbers(tmp_path):
 
 def test_shipped_corpus_streams_with_its_ids():
     corpus = Corpus(
-        Path(__file__).parents[1] / "pipeline/assets/corpus/gsm_symbolic-eval.jsonl.zst",
+        shipped_corpus("eval"),
         CorpusOptions(id_column="id"),
     )
     docs = list(corpus)

@@ -10,17 +10,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.cli import main
-from pipeline.evaluation.answer_accuracy import (
+from apps.cli import main
+from apps.evaluation.answer_accuracy import (
     build_prompt,
     extract_answer,
     problem_from_document,
     same_number,
 )
-from pipeline.evaluation.bits_per_character import bits_per_character
+from apps.evaluation.bits_per_character import bits_per_character
+from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.teacher import resolve_teacher
 from pipeline.tokenizer import load_tokenizer
-from stage1_score.backends.hf import HFScorer
-from stage1_score.teacher import resolve_teacher
 from tests.stage1_helpers import make_tiny_teacher
 
 TEXTS = ["Question: 3 + 4?\nAnswer: 3 + 4 = 7 #### 7", "Ünïcode ✓ 12,5 and\ttabs  here."]
@@ -88,7 +88,7 @@ def test_eval_of_a_missing_model_is_one_clear_error(tmp_path, capsys):
 
 
 def test_generation_stops_per_row_once_the_final_answer_line_is_written():
-    from pipeline.evaluation.answer_accuracy import FinalAnswerStop
+    from apps.evaluation.answer_accuracy import FinalAnswerStop
 
     tokenizer = load_tokenizer("smollm2")
     prompt = tokenizer.encode("Question: 1 + 1?\nAnswer:").ids.tolist()

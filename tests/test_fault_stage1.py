@@ -27,7 +27,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cache_verify import TEMPORARY_GLOB, verify_cache
+from pipeline.cache.verify import TEMPORARY_GLOB, verify_cache
 from pipeline.corpus import Corpus, CorpusOptions
 from stage1_score.run import main
 from tests.stage1_helpers import SHIPPED_CORPUS, make_tiny_teacher

@@ -1,5 +1,5 @@
 """The shard reader over randomly corrupted files (byte flips, truncations, insertions on a small
-real shard): every reader verifies size and sha256 first (pipeline.cache_verify.verify_shard, as
+real shard): every reader verifies size and sha256 first (pipeline.cache.verify.verify_shard, as
 stage 2's data path does), so any change is our own CacheError naming the shard; and the Parquet
 decoder underneath, fed the damaged bytes directly, raises only CacheError or returns rows, and
 never hangs (each read runs under a deadline).
@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.cache_schema import COLUMNS, iter_shard_batches
-from pipeline.cache_verify import verify_shard
+from pipeline.cache.manifest import load_manifest
+from pipeline.cache.schema import COLUMNS, iter_shard_batches
+from pipeline.cache.verify import verify_shard
 from pipeline.errors import CacheError
-from pipeline.manifest import load_manifest
 from tests.cache_fixtures import build_cache
 
 READ_DEADLINE_SECONDS = 30.0

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from pipeline.cli import main
+from apps.cli import main
 from pipeline.guidance import selection_size
 from tests.cache_fixtures import build_cache, read_cache_rows
 from tests.stage1_helpers import make_tiny_teacher

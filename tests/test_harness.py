@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from pipeline.evaluation.bits_per_character import bits_per_character
-from pipeline.evaluation.harness import heldout_task, run_lm_eval
-from pipeline.evaluation.run import _documents
+from apps.evaluation.bits_per_character import bits_per_character
+from apps.evaluation.harness import heldout_task, run_lm_eval
+from apps.evaluation.run import _documents
+from pipeline.models.student import save_tokenizer
+from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.teacher import resolve_teacher
 from pipeline.shipped import shipped_corpus
 from pipeline.tokenizer import load_tokenizer
-from stage1_score.backends.hf import HFScorer
-from stage1_score.teacher import resolve_teacher
-from stage2_train.model import save_tokenizer
 from tests.stage1_helpers import make_tiny_teacher
 
 pytest.importorskip("lm_eval", reason="lm-eval is the `eval` extra; make test installs it")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from apps.demo.config import DemoConfig
+from apps.evaluation.config import EvalConfig
 from pipeline.config import from_dict, load_manifest_section
-from pipeline.demo.config import DemoConfig
-from pipeline.evaluation.config import EvalConfig
 from stage1_score.config import ScoreConfig
 from stage2_train.config import TrainConfig
 

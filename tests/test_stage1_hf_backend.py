@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.teacher import resolve_teacher
 from pipeline.tokenizer import load_tokenizer
-from stage1_score.backends.hf import HFScorer
-from stage1_score.teacher import resolve_teacher
 from tests.stage1_helpers import (
     direct_losses,
     load_model,

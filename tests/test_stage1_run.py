@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cache_verify import verify_cache
+from pipeline.cache.manifest import SkippedDocument, load_manifest
+from pipeline.cache.verify import verify_cache
 from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.io import sha256_text
-from pipeline.manifest import SkippedDocument, load_manifest
 from pipeline.tokenizer import load_tokenizer
 from stage1_score.output import LOCK_NAME, OutputLock
 from stage1_score.run import main

@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cache_verify import verify_cache
+from pipeline.cache.verify import verify_cache
 from pipeline.corpus import Corpus, CorpusOptions
-from pipeline.teacher_assets import prepare_smollm2_teacher
+from pipeline.models.teacher_assets import prepare_smollm2_teacher
 from pipeline.tokenizer import load_tokenizer
 from stage1_score.run import main
 from tests.stage1_helpers import SHIPPED_CORPUS, direct_losses, load_model

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.teacher import resolve_teacher
 from pipeline.tokenizer import load_tokenizer
-from stage1_score.backends.hf import HFScorer
 from stage1_score.backends.vllm_backend import PromptLogprobsError, VLLMScorer, prompt_losses
-from stage1_score.teacher import resolve_teacher
 from tests.stage1_helpers import load_model, make_tiny_teacher
 
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stage1_score.batching import plan_batches
-from stage1_score.windows import plan_document_windows, plan_windows
+from pipeline.scoring.batching import plan_batches
+from pipeline.scoring.windows import plan_document_windows, plan_windows
 
 
 @given(

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pipeline.alignment import aggregate_teacher_loss, equal_chunk_alignment
-from pipeline.cache_schema import shard_name
+from pipeline.cache.manifest import load_manifest
+from pipeline.cache.schema import shard_name
 from pipeline.errors import CacheError
-from pipeline.manifest import load_manifest
 from pipeline.tokenizer import load_tokenizer
 from stage2_train.data import (
     ConsumerStream,
@@ -265,8 +265,8 @@ def test_text_that_does_not_match_its_hash_is_refused(tmp_path):
     # A shard whose manifest checksum is right but whose row lies about its text.
     import pyarrow.parquet as pq
 
-    from pipeline.cache_schema import TEXT, read_shard_metadata, write_shard
-    from pipeline.manifest import ShardRecord, write_manifest
+    from pipeline.cache.manifest import ShardRecord, write_manifest
+    from pipeline.cache.schema import TEXT, read_shard_metadata, write_shard
 
     path = tmp_path / shard_name(0)
     table = pq.read_table(path)

@@ -64,7 +64,7 @@ def test_metrics_and_final_model(uninterrupted, cache):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.manifest import load_manifest
+    from pipeline.cache.manifest import load_manifest
     from pipeline.tokenizer import load_tokenizer
     from stage2_train.data import cache_fingerprint
 
@@ -322,8 +322,9 @@ def test_accumulation_gives_the_same_step_as_one_big_micro_batch(cache, tmp_path
 def test_student_specs_and_device_options_are_checked(cache, tmp_path, capsys):
     import torch
 
+    from pipeline.models.student import student_kind
     from stage2_train.distributed import Runtime
-    from stage2_train.model import autocast, student_kind
+    from stage2_train.parallel import autocast
 
     assert student_kind("llama-tiny") == "preset"
     assert student_kind("TinyLlama/TinyLlama_v1.1") == "pretrained"  # a hub id

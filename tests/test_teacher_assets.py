@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from pipeline import teacher_assets
+from pipeline.models import teacher_assets
 
 
 @dataclass

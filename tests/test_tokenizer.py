@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from importlib import resources
 
 import numpy as np
 import pytest
-import zstandard
 
 from pipeline.errors import TokenizerError
 from pipeline.io import read_bytes
+from pipeline.shipped import shipped_tokenizer_file
 from pipeline.tokenizer import load_tokenizer, shipped_tokenizers
 
 SHIPPED = ("tinyllama", "mistral", "qwen2.5", "deepseek", "smollm2")
@@ -19,15 +18,12 @@ TEXT = "Natalia sold 48 clips in April, and half as many in May. 😀 √x ≤ 3
 
 def shipped_json(name: str) -> bytes:
     """The raw (compressed) bytes of a shipped tokenizer.json."""
-    asset = (
-        resources.files("pipeline") / "assets" / "tokenizers" / shipped_tokenizers()[name]["file"]
-    )
-    return asset.read_bytes()
+    return shipped_tokenizer_file(shipped_tokenizers()[name]["file"]).read_bytes()
 
 
 def read_bytes_of(name: str) -> bytes:
     """A shipped tokenizer.json, decompressed."""
-    return zstandard.ZstdDecompressor().decompressobj().decompress(shipped_json(name))
+    return read_bytes(shipped_tokenizer_file(shipped_tokenizers()[name]["file"]))
 
 
 def same_encoding(a, b) -> bool:

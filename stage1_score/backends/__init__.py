@@ -1,1 +1,2 @@
-"""Scoring backends: `hf` (transformers, any machine) and `vllm` (GPU); same windows, same output."""
+"""Stage 1's vLLM backend. The transformers backend, which evaluation shares, is the library's
+`pipeline.scoring.hf`; both cut the same windows and give the same output."""

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import VocagnoError
-from stage1_score.teacher import TeacherSource
-from stage1_score.windows import plan_document_windows
+from pipeline.scoring.teacher import TeacherSource
+from pipeline.scoring.windows import plan_document_windows
 
 PROMPTS_PER_CALL = 1024  # windows per generate() call: big enough to batch, small for progress
 

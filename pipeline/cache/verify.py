@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.cache_schema import (
+from pipeline.cache.manifest import MANIFEST_NAME, CacheManifest, ShardRecord, load_manifest
+from pipeline.cache.schema import (
     COLUMNS,
     LOSS,
     LOSS_DTYPES,
@@ -30,7 +31,6 @@ from pipeline.cache_schema import (
 )
 from pipeline.errors import CacheError
 from pipeline.io import sha256_file, sha256_text
-from pipeline.manifest import MANIFEST_NAME, CacheManifest, ShardRecord, load_manifest
 
 SHARD_GLOB = "*.parquet"
 TEMPORARY_GLOB = ".*.tmp"

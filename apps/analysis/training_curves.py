@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.analysis.configs import TrainingCurvesConfig
+from apps.analysis.configs import TrainingCurvesConfig
 from pipeline.errors import VocagnoError
 from pipeline.io import fingerprint, sha256_bytes
 
@@ -87,7 +87,7 @@ def plot_training_curves(config: TrainingCurvesConfig) -> list[RunMetrics]:
     """Read every run and write the figure to `config.out`; returns the runs as read."""
     from matplotlib.ticker import EngFormatter
 
-    from pipeline.analysis.plotting import new_figure, save_png
+    from apps.analysis.plotting import new_figure, save_png
 
     runs = [read_metrics(d) for d in config.run_dirs]
     if not any(run.steps for run in runs):

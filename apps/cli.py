@@ -1,4 +1,4 @@
-"""The `vocagno` command. Each subcommand lives in its own module under `pipeline.commands` and
+"""The `vocagno` command. Each subcommand lives in its own module under `apps.commands` and
 exposes `add_parser(subparsers)`; heavy imports stay inside the command so `--help` is instant."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
-        importlib.import_module(f"pipeline.commands.{name}").add_parser(subparsers)
+        importlib.import_module(f"apps.commands.{name}").add_parser(subparsers)
     return parser
 
 

@@ -12,7 +12,7 @@ import io
 from importlib import metadata
 from pathlib import Path
 
-from pipeline.analysis.configs import VocabularyOverlapConfig
+from apps.analysis.configs import VocabularyOverlapConfig
 from pipeline.config import to_dict
 from pipeline.io import atomic_write_json, atomic_write_text, fingerprint
 from pipeline.tokenizer import load_tokenizer
@@ -101,7 +101,7 @@ def vocabulary_overlap_markdown(report: dict) -> str:
 def plot_vocabulary_overlap(report: dict, dest: Path) -> None:
     import numpy as np
 
-    from pipeline.analysis.plotting import new_figure, save_png
+    from apps.analysis.plotting import new_figure, save_png
 
     rows = report["rows"]
     student = rows[0]["student"]

@@ -1,6 +1,6 @@
 """Hugging Face transformers backend: the reference for correctness, on any machine.
 
-Per batch of windows (stage1_score.windows, stage1_score.batching): one forward pass of the
+Per batch of windows (pipeline.scoring.windows, pipeline.scoring.batching): one forward pass of the
 decoder body, right-padded with an attention mask; then the output head is applied only to the
 positions whose next token is scored, a chunk of rows at a time, and each loss is
 `logsumexp(logits) - logits[target]` in fp32. Full-vocabulary log-probabilities of all positions
@@ -18,9 +18,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from stage1_score.batching import plan_batches
-from stage1_score.teacher import TeacherSource, load_teacher_model
-from stage1_score.windows import WindowTable, plan_document_windows
+from pipeline.scoring.batching import plan_batches
+from pipeline.scoring.teacher import TeacherSource, load_teacher_model
+from pipeline.scoring.windows import WindowTable, plan_document_windows
 
 # Rows of logits computed at once: rows x vocabulary stays near 2**24 floats (64 MiB in fp32).
 LOGIT_BUDGET = 1 << 24

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from apps.evaluation.config import SECTION, EvalConfig
 from pipeline.config import build_parser, config_from_options
-from pipeline.evaluation.config import SECTION, EvalConfig
 
 DESCRIPTION = (
     "Evaluate a causal LM: held-out loss in bits per character (comparable across tokenizers) and "
@@ -28,7 +28,7 @@ def add_parser(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipeline.evaluation.run import evaluate
+    from apps.evaluation.run import evaluate
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
     report = evaluate(config_from_options(EvalConfig, given, SECTION))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pipeline.commands.tokenizer_options import add_tokenizer_pair
+from apps.commands.tokenizer_options import add_tokenizer_pair
 
 
 def add_parser(subparsers) -> None:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.analysis.configs import TrainingCurvesConfig
-from pipeline.analysis.plotting import new_figure, save_png
-from pipeline.analysis.training_curves import plot_training_curves, read_metrics
-from pipeline.demo.config import DemoConfig
+from apps.analysis.configs import TrainingCurvesConfig
+from apps.analysis.plotting import new_figure, save_png
+from apps.analysis.training_curves import plot_training_curves, read_metrics
+from apps.demo.config import DemoConfig
+from pipeline.cache.manifest import load_manifest
 from pipeline.io import atomic_write_text
-from pipeline.manifest import load_manifest
 from pipeline.tokenizer import load_tokenizer
 from pipeline.vocab_overlap import vocabulary_overlap
 

@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from pipeline.alignment import aggregate_teacher_loss, align
-from pipeline.cache_schema import DOC_ID, LOSS, TEXT, TOKEN_END, TOKEN_START, iter_shard_batches
-from pipeline.cache_verify import verify_shard
+from pipeline.cache.manifest import load_manifest
+from pipeline.cache.schema import DOC_ID, LOSS, TEXT, TOKEN_END, TOKEN_START, iter_shard_batches
+from pipeline.cache.verify import verify_shard
 from pipeline.errors import CacheError
 from pipeline.guidance import GuidanceSettings, select_tokens, token_loss
 from pipeline.io import atomic_write_text
-from pipeline.manifest import load_manifest
 from pipeline.tokenizer import TextTokenizer
 
 

@@ -34,7 +34,7 @@ def _config(args: argparse.Namespace):
 
 
 def _overlap(args: argparse.Namespace) -> int:
-    from pipeline.analysis.vocabulary_overlap import MARKDOWN_NAME, PNG_NAME, run_vocabulary_overlap
+    from apps.analysis.vocabulary_overlap import MARKDOWN_NAME, PNG_NAME, run_vocabulary_overlap
 
     config = _config(args)
     report = run_vocabulary_overlap(config)
@@ -49,7 +49,7 @@ def _overlap(args: argparse.Namespace) -> int:
 
 
 def _chunks(args: argparse.Namespace) -> int:
-    from pipeline.analysis.chunk_overlap import MARKDOWN_NAME, PNG_NAME, run_chunk_overlap
+    from apps.analysis.chunk_overlap import MARKDOWN_NAME, PNG_NAME, run_chunk_overlap
 
     config = _config(args)
     report = run_chunk_overlap(config)
@@ -64,8 +64,8 @@ def _chunks(args: argparse.Namespace) -> int:
 
 
 def _curves(args: argparse.Namespace) -> int:
-    from pipeline.analysis.configs import TrainingCurvesConfig
-    from pipeline.analysis.training_curves import plot_training_curves
+    from apps.analysis.configs import TrainingCurvesConfig
+    from apps.analysis.training_curves import plot_training_curves
 
     config = from_dict(TrainingCurvesConfig, {"run_dirs": args.run_dirs, "out": args.out})
     for run in plot_training_curves(config):
@@ -81,7 +81,7 @@ def _pct(value: float | None) -> str:
 
 
 def add_parser(subparsers) -> None:
-    from pipeline.analysis.configs import (
+    from apps.analysis.configs import (
         ChunkOverlapConfig,
         TrainingCurvesConfig,
         VocabularyOverlapConfig,

@@ -15,7 +15,7 @@ import json
 import sys
 from collections.abc import Iterator
 
-from pipeline.commands.tokenizer_options import add_tokenizer_pair
+from apps.commands.tokenizer_options import add_tokenizer_pair
 
 _BATCH_DOCS = 64  # documents tokenized per encode_batch call
 
@@ -68,8 +68,8 @@ def _texts(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     if args.text is not None:
         yield "--text", args.text
         return
+    from pipeline.cache.manifest import SkippedDocument
     from pipeline.corpus import Corpus, CorpusOptions
-    from pipeline.manifest import SkippedDocument
 
     corpus = Corpus(
         args.input, CorpusOptions(text_column=args.text_column, on_bad_record=args.on_bad_record)

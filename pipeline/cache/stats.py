@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.cache_schema import LOSS, TEXT, iter_shard_batches
-from pipeline.manifest import load_manifest
+from pipeline.cache.manifest import load_manifest
+from pipeline.cache.schema import LOSS, TEXT, iter_shard_batches
 
 BIN_WIDTH = 0.001
 MAX_LOSS = 64.0

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
+from apps.analysis.configs import ChunkOverlapConfig
 from pipeline.alignment import align, chunk_alignment_overlap, token_alignment_overlap
-from pipeline.analysis.configs import ChunkOverlapConfig
+from pipeline.cache.manifest import SkippedDocument
 from pipeline.config import to_dict
 from pipeline.io import atomic_write_json, atomic_write_text, fingerprint
-from pipeline.manifest import SkippedDocument
 from pipeline.tokenizer import TextTokenizer
 
 JSON_NAME = "chunk_overlap.json"
@@ -192,7 +192,7 @@ def chunk_overlap_markdown(report: dict) -> str:
 
 
 def plot_chunk_overlap(report: dict, dest: Path) -> None:
-    from pipeline.analysis.plotting import new_figure, save_png
+    from apps.analysis.plotting import new_figure, save_png
 
     rows = [r for r in report["chunks"] if r["iou"] is not None]
     counts = [r["num_chunks"] for r in rows]

@@ -1,11 +1,11 @@
-"""The Arrow table of one work unit, in the cache schema (pipeline.cache_schema)."""
+"""The Arrow table of one work unit, in the cache schema (pipeline.cache.schema)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
 
-from pipeline.cache_schema import (
+from pipeline.cache.schema import (
     DOC_ID,
     LOSS,
     TEXT,

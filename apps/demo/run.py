@@ -12,13 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+from apps.demo.config import DemoConfig
+from apps.demo.ray_cluster import local_ray_cluster, submit_and_follow
+from apps.demo.report import write_report
+from apps.evaluation.config import SECTION as EVAL_SECTION
+from apps.evaluation.config import EvalConfig
 from pipeline.config import load_manifest_section
-from pipeline.demo.config import DemoConfig
-from pipeline.demo.ray_cluster import local_ray_cluster, submit_and_follow
-from pipeline.demo.report import write_report
 from pipeline.errors import VocagnoError
-from pipeline.evaluation.config import SECTION as EVAL_SECTION
-from pipeline.evaluation.config import EvalConfig
 from pipeline.io import atomic_path, atomic_write_json, open_binary_stream
 from pipeline.shipped import shipped_corpus
 
@@ -40,8 +40,8 @@ def write_corpus_slice(dest: Path, count: int) -> Path:
 
 def make_student_init(config: DemoConfig, seed: int, seq_len: int) -> Path:
     """The untrained student both arms start from, saved so it can be evaluated too."""
+    from pipeline.models.student import build_student, save_tokenizer
     from pipeline.tokenizer import load_tokenizer
-    from stage2_train.model import build_student, save_tokenizer
 
     folder = config.out / "student-init"
     if (folder / "config.json").exists():
@@ -99,7 +99,7 @@ def train_arm(config: DemoConfig, manifest: Path, cache: Path, student: Path, ar
 
 
 def evaluate_models(config: DemoConfig, manifest: Path, models: dict[str, Path]) -> dict:
-    from pipeline.evaluation.run import evaluate
+    from apps.evaluation.run import evaluate
 
     settings = load_manifest_section(manifest, EVAL_SECTION)
     results = {}
@@ -116,7 +116,7 @@ def inspect_guided_arm(config: DemoConfig, manifest: Path, cache: Path, arms: di
     """The paper's Figure 8 for the guided student: which tokens the teacher made it train on."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.analysis.guidance_page import find_document, guided_tokens, write_guidance_page
+    from apps.analysis.guidance_page import find_document, guided_tokens, write_guidance_page
     from pipeline.guidance import GuidanceSettings
     from pipeline.tokenizer import load_tokenizer
 
@@ -138,7 +138,7 @@ def inspect_guided_arm(config: DemoConfig, manifest: Path, cache: Path, arms: di
 
 
 def run_demo(config: DemoConfig, manifest: Path) -> Path:
-    from pipeline.teacher_assets import prepare_smollm2_teacher
+    from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
     stage2 = load_manifest_section(manifest, "stage2")
     timings_path = config.out / "timings.json"

@@ -70,7 +70,7 @@ def _add_inspect(actions) -> None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from pipeline.cache_verify import verify_cache
+    from pipeline.cache.verify import verify_cache
 
     def on_shard(record, problem) -> None:
         if problem is None and not args.quiet:
@@ -91,7 +91,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    from pipeline.cache_stats import cache_stats
+    from pipeline.cache.stats import cache_stats
 
     stats = cache_stats(args.cache_dir)
     if args.json:
@@ -118,7 +118,7 @@ def run_stats(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
-    from pipeline.analysis.guidance_page import find_document, guided_tokens, write_guidance_page
+    from apps.analysis.guidance_page import find_document, guided_tokens, write_guidance_page
     from pipeline.errors import ConfigError
     from pipeline.guidance import GuidanceSettings
     from pipeline.tokenizer import load_tokenizer

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.cache_schema import SCHEMA_VERSION
+from pipeline.cache.schema import SCHEMA_VERSION
 from pipeline.errors import CacheError
 from pipeline.io import atomic_write_json, fingerprint
 

@@ -5,20 +5,20 @@ from __future__ import annotations
 import itertools
 import sys
 
+from apps.evaluation.answer_accuracy import answer_accuracy, problem_from_document
+from apps.evaluation.bits_per_character import bits_per_character
+from apps.evaluation.config import EvalConfig
 from pipeline.config import to_dict
 from pipeline.corpus import Corpus, Document
-from pipeline.evaluation.answer_accuracy import answer_accuracy, problem_from_document
-from pipeline.evaluation.bits_per_character import bits_per_character
-from pipeline.evaluation.config import EvalConfig
 from pipeline.io import atomic_write_json
-from pipeline.shipped import shipped_corpus
-from stage1_score.backends.hf import HFScorer
-from stage1_score.teacher import (
+from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.teacher import (
     load_teacher_config,
     load_teacher_tokenizer,
     resolve_teacher,
     teacher_context_length,
 )
+from pipeline.shipped import shipped_corpus
 
 DEFAULT_CONTEXT = 2048
 
