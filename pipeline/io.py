@@ -91,8 +91,11 @@ def atomic_write_json(dest: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(dest, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
+ZSTD_SUFFIXES = (".zst", ".zstd")
+
+
 def is_zstd(path: str | os.PathLike) -> bool:
-    return str(path).endswith((".zst", ".zstd"))
+    return str(path).endswith(ZSTD_SUFFIXES)
 
 
 def read_bytes(path: str | os.PathLike) -> bytes:
@@ -104,11 +107,19 @@ def read_bytes(path: str | os.PathLike) -> bytes:
 
 
 @contextlib.contextmanager
-def open_binary_stream(path: str | os.PathLike) -> Iterator[IO[bytes]]:
-    """Stream a file's bytes, decompressing zstd on the fly, without loading it whole."""
+def open_counted_stream(path: str | os.PathLike) -> Iterator[tuple[IO[bytes], IO[bytes]]]:
+    """(raw file, decoded stream), decompressing zstd on the fly without loading the file whole;
+    the raw file's position measures progress through it."""
     with open(path, "rb") as raw:
         if is_zstd(path):
             with zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True) as reader:
-                yield io.BufferedReader(reader, buffer_size=_CHUNK)
+                yield raw, io.BufferedReader(reader, buffer_size=_CHUNK)
         else:
-            yield raw
+            yield raw, raw
+
+
+@contextlib.contextmanager
+def open_binary_stream(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+    """A file's bytes, decompressed if the name says zstd, streamed."""
+    with open_counted_stream(path) as (_, stream):
+        yield stream

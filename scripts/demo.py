@@ -9,9 +9,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from apps.demo.config import SECTION, DemoConfig
-from pipeline.config import parse_config
-from pipeline.errors import exit_code
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from apps.demo.config import SECTION, DemoConfig  # noqa: E402
+from pipeline.config import parse_config  # noqa: E402
+from pipeline.errors import exit_code  # noqa: E402
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "demo.toml"
 

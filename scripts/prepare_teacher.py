@@ -9,8 +9,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.errors import exit_code
-from pipeline.models.teacher_assets import prepare_smollm2_teacher
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.errors import exit_code  # noqa: E402
+from pipeline.models.teacher_assets import prepare_smollm2_teacher  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,12 +7,10 @@ bounded whatever the corpus size. Which actor scores a unit never changes the sh
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 
-from pipeline import __version__
 from pipeline.cache.manifest import CacheManifest, ShardRecord, SkippedDocument, write_manifest
 from pipeline.config import to_dict
 from pipeline.corpus import Corpus
@@ -29,6 +27,7 @@ from pipeline.scoring.teacher import (
     teacher_context_length,
     teacher_identity,
 )
+from pipeline.versions import software_versions
 from stage1_score.config import ScoreConfig, result_settings
 from stage1_score.output import RUN_RECORD_NAME, OutputLock, finished_shard, prepare_output
 from stage1_score.progress import Progress, log
@@ -63,13 +62,6 @@ def backend_version(backend: str) -> str:
         raise ConfigError(
             f"the {backend} backend needs the {package} package (pip install 'vocagno[{backend}]')"
         ) from None
-
-
-def software_versions() -> dict:
-    names = ("torch", "transformers", "tokenizers", "pyarrow", "ray", "numpy")
-    return {"vocagno": __version__, "python": platform.python_version()} | {
-        name: metadata.version(name) for name in names
-    }
 
 
 def plan(config: ScoreConfig) -> Plan:

@@ -17,7 +17,6 @@ import json
 import math
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ from pipeline.guidance import (
 from pipeline.io import atomic_write_json, atomic_write_text, fsync_dir
 from pipeline.models.student import build_student, save_tokenizer, student_tokenizer_spec
 from pipeline.tokenizer import load_tokenizer
+from pipeline.versions import software_versions
 from stage2_train.checkpoint import (
     check_resumable,
     load_checkpoint,
@@ -305,6 +305,6 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
         "steps": config.max_steps,
         "teacher": manifest.teacher,
         "cache_producer_fingerprint": manifest.producer_fingerprint,
-        "software": {name: metadata.version(name) for name in ("vocagno", "torch", "transformers")},
+        "software": software_versions(),
     }
     return save_final(config, model, tokenizer, provenance, runtime)

@@ -14,7 +14,6 @@ import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from pipeline.cache.manifest import SkippedDocument
 from pipeline.config import to_dict
 from pipeline.io import atomic_write_json, atomic_write_text, fingerprint
 from pipeline.tokenizer import TextTokenizer
+from pipeline.versions import software_versions
 
 JSON_NAME = "chunk_overlap.json"
 MARKDOWN_NAME = "chunk_overlap.md"
@@ -137,7 +137,7 @@ def run_chunk_overlap(config: ChunkOverlapConfig) -> dict:
         "student_tokenizer": _tokenizer_record(student),
         "teacher_tokenizer": _tokenizer_record(teacher),
         "corpus": corpus.describe(),
-        "software": {name: metadata.version(name) for name in ("vocagno", "tokenizers")},
+        "software": software_versions(),
     }
     report = {
         **producer,

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import csv
 import io
-from importlib import metadata
 from pathlib import Path
 
 from apps.analysis.configs import VocabularyOverlapConfig
 from pipeline.config import to_dict
 from pipeline.io import atomic_write_json, atomic_write_text, fingerprint
 from pipeline.tokenizer import load_tokenizer
+from pipeline.versions import software_versions
 from pipeline.vocab_overlap import vocabulary_overlap
 
 JSON_NAME = "vocab_overlap.json"
@@ -55,7 +55,7 @@ def run_vocabulary_overlap(config: VocabularyOverlapConfig) -> dict:
         "config": {k: v for k, v in to_dict(config).items() if k != "out"},
         "tokenizers": {row["teacher"]: row["teacher_fingerprint"] for row in rows}
         | {student.spec: student.fingerprint},
-        "software": {"vocagno": metadata.version("vocagno")},
+        "software": software_versions(),
     }
     report = {**producer, "fingerprint": fingerprint(producer), "rows": rows}
     atomic_write_json(config.out / JSON_NAME, report)

@@ -20,13 +20,13 @@ import sys
 import tempfile
 import time
 import zipfile
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import VocagnoError
 from pipeline.io import fsync_dir, open_binary_stream, sha256_file
 from pipeline.shipped import shipped_tokenizer_file
+from pipeline.versions import software_versions
 
 # torch and transformers are imported where the model is built: a warm cache is then found
 # in milliseconds instead of paying ~7 s of imports.
@@ -132,7 +132,7 @@ def write_marker(folder: Path, gguf_sha256: str) -> None:
         "source": f"{WHEEL_SPEC} : {GGUF_MEMBER}",
         "gguf_sha256": gguf_sha256,
         "tokenizer_sha256": sha256_file(folder / "tokenizer.json"),
-        "versions": {name: metadata.version(name) for name in ("transformers", "torch", "gguf")},
+        "versions": software_versions(),
     }
     (folder / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
 

@@ -1,0 +1,108 @@
+"""The documents of a corpus in a fixed order: ids given or derived, values checked, and every bad
+record an error or a listed skip."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from pipeline.cache.manifest import SkippedDocument
+from pipeline.corpus.records import BadRecord, CorpusOptions, Document, RawRecord, decode_utf8
+from pipeline.corpus.resolve import resolve_sources
+from pipeline.corpus.sources import Source
+from pipeline.errors import CorpusError
+
+
+class Corpus:
+    """The documents of a corpus spec, streamed in a fixed order."""
+
+    def __init__(self, spec: str | Path, options: CorpusOptions | None = None):
+        self.spec = str(spec)
+        self.options = options or CorpusOptions()
+        self.format, self.sources = resolve_sources(self.spec, self.options.split)
+        self._finished_bytes = 0
+
+    def describe(self) -> dict:
+        """What identifies this corpus without reading it: files and sizes, and the options."""
+        return {
+            "format": self.format,
+            "sources": [s.describe() for s in self.sources],
+            "text_column": self.options.text_column,
+            "id_column": self.options.id_column,
+            "split": self.options.split,
+            "text_split": self.options.text_split,
+            "on_bad_record": self.options.on_bad_record,
+        }
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.sources)
+
+    def fraction_read(self) -> float:
+        """Share of the corpus (by file size) streamed so far, for progress and ETA."""
+        total = self.total_bytes
+        if total == 0:
+            return 0.0
+        return min(1.0, sum(s.size * s.fraction for s in self.sources) / total)
+
+    def __iter__(self) -> Iterator[Document | SkippedDocument]:
+        """Documents in corpus order; bad records raise CorpusError or come out as skips."""
+        seen_ids: dict[str, tuple[str, int]] = {}
+        for source in self.sources:
+            for raw in source.records(self.options):
+                try:
+                    if isinstance(raw, BadRecord):
+                        raise raw
+                    yield self._document(source, raw, seen_ids)
+                except BadRecord as bad:
+                    yield self._bad(source, bad)
+
+    def _document(
+        self, source: Source, raw: RawRecord, seen_ids: dict[str, tuple[str, int]]
+    ) -> Document:
+        if self.options.id_column is None:
+            doc_id = f"{source.name}:{raw.record}"
+        else:
+            doc_id = self._given_id(source, raw, seen_ids)
+        text = raw.text
+        if isinstance(text, bytes):
+            try:
+                text = decode_utf8(text, raw.record)
+            except BadRecord as bad:
+                bad.doc_id = doc_id
+                raise
+        if text is None:
+            raise BadRecord(raw.record, "null text", doc_id)
+        if not isinstance(text, str):
+            raise BadRecord(raw.record, f"text is a {type(text).__name__}, not a string", doc_id)
+        if not text.strip():
+            raise BadRecord(raw.record, "empty or whitespace-only text", doc_id)
+        return Document(doc_id=doc_id, text=text, source=source.name, record=raw.record)
+
+    def _given_id(
+        self, source: Source, raw: RawRecord, seen_ids: dict[str, tuple[str, int]]
+    ) -> str:
+        value = raw.doc_id
+        if isinstance(value, bytes):
+            value = decode_utf8(value, raw.record)
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise BadRecord(raw.record, f"null or empty id in {self.options.id_column!r}")
+        doc_id = str(value)
+        first = seen_ids.setdefault(doc_id, (source.name, raw.record))
+        if first != (source.name, raw.record):
+            raise BadRecord(
+                raw.record,
+                f"duplicate document id {doc_id!r} (first at {first[0]} record {first[1]})",
+                doc_id,
+            )
+        return doc_id
+
+    def _bad(self, source: Source, bad: BadRecord) -> SkippedDocument:
+        if self.options.on_bad_record == "error":
+            raise CorpusError(
+                f"{source.path or source.name}: record {bad.record}: {bad.reason} "
+                "(pass --on-bad-record skip to skip and list such records)"
+            )
+        return SkippedDocument(
+            source=source.name, record=bad.record, doc_id=bad.doc_id, reason=bad.reason
+        )

@@ -1,0 +1,70 @@
+"""What a corpus is made of: its options, the documents it yields, and a record that is not one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+TextSplit = Literal["file", "line"]
+OnBadRecord = Literal["error", "skip"]
+
+
+@dataclass(frozen=True)
+class CorpusOptions:
+    text_column: str = "text"
+    id_column: str | None = None
+    split: str = "train"
+    text_split: TextSplit = "file"
+    on_bad_record: OnBadRecord = "error"
+
+    def __post_init__(self) -> None:
+        if not self.text_column:
+            raise ValueError("text column must not be empty")
+        if self.text_split not in ("file", "line"):
+            raise ValueError(f"text_split must be 'file' or 'line', not {self.text_split!r}")
+        if self.on_bad_record not in ("error", "skip"):
+            raise ValueError(f"on_bad_record must be 'error' or 'skip', not {self.on_bad_record!r}")
+
+
+@dataclass(frozen=True)
+class Document:
+    doc_id: str
+    text: str
+    source: str
+    record: int
+
+
+class BadRecord(Exception):
+    """One unusable record; the corpus turns it into an error or a skip.
+
+    Sources yield it (a raise would end their generator); value checks raise it.
+    """
+
+    def __init__(self, record: int, reason: str, doc_id: str | None = None):
+        super().__init__(reason)
+        self.record = record
+        self.reason = reason
+        self.doc_id = doc_id
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """What a source found at one record: values not yet checked."""
+
+    record: int
+    text: Any
+    doc_id: Any = None
+
+
+def decode_utf8(value: bytes, record: int) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRecord(record, f"invalid UTF-8 at byte {exc.start}") from None
+
+
+def checked(parse, *args) -> RawRecord | BadRecord:
+    try:
+        return parse(*args)
+    except BadRecord as bad:
+        return bad

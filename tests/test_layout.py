@@ -1,0 +1,126 @@
+"""The folder map of docs/layout.md, enforced: who may import whom, and the entry points that must
+run from a source tree without `pip install`."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("pipeline", "apps", "stage1_score", "stage2_train", "scripts", "benchmarks", "tests")
+# What each folder must never import (a prefix matches the module and everything below it).
+FORBIDDEN = {
+    "pipeline": ("stage1_score", "stage2_train", "apps", "scripts", "benchmarks", "tests", "vllm"),
+    # Applications start the stages as processes (Ray job, torchrun), never import them.
+    "apps": ("stage1_score", "stage2_train", "scripts", "benchmarks", "tests", "vllm"),
+    "stage1_score": ("stage2_train", "apps", "scripts", "benchmarks", "tests"),
+    # Stage 2 never holds a teacher: its losses come from the cache.
+    "stage2_train": (
+        "stage1_score",
+        "apps",
+        "scripts",
+        "benchmarks",
+        "tests",
+        "vllm",
+        "pipeline.scoring.teacher",
+        "pipeline.scoring.hf",
+        "pipeline.models.teacher_assets",
+    ),
+}
+LINE_LIMIT = 350
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, root: Path = REPO) -> set[str]:
+    """Every module a file imports, at the top or inside a function, relative imports resolved."""
+    name = _module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _sources(folder: str) -> list[Path]:
+    return sorted((REPO / folder).rglob("*.py"))
+
+
+def _matches(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_imports_follow_the_folder_map(folder):
+    violations = [
+        f"{path.relative_to(REPO)} imports {module}"
+        for path in _sources(folder)
+        for module in sorted(imported_modules(path))
+        for prefix in FORBIDDEN[folder]
+        if _matches(module, prefix)
+    ]
+    assert not violations, "\n".join(violations)
+
+
+def test_the_walk_sees_lazy_and_relative_imports(tmp_path):
+    # The check above is only as good as this walk: a lazy import inside a function and a
+    # relative import must both be seen, or a stage could slip into the library unnoticed.
+    (tmp_path / "pipeline" / "cache").mkdir(parents=True)
+    probe = tmp_path / "pipeline" / "cache" / "probe.py"
+    probe.write_text("def f():\n    import stage2_train.trainer\nfrom ..io import fingerprint\n")
+    assert {"stage2_train.trainer", "pipeline.io"} <= imported_modules(probe, root=tmp_path)
+
+
+@pytest.mark.parametrize("folder", ["pipeline", "apps", "stage1_score", "stage2_train"])
+def test_each_file_keeps_to_one_responsibility_in_size(folder):
+    long = [
+        f"{path.relative_to(REPO)}: {n} lines"
+        for path in _sources(folder)
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > LINE_LIMIT
+    ]
+    assert not long, f"over {LINE_LIMIT} lines, split by responsibility:\n" + "\n".join(long)
+
+
+def _without_install(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Run Python as on a fresh clone: no `site`, so no editable install of this project; the
+    environment's third-party packages stay importable through PYTHONPATH."""
+    env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"])
+    return subprocess.run(
+        [sys.executable, "-S", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+ENTRY_POINTS = [
+    ("stage1_score/run.py", "stage1_score.run"),
+    ("stage2_train/train.py", "stage2_train.train"),
+    ("scripts/demo.py", "scripts.demo"),
+    ("scripts/prepare_teacher.py", "scripts.prepare_teacher"),
+    (None, "apps.cli"),
+]
+
+
+@pytest.mark.parametrize(("path", "module"), ENTRY_POINTS)
+def test_entry_points_run_from_a_source_tree(path, module, tmp_path):
+    runs = [_without_install(["-m", module, "--help"], cwd=REPO)]
+    if path is not None:  # as `ray job submit` and torchrun start them: a path, from anywhere
+        runs.append(_without_install([str(REPO / path), "--help"], cwd=tmp_path))
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "usage:" in run.stdout
