@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +47,12 @@ def fingerprint(obj: Any) -> str:
     return sha256_text(canonical_json(obj))[:16]
 
 
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a file's bytes to the disk; on a shared filesystem only the writer's node can."""
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename durable: the directory entry must reach the disk too."""
     fd = os.open(path, os.O_RDONLY)
@@ -69,13 +76,48 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     os.chmod(tmp, 0o666 & ~_UMASK)
     try:
         yield tmp
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
+        fsync_file(tmp)
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """Flush every file and folder below `folder`, so a rename cannot publish truncated files."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fsync_file(os.path.join(root, name))
+        fsync_dir(root)
+
+
+def publish_folder(staging: Path, dest: Path, *, flush_files: bool = True) -> None:
+    """Rename a finished `staging` folder to `dest` (replacing an older one) and make it durable.
+
+    Readers see no `dest` or a complete one, never a mix. `flush_files=False` is only for folders
+    whose files were each flushed by the process that wrote them (ranks on other nodes).
+    """
+    if flush_files:
+        fsync_tree(staging)
+    if dest.exists():
+        shutil.rmtree(dest)
+    staging.rename(dest)
+    fsync_dir(dest.parent)
+
+
+@contextlib.contextmanager
+def staged_folder(dest: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty folder beside `dest` to write into; on success publish it as `dest`."""
+    dest = Path(dest)
+    staging = dest.with_name(f".{dest.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier write
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        publish_folder(staging, dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def atomic_write_bytes(dest: str | os.PathLike, data: bytes) -> None:

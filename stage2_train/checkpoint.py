@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import shutil
 import warnings
@@ -32,7 +31,7 @@ from torch import nn
 
 from pipeline.config import to_dict
 from pipeline.errors import CacheError, ConfigError
-from pipeline.io import atomic_write_json, atomic_write_text, fsync_dir
+from pipeline.io import atomic_write_json, atomic_write_text, fsync_file, publish_folder
 from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
 from stage2_train.data import DataState
 from stage2_train.distributed import Runtime
@@ -97,8 +96,7 @@ def _set_rng_state(state: dict) -> None:
 def _save_synced(obj, path: Path) -> None:
     """torch.save and fsync by the rank that wrote it (its node's cache holds the bytes)."""
     torch.save(obj, path)
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
+    fsync_file(path)
 
 
 @contextlib.contextmanager
@@ -151,10 +149,9 @@ def save_checkpoint(
         atomic_write_json(partial / "config.json", to_dict(config))
         atomic_write_json(partial / "checkpoint.json", {"step": step, **meta})
         atomic_write_text(partial / MARKER, f"step {step}\n")  # last: the folder is complete
-        if final.exists():  # an identical step re-saved after a resume from an older one
-            shutil.rmtree(final)
-        partial.rename(final)
-        fsync_dir(final.parent)
+        # Replaces an identical step re-saved after a resume from an older one. Rank 0 cannot
+        # flush other nodes' files: each rank flushed its own above.
+        publish_folder(partial, final, flush_files=False)
     runtime.barrier()
     return final
 

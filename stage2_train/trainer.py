@@ -32,7 +32,7 @@ from pipeline.guidance import (
     mapped_tokens,
     token_loss,
 )
-from pipeline.io import atomic_write_json, atomic_write_text, fsync_dir
+from pipeline.io import atomic_write_json, atomic_write_text, staged_folder
 from pipeline.models.student import build_student, save_tokenizer, student_tokenizer_spec
 from pipeline.tokenizer import load_tokenizer
 from pipeline.versions import software_versions
@@ -107,19 +107,13 @@ def save_final(
     config: TrainConfig, model: nn.Module, tokenizer, provenance: dict, runtime: Runtime
 ) -> Path:
     """save_pretrained (safetensors) + tokenizer + vocagno.json into OUT/final, atomically."""
-    import shutil
-
     state = full_state_dict(model)  # collective under FSDP: every rank takes part
     final = config.out / "final"
     if runtime.is_main:
-        partial = config.out / ".final.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        unwrapped(model).save_pretrained(partial, state_dict=state, safe_serialization=True)
-        save_tokenizer(tokenizer, partial)
-        atomic_write_json(partial / "vocagno.json", provenance)
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
-        fsync_dir(config.out)
+        with staged_folder(final) as partial:
+            unwrapped(model).save_pretrained(partial, state_dict=state, safe_serialization=True)
+            save_tokenizer(tokenizer, partial)
+            atomic_write_json(partial / "vocagno.json", provenance)
     runtime.barrier()
     return final
 

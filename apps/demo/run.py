@@ -19,7 +19,7 @@ from apps.evaluation.config import SECTION as EVAL_SECTION
 from apps.evaluation.config import EvalConfig
 from pipeline.config import load_manifest_section
 from pipeline.errors import VocagnoError
-from pipeline.io import atomic_path, atomic_write_json, open_binary_stream
+from pipeline.io import atomic_path, atomic_write_json, open_binary_stream, staged_folder
 from pipeline.shipped import shipped_corpus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,10 +48,9 @@ def make_student_init(config: DemoConfig, seed: int, seq_len: int) -> Path:
         return folder
     tokenizer = load_tokenizer(config.student_tokenizer)
     model = build_student(config.student, tokenizer, seed, seq_len)
-    partial = folder.with_name(".student-init.partial")
-    model.save_pretrained(partial, safe_serialization=True)
-    save_tokenizer(tokenizer, partial)
-    partial.rename(folder)
+    with staged_folder(folder) as partial:
+        model.save_pretrained(partial, safe_serialization=True)
+        save_tokenizer(tokenizer, partial)
     return folder
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import VocagnoError
-from pipeline.io import fsync_dir, open_binary_stream, sha256_file
+from pipeline.io import fsync_dir, fsync_tree, open_binary_stream, sha256_file
 from pipeline.shipped import shipped_tokenizer_file
 from pipeline.versions import software_versions
 
@@ -148,17 +148,11 @@ def _build_into(staging: Path) -> None:
     write_marker(staging, gguf_sha256)
 
 
-def _fsync_tree(folder: Path) -> None:
-    """Flush every file before the rename, so even a power loss cannot publish truncated weights."""
-    for path in folder.iterdir():
-        with path.open("rb") as handle:
-            os.fsync(handle.fileno())
-    fsync_dir(folder)
-
-
 def _publish(staging: Path, destination: Path) -> None:
-    """Atomically move `staging` to `destination`, tolerating a concurrent preparer that won."""
-    _fsync_tree(staging)
+    """Atomically move `staging` to `destination`, tolerating a concurrent preparer that won
+    (unlike io.publish_folder, a complete folder another process published is kept, not replaced:
+    a third process may be loading it)."""
+    fsync_tree(staging)
     if destination.exists() and not is_complete(destination):
         # Only something foreign (not our atomic rename) leaves a folder without a marker.
         _log(f"removing incomplete {destination}")
