@@ -13,6 +13,7 @@ from typing import Literal
 
 from pipeline.config import option
 from pipeline.corpus import CorpusOptions
+from pipeline.scoring.windows import default_stride, validate_window
 
 SECTION = "stage1"
 
@@ -102,18 +103,10 @@ class ScoreConfig:
         for name in ("num_workers", "cpus_per_worker"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 (automatic) or positive")
-        if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"max_length must be at least 2, not {self.max_length}")
         if self.stride is not None and self.stride < 1:
             raise ValueError(f"stride must be positive, not {self.stride}")
-        if (
-            self.max_length is not None
-            and self.stride is not None
-            and self.stride >= self.max_length
-        ):
-            raise ValueError(
-                f"stride ({self.stride}) must be less than max_length ({self.max_length})"
-            )
+        if self.max_length is not None:  # else checked once the teacher's context is known
+            self.windows(None)
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError("vllm_gpu_memory_utilization must be in (0, 1]")
         if self.progress_seconds <= 0:
@@ -134,9 +127,8 @@ class ScoreConfig:
         max_length = self.max_length or teacher_context
         if max_length is None:
             raise ValueError("the teacher's config gives no context length: pass --max-length")
-        stride = self.stride or max(1, max_length // 2)
-        if stride >= max_length:
-            raise ValueError(f"stride ({stride}) must be less than max_length ({max_length})")
+        stride = self.stride or default_stride(max_length)
+        validate_window(max_length, stride)
         return max_length, stride
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from pipeline.cache.manifest import MANIFEST_NAME, ShardRecord, load_manifest
 from pipeline.cache.schema import shard_name
 from pipeline.cache.verify import TEMPORARY_GLOB, verify_shard
+from pipeline.differences import setting_differences
 from pipeline.errors import CacheError
 from pipeline.io import atomic_write_json, fingerprint
 
@@ -99,27 +100,6 @@ def read_sidecar(folder: Path, index: int) -> Sidecar | None:
         return None
 
 
-def _differences(old: dict, new: dict) -> list[str]:
-    """Human-readable 'section.key: old -> new' lines, one level deep."""
-    lines = []
-    for section in sorted(set(old) | set(new)):
-        a, b = old.get(section), new.get(section)
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            for key in sorted(set(a) | set(b)):
-                if a.get(key) != b.get(key):
-                    lines.append(f"{section}.{key}: {_short(a.get(key))} -> {_short(b.get(key))}")
-        else:
-            lines.append(f"{section}: {_short(a)} -> {_short(b)}")
-    return lines
-
-
-def _short(value) -> str:
-    text = json.dumps(value, sort_keys=True, ensure_ascii=False)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _our_files(folder: Path) -> list[Path]:
     patterns = ("shard-*", TEMPORARY_GLOB, MANIFEST_NAME, PRODUCER_NAME, RUN_RECORD_NAME)
     return sorted({p for pattern in patterns for p in folder.glob(pattern)})
@@ -151,7 +131,7 @@ def prepare_output(folder: Path, identity: dict, overwrite: bool, log=print) -> 
     if (existing is not None and existing != identity) or (existing is None and leftovers):
         if not overwrite:
             detail = (
-                "; ".join(_differences(existing, identity))
+                "; ".join(setting_differences(existing, identity))
                 if existing is not None
                 else f"{len(leftovers)} shard file(s) of unknown origin"
             )

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pipeline.config import to_dict
+from pipeline.differences import setting_differences
 from pipeline.errors import CacheError, ConfigError
 from pipeline.io import atomic_write_json, atomic_write_text, fsync_file, publish_folder
 from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
@@ -186,9 +187,9 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
         )
     old = json.loads((folder / "config.json").read_text())
     new = to_dict(config)
-    changed = sorted(k for k in new if k not in RESUMABLE_CHANGES and old.get(k) != new[k])
+    changed = setting_differences(old, new, ignore=RESUMABLE_CHANGES)
     if changed:
-        details = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed)
+        details = ", ".join(changed)
         raise ConfigError(
             f"checkpoint {folder} was made with other settings ({details}); only "
             f"{', '.join(sorted(RESUMABLE_CHANGES))} may change on resume"

@@ -35,7 +35,7 @@ def test_command_line_wins_over_the_manifest():
     ("extra", "message"),
     [
         (["--docs-per-shard", "0"], "docs_per_shard must be positive"),
-        (["--max-length", "64", "--stride", "64"], r"stride \(64\) must be less than max_length"),
+        (["--max-length", "64", "--stride", "64"], r"less than max_length \(64\), not 64"),
         (["--max-length", "1"], "max_length must be at least 2"),
         (["--num-workers", "-1"], "num_workers must be 0"),
         (["--text-column", ""], "text column must not be empty"),

@@ -213,7 +213,7 @@ def test_a_second_run_on_a_locked_folder_refuses(teacher, corpus, tmp_path, caps
 def test_input_errors_before_any_worker_starts(teacher, corpus, tmp_path, capsys):
     cases = {
         "does not exist (for a hub dataset": args(teacher, tmp_path / "none.jsonl", tmp_path / "o"),
-        "stride (64) must be less than max_length": [
+        "less than max_length (64), not 64": [
             *args(teacher, corpus, tmp_path / "o"), "--stride", "64",
         ],
         "teacher './missing' does not exist": args("./missing", corpus, tmp_path / "o"),

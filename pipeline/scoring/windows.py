@@ -24,6 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def default_stride(max_length: int) -> int:
+    """Half a window: every token after the first window keeps at least L/2 tokens of context."""
+    return max(1, max_length // 2)
+
+
 def validate_window(max_length: int, stride: int) -> None:
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 tokens, not {max_length}")
