@@ -38,6 +38,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from pipeline.errors import TokenizerError
+from pipeline.hub import is_hub_id
 from pipeline.io import fingerprint, read_bytes
 from pipeline.shipped import ASSETS, shipped_tokenizer_file
 
@@ -329,7 +330,7 @@ def load_tokenizer(spec: str | os.PathLike) -> TextTokenizer:
         return _from_tokenizer_json(path, None, spec)
     if path.exists():
         raise TokenizerError(f"{path} is not a tokenizer.json, a GGUF file or a model folder")
-    if "/" not in spec or spec.startswith((".", "/", "~")):
+    if not is_hub_id(spec):
         raise TokenizerError(
             f"no tokenizer at {spec!r}: not a file or folder, and not a shipped name "
             f"({', '.join(sorted(shipped))})"

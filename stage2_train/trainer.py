@@ -33,7 +33,8 @@ from pipeline.guidance import (
     token_loss,
 )
 from pipeline.io import atomic_write_json, atomic_write_text, staged_folder
-from pipeline.models.student import build_student, save_tokenizer, student_tokenizer_spec
+from pipeline.models.hf_tokenizer import save_tokenizer
+from pipeline.models.student import build_student, student_tokenizer_spec
 from pipeline.tokenizer import load_tokenizer
 from pipeline.versions import software_versions
 from stage2_train.checkpoint import (

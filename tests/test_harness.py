@@ -9,7 +9,7 @@ import pytest
 from apps.evaluation.bits_per_character import bits_per_character
 from apps.evaluation.harness import heldout_task, run_lm_eval
 from apps.evaluation.run import _documents
-from pipeline.models.student import save_tokenizer
+from pipeline.models.hf_tokenizer import save_tokenizer
 from pipeline.scoring.hf import HFScorer
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.shipped import shipped_corpus

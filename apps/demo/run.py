@@ -40,7 +40,8 @@ def write_corpus_slice(dest: Path, count: int) -> Path:
 
 def make_student_init(config: DemoConfig, seed: int, seq_len: int) -> Path:
     """The untrained student both arms start from, saved so it can be evaluated too."""
-    from pipeline.models.student import build_student, save_tokenizer
+    from pipeline.models.hf_tokenizer import save_tokenizer
+    from pipeline.models.student import build_student
     from pipeline.tokenizer import load_tokenizer
 
     folder = config.out / "student-init"

@@ -1,15 +1,15 @@
-"""Build or load the student (a preset, a config, a folder or a hub id) and save its tokenizer in
-Hugging Face format. Wrapping it for data parallelism is stage 2's (`stage2_train/parallel.py`)."""
+"""Build or load the student (a preset, a config, a folder or a hub id). Wrapping it for data
+parallelism is stage 2's (`stage2_train/parallel.py`), saving its tokenizer `hf_tokenizer.py`."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from pipeline.errors import ConfigError
+from pipeline.hub import is_hub_id
 from pipeline.tokenizer import TextTokenizer
 
 # Llama-architecture students for training from scratch; the vocabulary comes from the tokenizer.
@@ -57,7 +57,7 @@ def student_kind(spec: str) -> str:
         if not (path / "config.json").exists():
             raise ConfigError(f"student folder {path} has no config.json")
         return "pretrained" if any((path / f).exists() for f in WEIGHT_FILES) else "config"
-    if path.exists() or spec.startswith((".", "/", "~")):
+    if path.exists() or not is_hub_id(spec):
         raise ConfigError(
             f"student {spec!r} is not a preset ({', '.join(PRESETS)}), a config.json, a model "
             "folder or a hub id"
@@ -106,36 +106,3 @@ def build_student(spec: str, tokenizer: TextTokenizer, seed: int, seq_len: int) 
             f"student's embedding only {model.config.vocab_size}"
         )
     return model
-
-
-def save_tokenizer(tokenizer: TextTokenizer, folder: Path) -> None:
-    """tokenizer.json plus its config, framing documents as in training for any HF consumer.
-
-    transformers 5 ignores `add_bos_token` for the generic fast class, so a BOS the family
-    expects goes into the tokenizer's own post-processor (applied only with special tokens on,
-    so offsets and `add_special_tokens=False` encodings are unchanged).
-    """
-    from tokenizers import Tokenizer, processors
-
-    backend = Tokenizer.from_str(tokenizer.backend.to_str())
-    if tokenizer.policy.add_bos and tokenizer.policy.bos_token:
-        bos = tokenizer.policy.bos_token
-        template = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0",
-            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, tokenizer.bos_id)],
-        )
-        existing = backend.post_processor
-        backend.post_processor = (
-            processors.Sequence([existing, template]) if existing is not None else template
-        )
-    backend.save(str(folder / "tokenizer.json"))
-    config = {
-        # The generic fast class: a model-specific class may rebuild the pre-tokenizer.
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": tokenizer.policy.add_bos,
-        "add_eos_token": False,
-        "bos_token": tokenizer.policy.bos_token,
-        "eos_token": tokenizer.policy.eos_token,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 
 from pipeline.errors import VocagnoError
 from pipeline.io import fsync_dir, fsync_tree, open_binary_stream, sha256_file
+from pipeline.models.hf_tokenizer import hf_tokenizer_config
 from pipeline.shipped import shipped_tokenizer_file
+from pipeline.tokenizer import FramingPolicy
 from pipeline.versions import software_versions
 
 # torch and transformers are imported where the model is built: a warm cache is then found
@@ -39,14 +41,9 @@ TEACHER_SUBDIR = Path("teachers") / "smollm2-135m-instruct"
 MARKER_NAME = ".complete"
 TOKENIZER_ASSET = shipped_tokenizer_file("smollm2.json.zst")
 EOS_TOKEN = "<|endoftext|>"
-# Pin the generic fast tokenizer: with a model-specific class (GPT2Tokenizer, or LlamaTokenizer
-# picked from config.json) transformers 5 rebuilds the pre-tokenizer and loses the Digits step.
-TOKENIZER_CONFIG = {
-    "tokenizer_class": "PreTrainedTokenizerFast",
-    "add_bos_token": False,
-    "add_eos_token": False,
-    "eos_token": EOS_TOKEN,
-}
+TOKENIZER_CONFIG = hf_tokenizer_config(
+    FramingPolicy(add_bos=False, bos_token=None, eos_token=EOS_TOKEN)
+)
 
 
 class TeacherAssetError(VocagnoError):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from pipeline.errors import TokenizerError, VocagnoError
+from pipeline.hub import is_hub_id
 from pipeline.io import sha256_file, sha256_text
 from pipeline.tokenizer import TextTokenizer, load_tokenizer
 
@@ -55,7 +56,7 @@ def resolve_teacher(spec: str, revision: str | None = None) -> TeacherSource:
         return TeacherSource(spec, "gguf", path.resolve())
     if path.exists():
         raise TeacherError(f"teacher {path} is neither a model folder nor a .gguf file")
-    if spec.count("/") != 1 or spec.startswith((".", "/", "~")):
+    if not is_hub_id(spec):
         raise TeacherError(f"teacher {spec!r} does not exist (and is not a hub id owner/name)")
     return TeacherSource(spec, "hub", None, revision)
 
