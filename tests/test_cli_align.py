@@ -52,6 +52,17 @@ def test_align_text_prints_one_json_object_with_the_alignment(capsys):
     assert record == expected_record(TEXTS[0], "tinyllama", "qwen2.5")
 
 
+def test_align_text_that_has_no_utf8_spelling_is_one_line(capsys):
+    # Undecodable command-line bytes reach Python as lone surrogates.
+    code, out, err = run_cli(
+        capsys, "align", "--student-tokenizer", "tinyllama", "--teacher-tokenizer", "qwen2.5",
+        "--text", "a\udcffb",
+    )  # fmt: skip
+    assert code == 2 and out == ""
+    assert err.startswith("vocagno align: error: --text holds a lone surrogate U+DCFF")
+    assert err.count("\n") == 1
+
+
 def test_align_no_bos_and_eos_change_the_framing(capsys):
     code, out, _ = run_cli(
         capsys, "align", "--student-tokenizer", "mistral", "--teacher-tokenizer", "deepseek",

@@ -158,6 +158,9 @@ BAD_JSONL_LINES = [
     (b'["a list"]', "a JSON list, not an object"),
     (b'{"id": "i", "text": 7}', "text is a int, not a string"),
     (b'{"id": null, "text": "no id"}', "null or empty id"),
+    # Valid JSON, but no UTF-8 spelling: neither a tokenizer nor Parquet can take it.
+    (b'{"id": "s", "text": "x\\ud800y"}', "text holds a lone surrogate U\\+D800 at character 1"),
+    (b'{"id": "\\udc00", "text": "t"}', "id holds a lone surrogate U\\+DC00 at character 0"),
     (b'{"id": "a", "text": "again"}', "duplicate document id 'a' \\(first at c.jsonl record 0\\)"),
 ]
 
@@ -181,6 +184,19 @@ def test_skip_mode_records_every_bad_record_and_keeps_going(tmp_path):
     assert [s.record for s in skipped] == list(range(1, len(BAD_JSONL_LINES) + 1))
     assert all(s.source == "c.jsonl" and s.reason for s in skipped)
     assert skipped[0].doc_id == "e" and skipped[-1].doc_id == "a"
+
+
+def test_a_utf8_byte_order_mark_at_the_start_of_a_file_is_not_text(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "c.jsonl").write_bytes(bom + b'{"text": "first"}\n{"text": "\xef\xbb\xbfkept"}\n')
+    # Only the file's own mark goes: one inside a document is that document's text.
+    assert [d.text for d in documents(tmp_path / "c.jsonl")] == ["first", "\ufeffkept"]
+    (tmp_path / "t.txt").write_bytes(bom + b"line one\nline two\n")
+    assert [d.text for d in documents(tmp_path / "t.txt", text_split="line")] == [
+        "line one",
+        "line two",
+    ]
+    assert [d.text for d in documents(tmp_path / "t.txt")] == ["line one\nline two\n"]
 
 
 def test_invalid_utf8_in_text_files_and_parquet_strings(tmp_path):

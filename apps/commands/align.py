@@ -16,6 +16,8 @@ import sys
 from collections.abc import Iterator
 
 from apps.commands.tokenizer_options import add_tokenizer_pair
+from pipeline.corpus.records import surrogate_problem
+from pipeline.errors import ConfigError
 
 _BATCH_DOCS = 64  # documents tokenized per encode_batch call
 
@@ -66,6 +68,8 @@ def add_parser(subparsers) -> None:
 def _texts(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     """(label, text) of each document, streamed."""
     if args.text is not None:
+        if problem := surrogate_problem(args.text, "--text"):
+            raise ConfigError(problem)
         yield "--text", args.text
         return
     from pipeline.cache.manifest import SkippedDocument

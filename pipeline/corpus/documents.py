@@ -7,7 +7,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.cache.manifest import SkippedDocument
-from pipeline.corpus.records import BadRecord, CorpusOptions, Document, RawRecord, decode_utf8
+from pipeline.corpus.records import (
+    BadRecord,
+    CorpusOptions,
+    Document,
+    RawRecord,
+    decode_utf8,
+    surrogate_problem,
+)
 from pipeline.corpus.resolve import resolve_sources
 from pipeline.corpus.sources import Source
 from pipeline.errors import CorpusError
@@ -77,6 +84,8 @@ class Corpus:
             raise BadRecord(raw.record, f"text is a {type(text).__name__}, not a string", doc_id)
         if not text.strip():
             raise BadRecord(raw.record, "empty or whitespace-only text", doc_id)
+        if problem := surrogate_problem(text, "text"):
+            raise BadRecord(raw.record, problem, doc_id)
         return Document(doc_id=doc_id, text=text, source=source.name, record=raw.record)
 
     def _given_id(
@@ -88,6 +97,8 @@ class Corpus:
         if value is None or (isinstance(value, str) and not value.strip()):
             raise BadRecord(raw.record, f"null or empty id in {self.options.id_column!r}")
         doc_id = str(value)
+        if problem := surrogate_problem(doc_id, "id"):
+            raise BadRecord(raw.record, problem)
         first = seen_ids.setdefault(doc_id, (source.name, raw.record))
         if first != (source.name, raw.record):
             raise BadRecord(

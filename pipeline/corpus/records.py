@@ -56,6 +56,23 @@ class RawRecord:
     doc_id: Any = None
 
 
+# Written at the start of a file by many Windows tools; `datasets` and pandas accept it.
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def surrogate_problem(text: str, what: str) -> str | None:
+    """Why `text` has no UTF-8 spelling, or None. A lone surrogate is valid JSON (`"\\ud800"`) and
+    what Python makes of undecodable command-line bytes, but can be neither tokenized nor stored."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"{what} holds a lone surrogate U+{ord(text[exc.start]):04X} at character "
+            f"{exc.start}: not encodable as UTF-8"
+        )
+    return None
+
+
 def decode_utf8(value: bytes, record: int) -> str:
     try:
         return value.decode("utf-8")

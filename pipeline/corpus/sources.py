@@ -7,7 +7,14 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.corpus.records import BadRecord, CorpusOptions, RawRecord, checked, decode_utf8
+from pipeline.corpus.records import (
+    UTF8_BOM,
+    BadRecord,
+    CorpusOptions,
+    RawRecord,
+    checked,
+    decode_utf8,
+)
 from pipeline.errors import CorpusError
 from pipeline.io import open_counted_stream
 
@@ -35,6 +42,8 @@ class JsonLinesSource(Source):
         with open_counted_stream(self.path) as (raw, stream):
             for index, line in enumerate(stream):
                 self.fraction = raw.tell() / max(self.size, 1)
+                if index == 0:
+                    line = line.removeprefix(UTF8_BOM)
                 if line.strip():
                     yield checked(self._parse, index, line, options)
         self.fraction = 1.0
@@ -64,11 +73,13 @@ class TextFileSource(Source):
     def records(self, options: CorpusOptions) -> Iterator[RawRecord | BadRecord]:
         with open_counted_stream(self.path) as (raw, stream):
             if options.text_split == "file":
-                yield RawRecord(0, stream.read())
+                yield RawRecord(0, stream.read().removeprefix(UTF8_BOM))
             else:
                 for index, line in enumerate(stream):
                     self.fraction = raw.tell() / max(self.size, 1)
                     line = line.rstrip(b"\n").removesuffix(b"\r")
+                    if index == 0:
+                        line = line.removeprefix(UTF8_BOM)
                     if line.strip():
                         yield RawRecord(index, line)
         self.fraction = 1.0
