@@ -128,7 +128,11 @@ def prepare_output(folder: Path, identity: dict, overwrite: bool, log=print) -> 
     folder = Path(folder)
     existing = _existing_identity(folder)
     leftovers = [p for p in folder.glob("shard-*") if p.is_file()]
-    if (existing is not None and existing != identity) or (existing is None and leftovers):
+    if existing not in (None, identity) and not leftovers and not (folder / MANIFEST_NAME).exists():
+        # A run that stopped before its first shard (a bad record, a wrong option) left only its
+        # settings: nothing can mix, so the rerun its error message suggests may go ahead.
+        log(f"{folder} holds no finished shard: the earlier run's settings give way to this one's")
+    elif (existing is not None and existing != identity) or (existing is None and leftovers):
         if not overwrite:
             detail = (
                 "; ".join(setting_differences(existing, identity))

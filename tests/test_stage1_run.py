@@ -202,6 +202,22 @@ def test_bad_record_stops_the_run_naming_file_and_record(teacher, corpus, tmp_pa
     assert not list(out.glob("shard-*")) and not (out / "manifest.json").exists()
 
 
+def test_the_rerun_a_bad_record_error_suggests_goes_ahead(
+    ray_cluster, teacher, corpus, tmp_path, capsys
+):
+    # The stopped run left its settings but no shard: following its advice must not hit a wall.
+    lines = corpus.read_text().splitlines()
+    lines[2] = '{"id": "x", "text": null}'
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "cache"
+    assert main(args(teacher, bad, out, "--on-bad-record", "error")) == 2
+    capsys.readouterr()
+    assert main(args(teacher, bad, out, "--on-bad-record", "skip")) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "x" in [s["doc_id"] for s in manifest["skipped"]]
+
+
 def test_a_second_run_on_a_locked_folder_refuses(teacher, corpus, tmp_path, capsys):
     out = tmp_path / "cache"
     with OutputLock(out):
