@@ -25,9 +25,18 @@ class ConfigError(VocagnoError):
 
 
 def exit_code(prog: str, action: Callable[[], int | None]) -> int:
-    """Run a command's `action`: our own errors become one line on stderr and exit code 2."""
+    """Run a command's `action`: our own errors, and a path the system refuses (unwritable,
+    missing, a file where a folder should be, a full disk), become one line on stderr and exit
+    code 2; Ctrl-C becomes one line and 130, as shells expect."""
     try:
         return int(action() or 0)
     except VocagnoError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        path = f"{exc.filename}: " if exc.filename is not None else ""
+        print(f"{prog}: error: {path}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130

@@ -106,10 +106,36 @@ def truncate(cache):
     path.write_text(path.read_text()[:50])
 
 
+def edit_first_shard(**changes):
+    """A hostile manifest: shard entries are outside the producer fingerprint, so only the
+    per-record checks stand between them and a path or a count the readers would use."""
+
+    def damage(cache):
+        data = json.loads((cache / MANIFEST_NAME).read_text())
+        data["shards"][0].update(changes)
+        (cache / MANIFEST_NAME).write_text(json.dumps(data))
+
+    return damage
+
+
+def list_first_shard_twice(cache):
+    data = json.loads((cache / MANIFEST_NAME).read_text())
+    data["shards"].append(data["shards"][0])
+    (cache / MANIFEST_NAME).write_text(json.dumps(data))
+
+
 CORRUPT_MANIFESTS = [
     (truncate, "is not valid JSON"),
     (edit_teacher_id, "the manifest was edited or corrupted"),
     (lambda cache: (cache / MANIFEST_NAME).unlink(), "manifest.json"),
+    (edit_first_shard(file="../../outside.parquet"), "is named '../../outside.parquet'"),
+    (edit_first_shard(file="/etc/passwd"), "is named '/etc/passwd'"),
+    (edit_first_shard(rows=-4), "rows -4 is not a count"),
+    (edit_first_shard(bytes=10**30), "is not a count"),
+    (edit_first_shard(teacher_tokens="12"), "teacher_tokens '12' is not a count"),
+    (edit_first_shard(index=True), "shard index True"),
+    (edit_first_shard(sha256="../x"), "is not a SHA-256 digest"),
+    (list_first_shard_twice, "a shard index is listed twice"),
 ]
 
 
@@ -123,6 +149,25 @@ def test_a_corrupt_manifest_stops_both_readers_with_one_line(tmp_path, capsys, d
     assert message in one_line(capsys, "vocagno cache: error:")
     assert train(train_args(cache, tmp_path / "out")) == 2
     assert message in one_line(capsys, "stage2_train/train.py: error:")
+
+
+def test_a_cache_that_is_a_file_is_named_as_one(tmp_path, capsys):
+    (tmp_path / "cache.parquet").write_bytes(b"not a folder")
+    assert vocagno(["cache", "verify", str(tmp_path / "cache.parquet")]) == 2
+    assert "cache.parquet is a file; give the cache folder" in one_line(capsys, "vocagno cache")
+    assert train(train_args(tmp_path / "cache.parquet", tmp_path / "out")) == 2
+    assert "is a file" in one_line(capsys, "stage2_train/train.py: error:")
+
+
+def test_an_output_path_the_system_refuses_is_one_line_naming_it(tmp_path, capsys):
+    # Tests run as root, where permissions do not bite; a file where a folder must be does.
+    cache = tmp_path / "cache"
+    build_cache(cache, num_documents=4, docs_per_shard=4)
+    (tmp_path / "taken").write_text("a file")
+    capsys.readouterr()
+    assert train(train_args(cache, tmp_path / "taken" / "out")) == 2
+    line = one_line(capsys, "stage2_train/train.py: error:")
+    assert str(tmp_path / "taken") in line and "Not a directory" in line
 
 
 def test_a_shard_missing_a_column_is_refused_by_stage2(tmp_path, capsys):

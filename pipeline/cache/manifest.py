@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.cache.schema import SCHEMA_VERSION
+from pipeline.cache.schema import SCHEMA_VERSION, shard_name
 from pipeline.errors import CacheError
 from pipeline.io import atomic_write_json, fingerprint
 
@@ -101,10 +102,14 @@ class CacheManifest:
                 schema_version=version,
                 software=data.get("software", {}),
             )
+            for shard in manifest.shards:
+                _check_shard_record(shard)
+            if len({shard.index for shard in manifest.shards}) != len(manifest.shards):
+                raise ValueError("a shard index is listed twice")
         except CacheError:
             raise
-        except (KeyError, TypeError) as exc:
-            raise CacheError(f"{where}: malformed manifest ({exc!r})") from exc
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CacheError(f"{where}: malformed manifest ({exc})") from exc
         recorded = data.get("producer_fingerprint")
         if recorded != manifest.producer_fingerprint:
             raise CacheError(
@@ -114,12 +119,31 @@ class CacheManifest:
         return manifest
 
 
+def _check_shard_record(shard: ShardRecord) -> None:
+    """A record's values before any is used as a path or a count: the file name is the one unit
+    `index` always gets, so no manifest can point a reader outside its cache folder."""
+    if not isinstance(shard.index, int) or isinstance(shard.index, bool) or shard.index < 0:
+        raise ValueError(f"shard index {shard.index!r} is not a non-negative integer")
+    if shard.file != shard_name(shard.index):
+        raise ValueError(
+            f"shard {shard.index} is named {shard.file!r}, not {shard_name(shard.index)!r}"
+        )
+    for name in ("rows", "teacher_tokens", "bytes"):
+        value = getattr(shard, name)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
+            raise ValueError(f"shard {shard.index}: {name} {value!r} is not a count")
+    if not (isinstance(shard.sha256, str) and re.fullmatch(r"[0-9a-f]{64}", shard.sha256)):
+        raise ValueError(f"shard {shard.index}: sha256 {shard.sha256!r} is not a SHA-256 digest")
+
+
 def write_manifest(cache_dir: Path, manifest: CacheManifest) -> None:
     atomic_write_json(Path(cache_dir) / MANIFEST_NAME, manifest.to_json())
 
 
 def load_manifest(cache_dir: Path) -> CacheManifest:
     path = Path(cache_dir) / MANIFEST_NAME
+    if Path(cache_dir).exists() and not Path(cache_dir).is_dir():
+        raise CacheError(f"cache {cache_dir} is a file; give the cache folder (with {MANIFEST_NAME})")
     if not Path(cache_dir).is_dir():
         raise CacheError(f"cache folder {cache_dir} does not exist")
     if not path.exists():
