@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 import random
 import shutil
 import warnings
@@ -78,11 +79,15 @@ def resume_from(config: TrainConfig) -> Path | None:
 
 
 def _rng_state() -> dict:
+    """Every generator's state as tensors and plain numbers: what `torch.load(weights_only=True)`
+    reads back, so a checkpoint folder from someone else cannot run code on --resume."""
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    version, python_state, python_gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian],
+        "python": [version, torch.tensor(python_state, dtype=torch.int64), python_gauss],
     }
 
 
@@ -90,8 +95,10 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
+    version, python_state, python_gauss = state["python"]
+    random.setstate((version, tuple(python_state.tolist()), python_gauss))
 
 
 def _save_synced(obj, path: Path) -> None:
@@ -215,7 +222,13 @@ def load_checkpoint(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
     scheduler.load_state_dict(torch.load(folder / "trainer.pt", weights_only=True)["scheduler"])
-    # Our own file: it holds numpy and Python RNG states, which weights_only cannot load.
-    rank_state = torch.load(folder / f"rank-{runtime.rank}.pt", weights_only=False)
+    rank_file = folder / f"rank-{runtime.rank}.pt"
+    try:
+        rank_state = torch.load(rank_file, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CacheError(
+            f"{rank_file} holds objects other than tensors and numbers, which could run code "
+            "when loaded: not a checkpoint this trainer wrote; refusing to resume from it"
+        ) from None
     _set_rng_state(rank_state["rng"])
     return DataState.from_dict(rank_state["data"])

@@ -133,6 +133,25 @@ def test_resume_refuses_other_settings_other_cache_and_never(cache, uninterrupte
         run(train_args(cache, out, *RESUME_ARGS, "--resume", "never"))
 
 
+class _RunsCode:
+    def __init__(self, canary: Path):
+        self.canary = canary
+
+    def __reduce__(self):
+        return (Path.touch, (self.canary,))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unloaded(cache, uninterrupted, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(uninterrupted, out)
+    shutil.rmtree(out / "final")
+    canary = tmp_path / "code-ran"
+    torch.save({"rng": _RunsCode(canary)}, out / "checkpoints" / "step-6" / "rank-0.pt")
+    with pytest.raises(CacheError, match="rank-0.pt holds objects other than tensors"):
+        run(train_args(cache, out, *RESUME_ARGS))
+    assert not canary.exists()
+
+
 def run(argv: list[str]) -> None:
     """Train in-process, letting errors propagate (main() turns them into exit code 2)."""
     from stage2_train.trainer import train
