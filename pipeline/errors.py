@@ -31,7 +31,8 @@ def exit_code(prog: str, action: Callable[[], int | None]) -> int:
     try:
         return int(action() or 0)
     except VocagnoError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        # One line even where a message quotes a library's multi-line text.
+        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except OSError as exc:
         path = f"{exc.filename}: " if exc.filename is not None else ""

@@ -47,6 +47,8 @@ TOKENIZER_SPEC = (
     "shipped name (tinyllama, mistral, qwen2.5, deepseek, smollm2), tokenizer.json[.zst], "
     "Hugging Face folder, .gguf file or hub id"
 )
+# Files by which a model folder carries its own tokenizer (fast, SentencePiece, BPE).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 # Bump when the offset repairs below change: offsets from an older rule set are different data.
 OFFSET_RULES = 1
 
@@ -303,6 +305,11 @@ def _read_config(path: Path) -> dict | None:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TokenizerError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def has_tokenizer_files(folder: Path) -> bool:
+    """Whether a model folder carries its own tokenizer (a GGUF file embeds one)."""
+    return any((folder / name).exists() for name in TOKENIZER_FILES) or any(folder.glob("*.gguf"))
 
 
 @functools.lru_cache(maxsize=16)

@@ -112,6 +112,20 @@ def connect_ray(address: str | None) -> bool:
     return True
 
 
+def describe_cluster(started: bool) -> str:
+    """Which Ray cluster this job runs on: with --ray-address unset, Ray joins whatever local
+    cluster is running, which a user must be able to see."""
+    import ray
+
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    resources = ray.cluster_resources()
+    how = "started a local Ray cluster" if started else "joined the Ray cluster"
+    return (
+        f"{how} at {ray.get_runtime_context().gcs_address}: {len(nodes)} node(s), "
+        f"{int(resources.get('CPU', 0))} CPU(s), {int(resources.get('GPU', 0))} GPU(s)"
+    )
+
+
 def size_pool(config: ScoreConfig) -> tuple[int, int, int]:
     """(workers, CPUs per worker, GPUs per worker) from the options and the cluster's resources."""
     import ray
@@ -169,6 +183,7 @@ class WorkerPool:
         import ray
 
         self.started_ray = connect_ray(self.config.ray_address)
+        log(describe_cluster(self.started_ray))
         workers, cpus, gpus = size_pool(self.config)
         log(f"starting {workers} worker(s) with {cpus} CPU(s) and {gpus} GPU(s) each")
         actor = ray.remote(UnitScorer).options(

@@ -8,6 +8,7 @@ it. Failures that happen before any worker starts are tested without Ray.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -214,8 +215,18 @@ def test_the_rerun_a_bad_record_error_suggests_goes_ahead(
     assert main(args(teacher, bad, out, "--on-bad-record", "error")) == 2
     capsys.readouterr()
     assert main(args(teacher, bad, out, "--on-bad-record", "skip")) == 0
+    # With --ray-address unset Ray joins any local cluster: the log says which one.
+    assert re.search(r"joined the Ray cluster at \S+: 1 node\(s\), \d+ CPU\(s\), 0 GPU\(s\)", capsys.readouterr().err)
     manifest = json.loads((out / "manifest.json").read_text())
     assert "x" in [s["doc_id"] for s in manifest["skipped"]]
+
+
+def test_a_teacher_folder_without_a_tokenizer_asks_for_one(teacher, corpus, tmp_path, capsys):
+    bare = tmp_path / "bare-teacher"
+    shutil.copytree(teacher, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    assert main(args(bare, corpus, tmp_path / "cache")) == 2
+    error = one_line_error(capsys)
+    assert "bare-teacher holds no tokenizer" in error and "pass --tokenizer" in error
 
 
 def test_a_second_run_on_a_locked_folder_refuses(teacher, corpus, tmp_path, capsys):

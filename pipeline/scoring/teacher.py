@@ -16,7 +16,13 @@ from typing import Literal
 from pipeline.errors import TokenizerError, VocagnoError
 from pipeline.hub import is_hub_id
 from pipeline.io import sha256_file, sha256_text
-from pipeline.tokenizer import TextTokenizer, load_tokenizer
+from pipeline.tokenizer import (
+    TOKENIZER_FILES,
+    TOKENIZER_SPEC,
+    TextTokenizer,
+    has_tokenizer_files,
+    load_tokenizer,
+)
 
 TORCH_DTYPES = ("float32", "bfloat16", "float16", "auto")
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
@@ -148,6 +154,11 @@ def teacher_context_length(config) -> int | None:
 def load_teacher_tokenizer(source: TeacherSource, override: str | None = None) -> TextTokenizer:
     """The teacher's own tokenizer (or `override`), which must give character offsets."""
     spec = override or (str(source.path) if source.kind == "gguf" else source.load_args[0])
+    if override is None and source.kind == "folder" and not has_tokenizer_files(source.path):
+        raise TokenizerError(
+            f"teacher folder {source.path} holds no tokenizer (no {' or '.join(TOKENIZER_FILES)}): "
+            f"pass --tokenizer with the teacher's tokenizer ({TOKENIZER_SPEC})"
+        )
     try:
         return load_tokenizer(spec)
     except TokenizerError as exc:
