@@ -28,7 +28,8 @@ from bench_alignment import interleaved_best_times  # noqa: E402
 from pipeline.guidance import GuidanceSettings, guided_loss, token_loss  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
-from stage2_train.data import ConsumerStream, DataPlan  # noqa: E402
+from stage2_train.data.packing import ConsumerStream  # noqa: E402
+from stage2_train.data.plan import DataPlan  # noqa: E402
 from tests.cache_fixtures import build_cache  # noqa: E402
 
 MODES = ("none", "token", "random")

@@ -43,14 +43,10 @@ from stage2_train.checkpoint import (
     save_checkpoint,
 )
 from stage2_train.config import TrainConfig
-from stage2_train.data import (
-    DataPlan,
-    DataState,
-    batches,
-    cache_fingerprint,
-    choose_alignment,
-    make_loader,
-)
+from stage2_train.data.documents import choose_alignment
+from stage2_train.data.loader import batches, make_loader
+from stage2_train.data.plan import DataPlan, cache_fingerprint
+from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
 from stage2_train.parallel import autocast, full_state_dict, gradient_sync, unwrapped, wrap
 
