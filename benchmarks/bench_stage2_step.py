@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the
 
 from bench_alignment import interleaved_best_times  # noqa: E402
 
-from pipeline.guidance import GuidanceSettings, guided_loss, token_loss  # noqa: E402
+from pipeline.cross_entropy import token_loss  # noqa: E402
+from pipeline.guidance import GuidanceSettings, guided_loss  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from stage2_train.data.packing import ConsumerStream  # noqa: E402

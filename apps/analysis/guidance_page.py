@@ -19,8 +19,9 @@ import torch
 from pipeline.cache.manifest import load_manifest
 from pipeline.cache.schema import DOC_ID, LOSS, TEXT, TOKEN_END, TOKEN_START, iter_shard_batches
 from pipeline.cache.verify import verify_shard
+from pipeline.cross_entropy import token_loss
 from pipeline.errors import CacheError
-from pipeline.guidance import GuidanceSettings, select_tokens, token_loss
+from pipeline.guidance import GuidanceSettings, select_tokens
 from pipeline.io import atomic_write_text
 from pipeline.teacher_loss import student_teacher_loss
 from pipeline.tokenizer import TextTokenizer
