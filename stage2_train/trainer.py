@@ -29,6 +29,7 @@ from pipeline.config import to_dict
 from pipeline.cross_entropy import IGNORE_INDEX, token_loss
 from pipeline.guidance import guided_loss, kept_in_step, mapped_tokens
 from pipeline.io import atomic_write_json, atomic_write_text, fsync_dir
+from pipeline.metrics import METRICS_NAME, read_json_lines
 from pipeline.models.student import build_student, save_tokenizer, student_tokenizer_spec
 from pipeline.tokenizer import load_tokenizer
 from stage2_train.checkpoint import (
@@ -73,11 +74,9 @@ class JsonLines:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip() and json.loads(line)["step"] <= keep_up_to_step:
-                    kept.append(line + "\n")
-        atomic_write_text(path, "".join(kept))
+        if path.exists():  # a torn last line (the run was killed mid-write) is dropped too
+            kept = [r for r in read_json_lines(path).records if r["step"] <= keep_up_to_step]
+        atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in kept))
         self.handle = path.open("a")
 
     def append(self, record: dict) -> None:
@@ -173,7 +172,7 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
     metrics = documents = writer = None
     if runtime.is_main:
         atomic_write_json(config.out / "config.json", {**to_dict(config), **meta})
-        metrics = JsonLines(config.out / "metrics.jsonl", start_step)
+        metrics = JsonLines(config.out / METRICS_NAME, start_step)
         writer = SummaryWriter(str(config.out / "tensorboard"), purge_step=start_step + 1)
         parameters = sum(p.numel() for p in unwrapped(model).parameters())
         print(
