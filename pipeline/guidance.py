@@ -93,6 +93,7 @@ class GuidedLoss:
 
     @property
     def loss_all(self) -> torch.Tensor:
+        """Mean over all valid tokens (detached)."""
         return self.loss_sum / self.valid.clamp(min=1)
 
 
@@ -101,7 +102,7 @@ def mapped_tokens(teacher_loss: torch.Tensor, valid: torch.Tensor) -> torch.Tens
     return valid & ~torch.isnan(teacher_loss)
 
 
-def selection_size(num_candidates, topk: float):
+def selection_size(num_candidates: int | torch.Tensor, topk: float) -> int | torch.Tensor:
     """k = ceil(topk * n), rounded to 9 decimals first so that 0.7 * 10 is 7, not 8 (float error).
 
     For an int n, an int; for a tensor of counts, a tensor on its device (no host sync).
@@ -111,7 +112,9 @@ def selection_size(num_candidates, topk: float):
     return size if isinstance(num_candidates, torch.Tensor) else int(size)
 
 
-def planned_kept(mapped, valid, settings: GuidanceSettings):
+def planned_kept(
+    mapped: int | torch.Tensor, valid: int | torch.Tensor, settings: GuidanceSettings
+) -> int | torch.Tensor:
     """How many tokens one selection keeps, from the counts alone (no student loss needed);
     ints or tensors of counts, elementwise."""
     if settings.mode == "none":
@@ -132,7 +135,7 @@ def kept_in_step(counts: torch.Tensor, settings: GuidanceSettings) -> torch.Tens
     return planned_kept(counts[..., 0], counts[..., 1], settings).sum()
 
 
-def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k) -> torch.Tensor:
+def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
     """The min(k, #candidates) highest-scoring candidates; ties go to earlier positions.
 
     `k` may be a 0-dim tensor: ranks are compared with it on the device.
