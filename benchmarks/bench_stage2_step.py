@@ -48,7 +48,7 @@ def training_step(model, optimizer, batch, settings: GuidanceSettings) -> float:
     result.loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return result.kept / result.valid
+    return float(result.kept / result.valid)  # GuidedLoss counts are tensors
 
 
 def main() -> None:
