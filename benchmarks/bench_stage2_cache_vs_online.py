@@ -9,7 +9,7 @@ against the 135M teacher is about the paper's ratio (TinyLlama 1.1B against 7B t
    scores --docs documents of the shipped corpus once: the cost of the cache.
 2. One epoch over those documents is trained twice, the same steps of the same student, the
    two runs taking turns step by step:
-   - online: the same stream (stage2_train.data.ConsumerStream), but each read's texts are
+   - online: the same stream (stage2_train.data.packing.ConsumerStream), but each read's texts are
      tokenized and scored by the loaded teacher (pipeline.scoring.hf.HFScorer) before
      alignment; the cached losses are not used;
    - cached: the stream as stage 2 runs it, losses from the cache.
@@ -47,7 +47,9 @@ from pipeline.guidance import GuidanceSettings  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.models.teacher_assets import prepare_smollm2_teacher  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
-from stage2_train.data import ConsumerStream, DataPlan, annotate  # noqa: E402
+from stage2_train.data.documents import annotate  # noqa: E402
+from stage2_train.data.packing import ConsumerStream  # noqa: E402
+from stage2_train.data.plan import DataPlan  # noqa: E402
 from tests.cache_fixtures import corpus_documents  # noqa: E402
 
 
@@ -59,7 +61,7 @@ class OnlineTeacherStream(ConsumerStream):
         self.scorer, self.teacher_tokenizer = scorer, teacher_tokenizer
         self.teacher_seconds = 0.0
 
-    def _annotate_rows(self, batch, path):
+    def _annotate_rows(self, batch):
         texts = batch.column(TEXT).to_pylist()
         begin = time.perf_counter()
         encodings = self.teacher_tokenizer.encode_batch(texts)

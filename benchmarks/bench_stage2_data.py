@@ -5,7 +5,7 @@ which the trainer consumes tokens.
 
 A cache of the shipped GSM-style corpus (teacher tokenizer --teacher, random teacher losses: the
 data path's cost does not depend on their values) is streamed by one consumer exactly as a
-worker does (stage2_train.data.ConsumerStream); the bare tokenizer encodes the same texts in
+worker does (stage2_train.data.packing.ConsumerStream); the bare tokenizer encodes the same texts in
 the same read-sized batches with the same framing. Tokenizers run on one thread (one worker =
 one core). The trainer's rate is one optimizer step of the --preset student on this machine.
 Data path and tokenizer are timed in turn, best of --repeats, so they see the same machine load;
@@ -34,7 +34,9 @@ from bench_alignment import interleaved_best_times  # noqa: E402
 
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
-from stage2_train.data import READ_ROWS, ConsumerStream, DataPlan  # noqa: E402
+from stage2_train.data.documents import READ_ROWS  # noqa: E402
+from stage2_train.data.packing import ConsumerStream  # noqa: E402
+from stage2_train.data.plan import DataPlan  # noqa: E402
 from tests.cache_fixtures import build_cache, corpus_documents  # noqa: E402
 
 

@@ -25,10 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the
 
 from bench_alignment import interleaved_best_times  # noqa: E402
 
-from pipeline.guidance import GuidanceSettings, guided_loss, token_loss  # noqa: E402
+from pipeline.cross_entropy import token_loss  # noqa: E402
+from pipeline.guidance import GuidanceSettings, guided_loss  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
-from stage2_train.data import ConsumerStream, DataPlan  # noqa: E402
+from stage2_train.data.packing import ConsumerStream  # noqa: E402
+from stage2_train.data.plan import DataPlan  # noqa: E402
 from tests.cache_fixtures import build_cache  # noqa: E402
 
 MODES = ("none", "token", "random")
@@ -46,7 +48,7 @@ def training_step(model, optimizer, batch, settings: GuidanceSettings) -> float:
     result.loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return result.kept / result.valid
+    return float(result.kept / result.valid)  # GuidedLoss counts are tensors
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ import numpy as np
 
 Aggregation = Literal["max", "mean", "sum"]
 AGGREGATIONS: tuple[str, ...] = ("max", "mean", "sum")
+DEFAULT_AGGREGATION: Aggregation = "max"  # the paper's choice; every option's default reads this
 UNMAPPED = -1
 
 
@@ -95,7 +96,7 @@ def aggregate_teacher_loss(
     teacher_loss: np.ndarray,
     map_start: np.ndarray,
     map_end: np.ndarray,
-    how: Aggregation = "max",
+    how: Aggregation = DEFAULT_AGGREGATION,
 ) -> np.ndarray:
     """Φ over each student token's teacher range (paper eq. 2), NaN-aware; float32.
 

@@ -28,25 +28,30 @@ the selection is deterministic and never keeps more than k.
 
 Scope (`scope`): `microbatch` ranks each rank's micro-batch on its own; `global` ranks the union of
 the same micro-step on all ranks (one threshold across the data-parallel group, via all_gather).
+
+No host sync: k, the selection and the counts are device tensors (k = ceil(topk * n) is computed
+from the candidate count on the device), so a training loop can queue micro-batch after
+micro-batch and read the counts once per logged step.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+
+from pipeline.collectives import all_gather, rank_and_world
 
 GUIDANCE_MODES = ("token", "chunk", "random", "none")
 UNMAPPED_STRATEGIES = ("include", "exclude", "mean")
 SELECTION_SCOPES = ("microbatch", "global")
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
 class GuidanceSettings:
+    """The one declaration of the guidance defaults (paper: top 40% by excess loss, unmapped
+    tokens included): stage 2's options, `vocagno cache inspect` and the demo read them here."""
+
     mode: str = "token"
     topk: float = 0.4
     unmapped: str = "include"
@@ -67,24 +72,29 @@ class GuidanceSettings:
             )
 
 
+DEFAULT_GUIDANCE = GuidanceSettings()
+
+
 @dataclass(frozen=True)
 class GuidedLoss:
-    """One micro-batch's selective loss and the counts behind the logged statistics."""
+    """One micro-batch's selective loss and the counts behind the logged statistics, all 0-dim
+    tensors on the loss's device (reading one on the host waits for the device)."""
 
     kept_loss_sum: torch.Tensor  # sum of student loss over kept tokens; carries the gradient
     loss_sum: torch.Tensor  # sum of student loss over all valid tokens (detached)
-    kept: int
-    mapped: int
-    valid: int
+    kept: torch.Tensor  # int64 token counts
+    mapped: torch.Tensor
+    valid: torch.Tensor
 
     @property
     def loss(self) -> torch.Tensor:
         """Mean over kept tokens (0 with a gradient path when nothing is kept)."""
-        return self.kept_loss_sum / max(self.kept, 1)
+        return self.kept_loss_sum / self.kept.clamp(min=1)
 
     @property
-    def loss_all(self) -> float:
-        return float(self.loss_sum) / max(self.valid, 1)
+    def loss_all(self) -> torch.Tensor:
+        """Mean over all valid tokens (detached)."""
+        return self.loss_sum / self.valid.clamp(min=1)
 
 
 def mapped_tokens(teacher_loss: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -92,21 +102,21 @@ def mapped_tokens(teacher_loss: torch.Tensor, valid: torch.Tensor) -> torch.Tens
     return valid & ~torch.isnan(teacher_loss)
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy [B, T] in fp32; 0 where the label is IGNORE_INDEX."""
-    per_token = F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
-    )
-    return per_token.view(labels.shape)
+def selection_size(num_candidates: int | torch.Tensor, topk: float) -> int | torch.Tensor:
+    """k = ceil(topk * n), rounded to 9 decimals first so that 0.7 * 10 is 7, not 8 (float error).
+
+    For an int n, an int; for a tensor of counts, a tensor on its device (no host sync).
+    """
+    count = torch.as_tensor(num_candidates)
+    size = torch.ceil(torch.round(count.double() * topk, decimals=9)).long()
+    return size if isinstance(num_candidates, torch.Tensor) else int(size)
 
 
-def selection_size(num_candidates: int, topk: float) -> int:
-    """k = ceil(topk * n); rounded first so that 0.7 * 10 is 7, not 8 (float error)."""
-    return math.ceil(round(topk * num_candidates, 9))
-
-
-def planned_kept(mapped: int, valid: int, settings: GuidanceSettings) -> int:
-    """How many tokens one selection keeps, from the counts alone (no student loss needed)."""
+def planned_kept(
+    mapped: int | torch.Tensor, valid: int | torch.Tensor, settings: GuidanceSettings
+) -> int | torch.Tensor:
+    """How many tokens one selection keeps, from the counts alone (no student loss needed);
+    ints or tensors of counts, elementwise."""
     if settings.mode == "none":
         return valid
     if settings.unmapped == "mean":
@@ -115,22 +125,32 @@ def planned_kept(mapped: int, valid: int, settings: GuidanceSettings) -> int:
     return kept + (valid - mapped) if settings.unmapped == "include" else kept
 
 
-def kept_in_step(counts: torch.Tensor, settings: GuidanceSettings) -> int:
+def kept_in_step(counts: torch.Tensor, settings: GuidanceSettings) -> torch.Tensor:
     """Tokens one optimizer step keeps over all ranks, from counts [world, micro_steps, 2] of
-    (mapped, valid): the denominator that makes the step's loss a mean over its kept tokens."""
+    (mapped, valid): the denominator that makes the step's loss a mean over its kept tokens.
+    A 0-dim int64 tensor on the counts' device."""
     counts = counts.long()
     if settings.scope == "global":
         counts = counts.sum(dim=0, keepdim=True)  # one selection per micro-step across ranks
-    return sum(planned_kept(int(m), int(v), settings) for m, v in counts.reshape(-1, 2).tolist())
+    return planned_kept(counts[..., 0], counts[..., 1], settings).sum()
 
 
-def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int) -> torch.Tensor:
-    """The min(k, #candidates) highest-scoring candidates; ties go to earlier positions."""
-    keep = torch.zeros(candidate.numel(), dtype=torch.bool, device=candidate.device)
-    index = candidate.flatten().nonzero().squeeze(1)
-    order = torch.sort(score.flatten()[index], descending=True, stable=True).indices
-    keep[index[order[:k]]] = True
-    return keep.view(candidate.shape)
+def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
+    """The min(k, #candidates) highest-scoring candidates; ties go to earlier positions.
+
+    `k` may be a 0-dim tensor: ranks are compared with it on the device.
+    """
+    flat_candidate = candidate.flatten()
+    # Two stable sorts: by score (ties stay in position order), then candidates before the rest,
+    # which keeps the candidates' score order. A candidate's place in the result is its rank.
+    by_score = torch.sort(score.flatten(), descending=True, stable=True).indices
+    candidates_first = torch.sort(
+        flat_candidate[by_score].to(torch.uint8), descending=True, stable=True
+    ).indices
+    order = by_score[candidates_first]
+    in_top_k = torch.empty_like(flat_candidate)
+    in_top_k[order] = torch.arange(order.numel(), device=order.device) < k
+    return (in_top_k & flat_candidate).view(candidate.shape)
 
 
 def _select(
@@ -143,21 +163,18 @@ def _select(
     mapped = mapped_tokens(teacher_loss, valid)
     if settings.unmapped == "mean":
         candidate = valid
-        mean = teacher_loss[mapped].mean() if mapped.any() else teacher_loss.new_zeros(())
+        # The mapped tokens' mean teacher loss, 0 when none is mapped (float64: the sum does not
+        # depend on where the unmapped zeros fall).
+        mapped_sum = torch.where(mapped, teacher_loss.double(), 0.0).sum()
+        mean = (mapped_sum / mapped.sum().clamp(min=1)).to(teacher_loss.dtype)
         teacher_loss = torch.where(mapped, teacher_loss, mean)
     else:
         candidate = mapped
     score = noise if settings.mode == "random" else student_loss - teacher_loss
-    keep = top_k_mask(score, candidate, selection_size(int(candidate.sum()), settings.topk))
+    keep = top_k_mask(score, candidate, selection_size(candidate.sum(), settings.topk))
     if settings.unmapped == "include":
         keep |= valid & ~mapped
     return keep
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def select_tokens(
@@ -178,9 +195,10 @@ def select_tokens(
     teacher_loss = teacher_loss.float()
     noise = None
     if settings.mode == "random":
+        # Drawn on the CPU generator (the same noise on any device); copied without waiting.
         noise = torch.rand(student_loss.shape, generator=generator, dtype=torch.float32)
-        noise = noise.to(student_loss.device)
-    rank, world = _world()
+        noise = noise.to(student_loss.device, non_blocking=True)
+    rank, world = rank_and_world()
     if settings.scope == "microbatch" or world == 1:
         return _select(student_loss, teacher_loss, valid, settings, noise)
     # One all_gather of the stacked inputs; every rank then makes the same global selection and
@@ -188,9 +206,8 @@ def select_tokens(
     local = torch.stack(
         [student_loss, teacher_loss, valid.float(), noise if noise is not None else student_loss]
     )
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local)
-    joined = torch.cat(parts, dim=1)
+    gathered = all_gather(local)  # [world, 4, B, T]
+    joined = gathered.transpose(0, 1).reshape(4, -1, local.shape[-1])  # ranks' rows in order
     keep = _select(joined[0], joined[1], joined[2].bool(), settings, joined[3])
     rows = student_loss.shape[0]
     return keep[rank * rows : (rank + 1) * rows]
@@ -210,7 +227,7 @@ def guided_loss(
     return GuidedLoss(
         kept_loss_sum=torch.where(keep, student_loss, zero).sum(),
         loss_sum=torch.where(valid, student_loss.detach(), zero).sum(),
-        kept=int(keep.sum()),
-        mapped=int(mapped.sum()),
-        valid=int(valid.sum()),
+        kept=keep.sum(),
+        mapped=mapped.sum(),
+        valid=valid.sum(),
     )

@@ -3,7 +3,7 @@
 A step folder holds:
   state/           model and optimizer via torch.distributed.checkpoint (one code path for a
                    single process, DDP and FSDP; sharded per rank under FSDP)
-  rank-R.pt        rank R's RNG states and data position (see stage2_train.data.DataState)
+  rank-R.pt        rank R's RNG states and data position (see stage2_train.data.position)
   trainer.pt       the learning-rate scheduler
   config.json      the run's TrainConfig
   checkpoint.json  step, world size, workers per rank, cache and config fingerprints
@@ -35,7 +35,7 @@ from pipeline.differences import setting_differences
 from pipeline.errors import CacheError, ConfigError
 from pipeline.io import atomic_write_json, atomic_write_text, fsync_file, publish_folder
 from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
-from stage2_train.data import DataState
+from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
 
 MARKER = "COMPLETE"

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pipeline.alignment import AGGREGATIONS
+from pipeline.alignment import AGGREGATIONS, DEFAULT_AGGREGATION
 from pipeline.config import option, parse_config, to_dict
 from pipeline.errors import ConfigError
 from pipeline.guidance import (
+    DEFAULT_GUIDANCE,
     GUIDANCE_MODES,
     SELECTION_SCOPES,
     UNMAPPED_STRATEGIES,
@@ -45,27 +46,29 @@ class TrainConfig:
         "the student's own (required for a config or preset student)",
     )
     guidance: Literal["token", "chunk", "random", "none"] = option(
-        "token",
+        DEFAULT_GUIDANCE.mode,
         help="token: the method (top-k by excess loss over token-aligned teacher loss); chunk: "
         "the same with equal-chunk alignment (paper Table 2); random: same kept fraction, "
         "random tokens (control); none: every token (plain continual pretraining)",
         choices=GUIDANCE_MODES,
     )
     num_chunks: int = option(32, help="chunks per document for --guidance chunk")
-    topk: float = option(0.4, help="fraction of candidate tokens kept (ceil(topk * n))")
+    topk: float = option(
+        DEFAULT_GUIDANCE.topk, help="fraction of candidate tokens kept (ceil(topk * n))"
+    )
     unmapped: Literal["include", "exclude", "mean"] = option(
-        "include",
+        DEFAULT_GUIDANCE.unmapped,
         help="student tokens with no teacher loss: include (always kept), exclude (never "
         "kept), mean (get the mean teacher loss and compete in the top-k)",
         choices=UNMAPPED_STRATEGIES,
     )
     aggregate: Literal["max", "mean", "sum"] = option(
-        "max",
+        DEFAULT_AGGREGATION,
         help="how the losses of the teacher tokens covering one student token combine",
         choices=AGGREGATIONS,
     )
     selection_scope: Literal["microbatch", "global"] = option(
-        "microbatch",
+        DEFAULT_GUIDANCE.scope,
         help="rank tokens per micro-batch on each rank, or across all ranks' micro-batches at "
         "once (one threshold, all_gather)",
         choices=SELECTION_SCOPES,
@@ -139,12 +142,10 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1)")
-        tokens_per_micro_batch = self.micro_batch_size * self.seq_len
-        if self.global_batch_tokens % tokens_per_micro_batch:
-            raise ValueError(
-                f"--global-batch-tokens ({self.global_batch_tokens}) must be a multiple of "
-                f"--micro-batch-size x --seq-len ({tokens_per_micro_batch})"
-            )
+        try:  # the one divisibility check, here for a single rank; the trainer repeats it
+            self.accumulation_steps(world_size=1)  # once the world size is known
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
         self.guidance_settings()  # validates topk, unmapped and scope
 
     def guidance_settings(self) -> GuidanceSettings:
@@ -156,10 +157,14 @@ class TrainConfig:
         """Micro-batches per rank per optimizer step; the global batch must split evenly."""
         per_step = world_size * self.micro_batch_size * self.seq_len
         if self.global_batch_tokens % per_step:
+            factors = "--micro-batch-size x --seq-len"
+            if world_size > 1:
+                factors = f"world size x {factors} ({world_size} x {self.micro_batch_size} x "
+                factors += f"{self.seq_len} = {per_step})"
+            else:
+                factors += f" ({per_step})"
             raise ConfigError(
-                f"--global-batch-tokens ({self.global_batch_tokens}) is not a multiple of "
-                f"world size x --micro-batch-size x --seq-len ({world_size} x "
-                f"{self.micro_batch_size} x {self.seq_len} = {per_step})"
+                f"--global-batch-tokens ({self.global_batch_tokens}) must be a multiple of {factors}"
             )
         return self.global_batch_tokens // per_step
 

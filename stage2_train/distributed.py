@@ -1,5 +1,5 @@
-"""The process's place in a torchrun job: rank, world size, device, and collectives that also work
-as no-ops in a single plain process."""
+"""The process's place in a torchrun job: rank, world size, device, and the collectives of
+pipeline.collectives run on its device (no-ops in a single plain process)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from pipeline import collectives
 
 
 @dataclass(frozen=True)
@@ -51,21 +53,11 @@ class Runtime:
             dist.destroy_process_group()
 
     def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier()
+        collectives.barrier()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not self.distributed:
-            return tensor
-        on_device = tensor.to(self.device)  # nccl reduces only GPU tensors
-        dist.all_reduce(on_device)
-        return on_device.to(tensor.device)
+        return collectives.all_reduce_sum(tensor, self.device)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Stack of every rank's tensor, in rank order (shape [world, ...])."""
-        if not self.distributed:
-            return tensor.unsqueeze(0)
-        on_device = tensor.to(self.device)
-        parts = [torch.empty_like(on_device) for _ in range(self.world_size)]
-        dist.all_gather(parts, on_device)
-        return torch.stack(parts).to(tensor.device)
+        return collectives.all_gather(tensor, self.device)

@@ -25,14 +25,10 @@ from torch import nn
 
 from pipeline.cache.manifest import load_manifest
 from pipeline.config import to_dict
-from pipeline.guidance import (
-    IGNORE_INDEX,
-    guided_loss,
-    kept_in_step,
-    mapped_tokens,
-    token_loss,
-)
+from pipeline.cross_entropy import IGNORE_INDEX, token_loss
+from pipeline.guidance import guided_loss, kept_in_step, mapped_tokens
 from pipeline.io import atomic_write_json, atomic_write_text, staged_folder
+from pipeline.metrics import METRICS_NAME, read_json_lines
 from pipeline.models.hf_tokenizer import save_tokenizer
 from pipeline.models.student import build_student, student_tokenizer_spec
 from pipeline.tokenizer import load_tokenizer
@@ -44,14 +40,10 @@ from stage2_train.checkpoint import (
     save_checkpoint,
 )
 from stage2_train.config import TrainConfig
-from stage2_train.data import (
-    DataPlan,
-    DataState,
-    batches,
-    cache_fingerprint,
-    choose_alignment,
-    make_loader,
-)
+from stage2_train.data.documents import choose_alignment
+from stage2_train.data.loader import batches, make_loader
+from stage2_train.data.plan import DataPlan, cache_fingerprint
+from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
 from stage2_train.parallel import autocast, full_state_dict, gradient_sync, unwrapped, wrap
 
@@ -83,11 +75,9 @@ class JsonLines:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip() and json.loads(line)["step"] <= keep_up_to_step:
-                    kept.append(line + "\n")
-        atomic_write_text(path, "".join(kept))
+        if path.exists():  # a torn last line (the run was killed mid-write) is dropped too
+            kept = [r for r in read_json_lines(path).records if r["step"] <= keep_up_to_step]
+        atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in kept))
         self.handle = path.open("a")
 
     def append(self, record: dict) -> None:
@@ -177,7 +167,7 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
     metrics = documents = writer = None
     if runtime.is_main:
         atomic_write_json(config.out / "config.json", {**to_dict(config), **meta})
-        metrics = JsonLines(config.out / "metrics.jsonl", start_step)
+        metrics = JsonLines(config.out / METRICS_NAME, start_step)
         writer = SummaryWriter(str(config.out / "tensorboard"), purge_step=start_step + 1)
         parameters = sum(p.numel() for p in unwrapped(model).parameters())
         print(
@@ -205,18 +195,24 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
         micro_batches = [next(stream) for _ in range(accumulation)]
         for batch in micro_batches:
             data_state.observe(batch)
-        valid = [batch["labels"] != IGNORE_INDEX for batch in micro_batches]
-        counts = torch.tensor(
+        # (counted on the host copies; the total stays on the device, like every count below)
+        step_valid = torch.stack([batch["labels"] for batch in micro_batches]) != IGNORE_INDEX
+        step_teacher_loss = torch.stack([batch["teacher_loss"] for batch in micro_batches])
+        counts = torch.stack(
             [
-                [int(mapped_tokens(b["teacher_loss"], v).sum()), int(v.sum())]
-                for v, b in zip(valid, micro_batches, strict=True)
-            ]
-        )
+                mapped_tokens(step_teacher_loss, step_valid).sum(dim=(1, 2)),
+                step_valid.sum(dim=(1, 2)),
+            ],
+            dim=1,
+        )  # [micro-batch, (mapped, valid)]
+        counts = counts.to(runtime.device, non_blocking=True)
         kept_total = kept_in_step(runtime.all_gather(counts), settings)
-        scale = runtime.world_size / max(kept_total, 1)
+        # the float64 quotient rounded once to the loss's float32
+        scale = (runtime.world_size / kept_total.clamp(min=1).double()).float()
 
         # forward-backward
-        totals = torch.zeros(5, dtype=torch.float64)  # kept loss, all loss, kept, mapped, valid
+        # kept loss, all loss, kept, mapped, valid: summed on the device, read once at the log
+        totals = torch.zeros(5, dtype=torch.float64, device=runtime.device)
         for micro, batch in enumerate(micro_batches):
             inputs = batch["input_ids"].to(runtime.device, non_blocking=True)
             labels = batch["labels"].to(runtime.device, non_blocking=True)
@@ -232,15 +228,14 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
                     generator=selection_generator(config, step, micro, runtime.rank),
                 )
                 (result.kept_loss_sum * scale).backward()
-            totals += torch.tensor(
+            totals += torch.stack(
                 [
-                    float(result.kept_loss_sum.detach()),
-                    float(result.loss_sum),
-                    result.kept,
-                    result.mapped,
-                    result.valid,
-                ],
-                dtype=torch.float64,
+                    result.kept_loss_sum.detach().double(),
+                    result.loss_sum.double(),
+                    result.kept.double(),
+                    result.mapped.double(),
+                    result.valid.double(),
+                ]
             )
 
         # step
@@ -252,11 +247,12 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-        # log
-        kept_loss, all_loss, kept, mapped, valid_count = runtime.all_reduce_sum(totals).tolist()
-        step_tokens += int(valid_count)
+        # log: the step's one host sync
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
+        logged = torch.cat((runtime.all_reduce_sum(totals), grad_norm.detach().double().view(1)))
+        kept_loss, all_loss, kept, mapped, valid_count, grad_norm = logged.tolist()
+        step_tokens += int(valid_count)
         record = {
             "step": step,
             "loss": kept_loss / max(kept, 1),
@@ -265,7 +261,7 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
             "mapped_fraction": mapped / max(valid_count, 1),
             "tokens": step * config.global_batch_tokens,
             "lr": lr,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
         }
         if documents is not None:
             documents.append(

@@ -12,7 +12,15 @@ import os
 import textwrap
 from pathlib import Path
 
-FORBIDDEN_MODULES = ("stage1_score", "vllm", "pipeline.models.teacher_assets")
+# The teacher's scorers live in the library now (pipeline.scoring), so stage 1 being absent is not
+# enough: neither of the modules that load a teacher may be imported either.
+FORBIDDEN_MODULES = (
+    "stage1_score",
+    "vllm",
+    "pipeline.models.teacher_assets",
+    "pipeline.scoring.hf",
+    "pipeline.scoring.teacher",
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".distcp")
 SITECUSTOMIZE = textwrap.dedent(
     """

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeline.cross_entropy import token_loss
 from pipeline.guidance import (
     GuidanceSettings,
     guided_loss,
@@ -17,7 +18,6 @@ from pipeline.guidance import (
     planned_kept,
     select_tokens,
     selection_size,
-    token_loss,
 )
 
 NAN = float("nan")

@@ -18,16 +18,11 @@ from pipeline.cache.manifest import load_manifest
 from pipeline.cache.schema import shard_name
 from pipeline.errors import CacheError
 from pipeline.tokenizer import load_tokenizer
-from stage2_train.data import (
-    ConsumerStream,
-    DataPlan,
-    DataState,
-    annotate,
-    batches,
-    choose_alignment,
-    make_loader,
-    work_items,
-)
+from stage2_train.data.documents import annotate, choose_alignment
+from stage2_train.data.loader import batches, make_loader
+from stage2_train.data.packing import ConsumerStream
+from stage2_train.data.plan import DataPlan, work_items
+from stage2_train.data.position import DataState
 from tests.cache_fixtures import build_cache, corpus_documents, read_cache_rows
 
 

@@ -66,7 +66,7 @@ def test_metrics_and_final_model(uninterrupted, cache):
 
     from pipeline.cache.manifest import load_manifest
     from pipeline.tokenizer import load_tokenizer
-    from stage2_train.data import cache_fingerprint
+    from stage2_train.data.plan import cache_fingerprint
 
     records = [
         json.loads(line) for line in (uninterrupted / "metrics.jsonl").read_text().splitlines()
@@ -284,7 +284,8 @@ def test_continual_pretraining_starts_from_a_local_hf_folder(cache, uninterrupte
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stage2_train.data import ConsumerStream, DataPlan
+    from stage2_train.data.packing import ConsumerStream
+    from stage2_train.data.plan import DataPlan
 
     folder, out = uninterrupted / "final", tmp_path / "out"
     args = train_args(cache, out, "--num-workers", "0", "--global-batch-tokens", "64")

@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.alignment import aggregate_teacher_loss, align
 from pipeline.cache.manifest import load_manifest
 from pipeline.cache.schema import DOC_ID, LOSS, TEXT, TOKEN_END, TOKEN_START, iter_shard_batches
 from pipeline.cache.verify import verify_shard
+from pipeline.cross_entropy import token_loss
 from pipeline.errors import CacheError
-from pipeline.guidance import GuidanceSettings, select_tokens, token_loss
+from pipeline.guidance import GuidanceSettings, select_tokens
 from pipeline.io import atomic_write_text
+from pipeline.teacher_loss import student_teacher_loss
 from pipeline.tokenizer import TextTokenizer
 
 
@@ -69,10 +70,18 @@ def guided_tokens(
 ) -> dict[str, np.ndarray]:
     """Per student token: span, mapped teacher range, student/teacher/excess loss, kept."""
     encoding = tokenizer.encode(document.text, add_eos=True)
-    map_start, map_end = align(
-        encoding.start, encoding.end, document.token_start, document.token_end
+    mapping = student_teacher_loss(
+        encoding.start,
+        encoding.end,
+        [len(encoding)],
+        document.token_start,
+        document.token_end,
+        document.loss,
+        [len(document.loss)],
+        [len(document.text)],
+        aggregate=aggregate,
     )
-    teacher = aggregate_teacher_loss(document.loss, map_start, map_end, aggregate)
+    map_start, map_end, teacher = mapping.map_start, mapping.map_end, mapping.teacher_loss
     ids = torch.as_tensor(encoding.ids, dtype=torch.long)[None]
     device = next(model.parameters()).device
     logits = model(input_ids=ids.to(device)).logits.float().cpu()

@@ -5,13 +5,12 @@ all tokens), kept_fraction, mapped_fraction, tokens (cumulative), lr. The left p
 loss_all (solid) and loss (dashed) against tokens, the right one kept_fraction (solid) and
 mapped_fraction (dotted). Runs are labelled by folder name.
 
-A run still in progress may have a partly written last line: it is left out with a warning. Any
-other unreadable line is an error, since it means the file is damaged, not merely unfinished.
+A run still in progress may have a partly written last line: pipeline.metrics leaves it out with
+a warning.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +19,8 @@ import numpy as np
 from apps.analysis.configs import TrainingCurvesConfig
 from pipeline.errors import VocagnoError
 from pipeline.io import fingerprint, sha256_bytes
+from pipeline.metrics import METRICS_NAME, read_json_lines
 
-METRICS_NAME = "metrics.jsonl"
 FIELDS = ("step", "tokens", "loss", "loss_all", "kept_fraction", "mapped_fraction", "lr")
 
 
@@ -45,26 +44,12 @@ def read_metrics(run_dir: Path) -> RunMetrics:
     if not path.is_file():
         what = "run folder" if Path(run_dir).is_dir() else "folder"
         raise VocagnoError(f"no {METRICS_NAME} in {what} {run_dir}")
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    records, warning, used = [], None, len(data)
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict):
-                raise ValueError(f"a JSON {type(record).__name__}, not an object")
-        except ValueError as exc:
-            if not any(rest.strip() for rest in lines[number:]):
-                warning = f"{path}: ignored unfinished last line {number} (run still writing?)"
-                used = len(data) - len(b"\n".join(lines[number - 1 :]))
-                break
-            raise VocagnoError(f"{path}: line {number} is not a JSON object: {exc}") from None
+    log = read_json_lines(path)
+    records, warning = log.records, log.warning
+    for number, record in zip(log.line_numbers, records, strict=True):
         missing = [name for name in FIELDS if name not in record]
         if missing:
             raise VocagnoError(f"{path}: line {number} lacks {', '.join(missing)}")
-        records.append(record)
     try:
         columns = {
             name: np.array([np.nan if r[name] is None else r[name] for r in records], dtype=float)
@@ -74,7 +59,7 @@ def read_metrics(run_dir: Path) -> RunMetrics:
         raise VocagnoError(f"{path}: a metric is not a number: {exc}") from None
     if not records:
         warning = warning or f"{path}: no steps logged yet"
-    return RunMetrics(Path(run_dir), columns, sha256_bytes(data[:used]), warning)
+    return RunMetrics(Path(run_dir), columns, sha256_bytes(log.data), warning)
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:

@@ -42,8 +42,8 @@ def add_parser(subparsers) -> None:
 
 
 def _add_inspect(actions) -> None:
-    from pipeline.alignment import AGGREGATIONS
-    from pipeline.guidance import UNMAPPED_STRATEGIES
+    from pipeline.alignment import AGGREGATIONS, DEFAULT_AGGREGATION
+    from pipeline.guidance import DEFAULT_GUIDANCE, UNMAPPED_STRATEGIES
 
     inspect = actions.add_parser(
         "inspect",
@@ -62,9 +62,13 @@ def _add_inspect(actions) -> None:
     which = inspect.add_mutually_exclusive_group()
     which.add_argument("--doc-id", default=None, help="the document's doc_id")
     which.add_argument("--index", type=int, default=0, help="the document's position in the cache")
-    inspect.add_argument("--topk", type=float, default=0.4, help="fraction of mapped tokens kept")
-    inspect.add_argument("--unmapped", choices=UNMAPPED_STRATEGIES, default="include")
-    inspect.add_argument("--aggregate", choices=AGGREGATIONS, default="max")
+    inspect.add_argument(
+        "--topk", type=float, default=DEFAULT_GUIDANCE.topk, help="fraction of mapped tokens kept"
+    )
+    inspect.add_argument(
+        "--unmapped", choices=UNMAPPED_STRATEGIES, default=DEFAULT_GUIDANCE.unmapped
+    )
+    inspect.add_argument("--aggregate", choices=AGGREGATIONS, default=DEFAULT_AGGREGATION)
     inspect.add_argument("--out", type=Path, default=Path("inspect.html"), help="HTML file")
     inspect.set_defaults(func=run_inspect)
 

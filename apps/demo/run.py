@@ -117,7 +117,8 @@ def inspect_guided_arm(config: DemoConfig, manifest: Path, cache: Path, arms: di
     from transformers import AutoModelForCausalLM
 
     from apps.analysis.guidance_page import find_document, guided_tokens, write_guidance_page
-    from pipeline.guidance import GuidanceSettings
+    from pipeline.alignment import DEFAULT_AGGREGATION
+    from pipeline.guidance import DEFAULT_GUIDANCE, GuidanceSettings
     from pipeline.tokenizer import load_tokenizer
 
     if "token" not in arms:
@@ -126,12 +127,13 @@ def inspect_guided_arm(config: DemoConfig, manifest: Path, cache: Path, arms: di
     student = arms["token"] / "final"
     document = find_document(cache, None, 0)
     settings = GuidanceSettings(
-        mode="token", topk=stage2.get("topk", 0.4), unmapped=stage2.get("unmapped", "include")
+        mode="token",
+        topk=stage2.get("topk", DEFAULT_GUIDANCE.topk),
+        unmapped=stage2.get("unmapped", DEFAULT_GUIDANCE.unmapped),
     )
+    aggregate = stage2.get("aggregate", DEFAULT_AGGREGATION)
     model = AutoModelForCausalLM.from_pretrained(student).eval()
-    tokens = guided_tokens(
-        document, model, load_tokenizer(str(student)), settings, stage2.get("aggregate", "max")
-    )
+    tokens = guided_tokens(document, model, load_tokenizer(str(student)), settings, aggregate)
     dest = config.out / "inspect.html"
     write_guidance_page(dest, document, tokens, "guided student: teacher guidance on one document")
     return dest

@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.cache.manifest import load_manifest
+from pipeline.cache.rows import list_column
 from pipeline.cache.schema import LOSS, TEXT, iter_shard_batches
 
 BIN_WIDTH = 0.001
@@ -72,8 +72,7 @@ def cache_stats(cache_dir: str | Path) -> CacheStats:
         total_bytes += record.bytes
         text_bytes += _text_bytes(path)
         for batch in iter_shard_batches(path, [LOSS], batch_size=1024):
-            loss = pc.list_flatten(batch.column(LOSS)).to_numpy(zero_copy_only=False)
-            loss = loss.astype(np.float64)
+            loss, _ = list_column(batch, LOSS, np.float64)
             tokens += loss.size
             finite = loss[~np.isnan(loss)]
             scored += finite.size

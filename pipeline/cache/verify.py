@@ -13,24 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.cache.manifest import MANIFEST_NAME, CacheManifest, ShardRecord, load_manifest
-from pipeline.cache.schema import (
-    COLUMNS,
-    LOSS,
-    LOSS_DTYPES,
-    TEXT,
-    TEXT_SHA256,
-    TOKEN_END,
-    TOKEN_IDS,
-    TOKEN_START,
-    cache_schema,
-    iter_shard_batches,
-)
+from pipeline.cache.rows import check_rows
+from pipeline.cache.schema import COLUMNS, LOSS_DTYPES, cache_schema, iter_shard_batches
 from pipeline.errors import CacheError
-from pipeline.io import sha256_file, sha256_text
+from pipeline.io import sha256_file
 
 SHARD_GLOB = "*.parquet"
 TEMPORARY_GLOB = ".*.tmp"
@@ -85,45 +74,13 @@ def _same_type(found: pa.DataType, expected: pa.DataType) -> bool:
     return found.equals(expected)
 
 
-def _check_batch(path: Path, batch: pa.RecordBatch, first_row: int) -> int:
-    """Row-level consistency of one batch; returns its token count."""
-    lengths = pc.list_value_length(batch.column(TOKEN_IDS)).to_numpy(zero_copy_only=False)
-    for name in (TOKEN_START, TOKEN_END, LOSS):
-        other = pc.list_value_length(batch.column(name)).to_numpy(zero_copy_only=False)
-        bad = np.flatnonzero(other != lengths)
-        if bad.size:
-            raise CacheError(
-                f"shard {path} row {first_row + bad[0]}: {name} has {other[bad[0]]} values "
-                f"for {lengths[bad[0]]} tokens"
-            )
-    start = pc.list_flatten(batch.column(TOKEN_START)).to_numpy()
-    end = pc.list_flatten(batch.column(TOKEN_END)).to_numpy()
-    chars = pc.utf8_length(batch.column(TEXT)).to_numpy(zero_copy_only=False)
-    limit = np.repeat(chars, lengths)
-    bad = np.flatnonzero((start < 0) | (start > end) | (end > limit))
-    if bad.size:
-        row = int(np.searchsorted(np.cumsum(lengths), bad[0], side="right"))
-        raise CacheError(
-            f"shard {path} row {first_row + row}: token span ({start[bad[0]]}, {end[bad[0]]}) "
-            f"is not inside its text of {limit[bad[0]]} characters"
-        )
-    texts = batch.column(TEXT).to_pylist()
-    hashes = batch.column(TEXT_SHA256).to_pylist()
-    for offset, (text, digest) in enumerate(zip(texts, hashes, strict=True)):
-        if sha256_text(text) != digest:
-            raise CacheError(
-                f"shard {path} row {first_row + offset}: text_sha256 does not match text"
-            )
-    return int(lengths.sum())
-
-
 def check_shard_contents(cache_dir: str | Path, record: ShardRecord, loss_dtype: str) -> None:
     """Schema, row count, token count and per-row consistency of one shard."""
     path = Path(cache_dir) / record.file
     _check_schema(path, loss_dtype)
     rows = tokens = 0
     for batch in iter_shard_batches(path, list(COLUMNS), batch_size=1024):
-        tokens += _check_batch(path, batch, rows)
+        tokens += int(check_rows(path, batch, rows + np.arange(batch.num_rows)).sum())
         rows += batch.num_rows
     if rows != record.rows:
         raise CacheError(f"shard {path} has {rows} rows but the manifest says {record.rows}")

@@ -2,9 +2,10 @@
 
 Per batch of windows (pipeline.scoring.windows, pipeline.scoring.batching): one forward pass of the
 decoder body, right-padded with an attention mask; then the output head is applied only to the
-positions whose next token is scored, a chunk of rows at a time, and each loss is
-`logsumexp(logits) - logits[target]` in fp32. Full-vocabulary log-probabilities of all positions
-(batch x length x vocabulary) are never materialized.
+positions whose next token is scored, a chunk of rows at a time, and each loss is the fp32
+cross-entropy of pipeline.cross_entropy, the definition the student is trained with too.
+Full-vocabulary log-probabilities of all positions (batch x length x vocabulary) are never
+materialized.
 
 A model whose logits are not simply `head(body(x))` (soft-capping, scaling) is detected at load by
 comparing both ways on a probe sequence; such a model falls back to its own forward pass, still
@@ -18,18 +19,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pipeline.cross_entropy import token_loss
 from pipeline.scoring.batching import plan_batches
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
 
 # Rows of logits computed at once: rows x vocabulary stays near 2**24 floats (64 MiB in fp32).
 LOGIT_BUDGET = 1 << 24
-
-
-def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """-log softmax(logits)[target] per row, in fp32."""
-    logits = logits.float()
-    return torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None]).squeeze(1)
 
 
 def scored_positions(windows: WindowTable, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -142,5 +138,5 @@ class HFScorer:
         out = torch.empty(len(targets), dtype=torch.float32, device=self.device)
         for begin in range(0, len(targets), self.chunk_rows):
             chunk = slice(begin, begin + self.chunk_rows)
-            out[chunk] = token_losses(project(hidden[chunk]), targets[chunk])
+            out[chunk] = token_loss(project(hidden[chunk]), targets[chunk])
         return out.cpu().numpy()

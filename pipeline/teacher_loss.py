@@ -1,0 +1,97 @@
+"""The teacher's loss of every student token: map each student token to a range of cached teacher
+tokens, then aggregate their losses over that range (paper eq. 2).
+
+One definition for training (stage2_train.data) and for the inspection page
+(apps.analysis.guidance_page). It runs over many documents at once, concatenated, with no
+per-token Python loop. Alignments:
+  token     Token-level Lexical Alignment by character offsets (pipeline.alignment.align);
+  chunk     the paper's equal-chunk baseline (pipeline.alignment.equal_chunk_alignment);
+  identity  student token i is teacher token i (one tokenizer on both sides).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.alignment import (
+    DEFAULT_AGGREGATION,
+    UNMAPPED,
+    aggregate_teacher_loss,
+    align,
+    equal_chunk_alignment,
+)
+
+ALIGNMENTS = ("token", "chunk", "identity")
+
+
+@dataclass(frozen=True)
+class StudentTeacherLoss:
+    """Per student token (documents concatenated): its inclusive teacher range and the
+    aggregated teacher loss (NaN: unmapped, or none of its teacher tokens was scored)."""
+
+    map_start: np.ndarray  # int64, index into the concatenated teacher tokens, -1 = unmapped
+    map_end: np.ndarray
+    teacher_loss: np.ndarray  # float32
+
+
+def exclusive_cumsum(values: np.ndarray) -> np.ndarray:
+    """Where each of consecutive runs of these lengths starts."""
+    return np.concatenate(([0], np.cumsum(values)[:-1])).astype(np.int64)
+
+
+def student_teacher_loss(
+    student_start: np.ndarray,
+    student_end: np.ndarray,
+    student_lengths: np.ndarray,
+    teacher_start: np.ndarray,
+    teacher_end: np.ndarray,
+    teacher_loss: np.ndarray,
+    teacher_lengths: np.ndarray,
+    text_lengths: np.ndarray,
+    *,
+    alignment: str = "token",
+    num_chunks: int = 1,
+    aggregate: str = DEFAULT_AGGREGATION,
+) -> StudentTeacherLoss:
+    """Map and aggregate for consecutive documents. Offsets are character offsets within each
+    document's own text; `*_lengths` are tokens per document and `text_lengths` characters."""
+    student_lengths = np.asarray(student_lengths, dtype=np.int64)
+    teacher_lengths = np.asarray(teacher_lengths, dtype=np.int64)
+    if alignment == "token":
+        # Shift each document's offsets past the previous one (plus a gap, so that zero-width
+        # spans at a boundary touch neither side): one align call serves every document.
+        base = exclusive_cumsum(np.asarray(text_lengths, dtype=np.int64) + 1)
+        student_shift = np.repeat(base, student_lengths)
+        teacher_shift = np.repeat(base, teacher_lengths)
+        map_start, map_end = align(
+            np.asarray(student_start) + student_shift,
+            np.asarray(student_end) + student_shift,
+            np.asarray(teacher_start) + teacher_shift,
+            np.asarray(teacher_end) + teacher_shift,
+        )
+    elif alignment == "chunk":
+        pairs = [
+            equal_chunk_alignment(int(n_s), int(n_t), num_chunks)
+            for n_s, n_t in zip(student_lengths, teacher_lengths, strict=True)
+        ]
+        # the document's first teacher token
+        offset = np.repeat(exclusive_cumsum(teacher_lengths), student_lengths)
+        map_start = np.concatenate([p[0] for p in pairs])
+        map_end = np.concatenate([p[1] for p in pairs])
+        mapped = map_start >= 0
+        map_start = np.where(mapped, map_start + offset, UNMAPPED)
+        map_end = np.where(mapped, map_end + offset, UNMAPPED)
+    elif alignment == "identity":
+        # Student token i is teacher token i; the student's trailing EOS has no teacher token.
+        total = int(student_lengths.sum())
+        position = np.arange(total) - np.repeat(exclusive_cumsum(student_lengths), student_lengths)
+        mapped = position < np.repeat(teacher_lengths, student_lengths)
+        first_teacher = np.repeat(exclusive_cumsum(teacher_lengths), student_lengths)
+        map_start = np.where(mapped, position + first_teacher, UNMAPPED)
+        map_end = map_start
+    else:
+        raise ValueError(f"alignment must be 'token', 'chunk' or 'identity', not {alignment!r}")
+    per_token = aggregate_teacher_loss(teacher_loss, map_start, map_end, aggregate)
+    return StudentTeacherLoss(map_start, map_end, per_token)

@@ -1,0 +1,186 @@
+"""Per document (vectorized over a whole read, no per-token Python loop): check the row against
+its text (pipeline.cache.rows), tokenize `text` with the student tokenizer (BOS per the student's
+policy, EOS appended), and give every student token the teacher loss of the cached teacher tokens
+it is aligned to (pipeline.teacher_loss: one call for the read). NaN marks a student token with no
+teacher loss.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.alignment import DEFAULT_AGGREGATION
+from pipeline.cache.manifest import ShardRecord
+from pipeline.cache.rows import check_rows, list_column
+from pipeline.cache.schema import (
+    DOC_ID,
+    LOSS,
+    TEXT,
+    TEXT_SHA256,
+    TOKEN_END,
+    TOKEN_START,
+    iter_shard_batches,
+)
+from pipeline.cache.verify import verify_shard
+from pipeline.errors import CacheError
+from pipeline.teacher_loss import student_teacher_loss
+from pipeline.tokenizer import TextTokenizer, load_tokenizer
+from stage2_train.data.plan import DataPlan, work_items
+from stage2_train.data.position import StreamPosition
+
+READ_ROWS = 128  # rows per Parquet read: the I/O unit and the shuffle window inside an item
+READ_COLUMNS = [DOC_ID, TEXT, TEXT_SHA256, TOKEN_START, TOKEN_END, LOSS]
+
+
+@functools.cache
+def _verify_once(cache_dir: str, record: ShardRecord, mtime_ns: int | None) -> Path:
+    return verify_shard(cache_dir, record)
+
+
+def verified_shard(cache_dir: Path, record: ShardRecord) -> Path:
+    """pipeline.cache.verify.verify_shard (size and sha256 against the manifest), hashed once per
+    process and file version rather than once per read."""
+    path = Path(cache_dir) / record.file
+    mtime_ns = path.stat().st_mtime_ns if path.exists() else None
+    return _verify_once(str(cache_dir), record, mtime_ns)
+
+
+@dataclass
+class AnnotatedDocuments:
+    """Student tokens of consecutive documents with the teacher loss of each token."""
+
+    ids: np.ndarray  # int32, all documents concatenated
+    teacher_loss: np.ndarray  # float32, NaN = no teacher loss for that token
+    lengths: np.ndarray  # int64 student tokens per document
+    doc_ids: list[str] = field(default_factory=list)
+
+
+def choose_alignment(guidance: str, student_fingerprint: str, cache_tokenizer: dict) -> str:
+    """chunk for the chunk baseline; identity when the student's tokenizer is the teacher's
+    (same-vocabulary guidance, Rho-1); otherwise token-level lexical alignment.
+
+    With one tokenizer on both sides, offsets cannot tell the byte pieces of one character apart
+    (they share a span) and would map each piece to the whole group; positions can.
+    """
+    if guidance == "chunk":
+        return "chunk"
+    if cache_tokenizer.get("fingerprint") == student_fingerprint:
+        return "identity"
+    return "token"
+
+
+def annotate(
+    tokenizer: TextTokenizer,
+    texts: list[str],
+    teacher_start: np.ndarray,
+    teacher_end: np.ndarray,
+    teacher_loss: np.ndarray,
+    teacher_lengths: np.ndarray,
+    *,
+    alignment: str = "token",
+    num_chunks: int = 1,
+    aggregate: str = DEFAULT_AGGREGATION,
+) -> AnnotatedDocuments:
+    """Tokenize documents with the student tokenizer and give every token its teacher loss.
+
+    Teacher arrays are the cached columns of these documents, flattened in order.
+    """
+    encodings = tokenizer.encode_batch(texts, add_eos=True)
+    lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(encodings))
+    if not encodings:
+        empty = np.zeros(0, dtype=np.int32)
+        return AnnotatedDocuments(empty, np.zeros(0, dtype=np.float32), lengths)
+    mapping = student_teacher_loss(
+        np.concatenate([e.start for e in encodings]),
+        np.concatenate([e.end for e in encodings]),
+        lengths,
+        teacher_start,
+        teacher_end,
+        teacher_loss,
+        teacher_lengths,
+        np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts)),
+        alignment=alignment,
+        num_chunks=num_chunks,
+        aggregate=aggregate,
+    )
+    ids = np.concatenate([e.ids for e in encodings]).astype(np.int32)
+    return AnnotatedDocuments(ids, mapping.teacher_loss, lengths)
+
+
+class DocumentReader:
+    """One consumer's annotated documents, read by read and epoch after epoch, from a position."""
+
+    def __init__(self, plan: DataPlan, consumer: int, position: StreamPosition | None = None):
+        self.plan = plan
+        self.consumer = consumer
+        self.start = position or StreamPosition()
+        self.tokenizer = load_tokenizer(plan.student_tokenizer)
+
+    def documents(self) -> Iterator[tuple[AnnotatedDocuments, np.ndarray, int]]:
+        """Annotated documents of each read, with their positions (epoch, item, read, row) and
+        epoch, from `self.start`."""
+        plan, start = self.plan, self.start
+        epoch = start.epoch
+        while True:
+            items = work_items(plan, self.consumer, epoch)
+            first_item = start.item if epoch == start.epoch else 0
+            for item in range(first_item, len(items)):
+                resume = epoch == start.epoch and item == start.item
+                yield from self._read_item(epoch, item, *items[item], start if resume else None)
+            epoch += 1
+
+    def _read_item(
+        self, epoch: int, item: int, shard: int, part: int, resume: StreamPosition | None
+    ) -> Iterator[tuple[AnnotatedDocuments, np.ndarray, int]]:
+        plan = self.plan
+        record = plan.shards[shard]
+        path = verified_shard(plan.cache_dir, record)
+        parts = plan.parts_per_shard
+        rows_seen = 0
+        for read, batch in enumerate(iter_shard_batches(path, READ_COLUMNS, READ_ROWS)):
+            first_row, rows_seen = rows_seen, rows_seen + batch.num_rows
+            if resume is not None and read < resume.read:
+                continue
+            mine = np.flatnonzero((first_row + np.arange(batch.num_rows)) % parts == part)
+            order = np.random.default_rng([plan.seed, epoch, shard, read]).permutation(mine.size)
+            skip = resume.row if resume is not None and read == resume.read else 0
+            rows = np.arange(skip, mine.size)
+            if rows.size == 0:
+                continue
+            taken = mine[order][skip:]
+            chosen = batch.take(pa.array(taken))
+            check_rows(path, chosen, first_row + taken)
+            docs = self._annotate_rows(chosen)
+            positions = np.empty((rows.size, 4), dtype=np.int64)
+            positions[:] = (epoch, item, read, 0)
+            positions[:, 3] = rows
+            yield docs, positions, epoch
+        if rows_seen != record.rows:
+            raise CacheError(
+                f"shard {path} has {rows_seen} rows but the manifest says {record.rows}"
+            )
+
+    def _annotate_rows(self, batch: pa.RecordBatch) -> AnnotatedDocuments:
+        """The checked rows of one read, annotated (a benchmark overrides this to score live)."""
+        start, lengths = list_column(batch, TOKEN_START, np.int64)
+        end, _ = list_column(batch, TOKEN_END, np.int64)
+        loss, _ = list_column(batch, LOSS, np.float32)
+        docs = annotate(
+            self.tokenizer,
+            batch.column(TEXT).to_pylist(),
+            start,
+            end,
+            loss,
+            lengths,
+            alignment=self.plan.alignment,
+            num_chunks=self.plan.num_chunks,
+            aggregate=self.plan.aggregate,
+        )
+        docs.doc_ids = batch.column(DOC_ID).to_pylist()
+        return docs

@@ -1,0 +1,98 @@
+"""Partition. Consumers are (rank, data-loader worker) pairs, C = world size x workers per rank.
+
+A work item is one part of one shard: part p of P holds the shard's rows r with r % P == p, and
+P = ceil(C / #shards) so that even a cache with fewer shards than consumers feeds everyone. In
+epoch e the items are permuted by (seed, e) and consumer c takes items c, c + C, c + 2C, ...:
+disjoint parts whose union is every row, so each document is used exactly once per epoch.
+Within one Parquet read (READ_ROWS rows) the item's rows are shuffled by (seed, e, shard, read).
+Each consumer's stream is endless (epoch after epoch), so every rank runs exactly --max-steps.
+Consumers get equally many items (+-1); a consumer that finishes its part of epoch e goes on to
+its part of epoch e + 1, so with few items per consumer (fewer shards than ~10x the consumers)
+some documents come round again before others have been seen once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.alignment import DEFAULT_AGGREGATION
+from pipeline.cache.manifest import CacheManifest, ShardRecord, load_manifest
+from pipeline.errors import CacheError
+from pipeline.io import fingerprint
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """Everything that fixes the stream; identical on every rank and worker."""
+
+    cache_dir: Path
+    shards: tuple[ShardRecord, ...]
+    student_tokenizer: str
+    seq_len: int
+    micro_batch_size: int
+    alignment: str = "token"  # or "chunk", or "identity" (see documents.choose_alignment)
+    num_chunks: int = 1
+    aggregate: str = DEFAULT_AGGREGATION
+    seed: int = 0
+    world_size: int = 1
+    num_workers: int = 0
+
+    @classmethod
+    def from_cache(cls, cache_dir: Path, **settings) -> DataPlan:
+        """A plan over every shard the cache's manifest lists."""
+        return cls(
+            cache_dir=Path(cache_dir), shards=tuple(load_manifest(cache_dir).shards), **settings
+        )
+
+    @property
+    def consumers_per_rank(self) -> int:
+        return max(1, self.num_workers)
+
+    @property
+    def consumers(self) -> int:
+        return self.world_size * self.consumers_per_rank
+
+    def __post_init__(self) -> None:
+        rows = sum(shard.rows for shard in self.shards)
+        if rows < self.consumers:
+            raise CacheError(
+                f"the cache has {rows} documents, fewer than the {self.consumers} data consumers "
+                f"({self.world_size} ranks x {self.consumers_per_rank} data-loader workers); "
+                "use fewer workers or ranks"
+            )
+
+    @functools.cached_property
+    def parts_per_shard(self) -> int:
+        """The fewest parts per shard that give every consumer at least one non-empty item."""
+        parts = max(1, math.ceil(self.consumers / max(1, len(self.shards))))
+        while sum(min(shard.rows, parts) for shard in self.shards) < self.consumers:
+            parts += 1
+        return parts
+
+
+def cache_fingerprint(manifest: CacheManifest) -> str:
+    """Identity of a cache's content: its producer and every shard's size and checksum."""
+    return fingerprint(
+        {"producer": manifest.producer_fingerprint, "shards": [asdict(s) for s in manifest.shards]}
+    )
+
+
+def work_items(plan: DataPlan, consumer: int, epoch: int) -> list[tuple[int, int]]:
+    """(shard list index, part) items of one consumer in one epoch: a pure function of its inputs.
+
+    Empty parts (of shards with fewer rows than parts) are no items, so each consumer has at least
+    one document per epoch.
+    """
+    parts = plan.parts_per_shard
+    items = [
+        (shard, part)
+        for shard, record in enumerate(plan.shards)
+        for part in range(min(parts, record.rows))
+    ]
+    order = np.random.default_rng([plan.seed, epoch]).permutation(len(items))
+    return [items[i] for i in order[consumer :: plan.consumers]]
