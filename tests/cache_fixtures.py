@@ -8,25 +8,13 @@ predicts), so tests can check exactly where each loss lands without running a te
 from __future__ import annotations
 
 import itertools
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from pipeline.cache.manifest import CacheManifest, ShardRecord, write_manifest
-from pipeline.cache.schema import (
-    DOC_ID,
-    LOSS,
-    TEXT,
-    TEXT_SHA256,
-    TOKEN_END,
-    TOKEN_IDS,
-    TOKEN_START,
-    cache_schema,
-    shard_name,
-    write_shard,
-)
+from pipeline.cache.schema import DOC_ID, shard_name, write_shard
+from pipeline.cache.writer import build_unit_table
 from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.io import sha256_text
 from pipeline.shipped import shipped_corpus
@@ -37,9 +25,8 @@ CORPUS = shipped_corpus("train")
 
 def corpus_documents(count: int, skip: int = 0) -> list[tuple[str, str]]:
     """(doc_id, text) of `count` shipped corpus documents."""
-    with resources.as_file(CORPUS) as path:
-        docs = Corpus(path, CorpusOptions(id_column="id"))
-        return [(d.doc_id, d.text) for d in itertools.islice(docs, skip, skip + count)]
+    docs = Corpus(CORPUS, CorpusOptions(id_column="id"))
+    return [(d.doc_id, d.text) for d in itertools.islice(docs, skip, skip + count)]
 
 
 def teacher_losses(num_tokens: int, rng: np.random.Generator) -> np.ndarray:
@@ -69,17 +56,13 @@ def build_cache(
         part = documents[first : first + docs_per_shard]
         encodings = tokenizer.encode_batch([text for _, text in part])
         losses = [teacher_losses(len(enc), rng) for enc in encodings]
-        table = pa.table(
-            {
-                DOC_ID: [doc_id for doc_id, _ in part],
-                TEXT: [text for _, text in part],
-                TEXT_SHA256: [sha256_text(text) for _, text in part],
-                TOKEN_IDS: [enc.ids for enc in encodings],
-                TOKEN_START: [enc.start for enc in encodings],
-                TOKEN_END: [enc.end for enc in encodings],
-                LOSS: [loss.astype(loss_dtype) for loss in losses],
-            },
-            schema=cache_schema(loss_dtype),
+        table = build_unit_table(
+            [doc_id for doc_id, _ in part],
+            [text for _, text in part],
+            [sha256_text(text) for _, text in part],
+            encodings,
+            losses,
+            loss_dtype,
         )
         name = shard_name(index)
         size, digest = write_shard(dest / name, table, {"shard": index, "fixture": True})
