@@ -43,6 +43,7 @@ from timing import Elapsed, measure, print_header, print_load_average  # noqa: E
 from pipeline.cache.manifest import load_manifest  # noqa: E402
 from pipeline.cache.schema import DOC_ID, TEXT  # noqa: E402
 from pipeline.guidance import GuidanceSettings  # noqa: E402
+from pipeline.log import configure  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.models.teacher_assets import prepare_smollm2_teacher  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     args = parser.parse_args()
+    configure()  # the teacher's preparation reports its steps
 
     teacher = prepare_smollm2_teacher()
     student_tokenizer = load_tokenizer("tinyllama")

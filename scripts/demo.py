@@ -12,6 +12,7 @@ from pathlib import Path
 from apps.demo.config import SECTION, DemoConfig
 from pipeline.config import parse_config
 from pipeline.errors import exit_code
+from pipeline.log import configure
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "demo.toml"
 
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _demo(argv: list[str]) -> None:
     config = parse_config(DemoConfig, argv, __doc__, SECTION)
+    configure(separated=True)  # Ray's and torchrun's output runs between the demo's lines
     from apps.demo.run import run_demo
 
     run_demo(config, Path(argv[argv.index("--manifest") + 1]))

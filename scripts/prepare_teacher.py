@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from pipeline.errors import exit_code
+from pipeline.log import configure
 from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         help="cache root (default: $VOCAGNO_CACHE or ~/.cache/vocagno)",
     )
     args = parser.parse_args(argv)
+    configure()
     return exit_code("prepare_teacher", lambda: print(prepare_smollm2_teacher(args.cache_dir)))
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.errors import VocagnoError
 from pipeline.io import fsync_dir, open_binary_stream, sha256_file
+from pipeline.log import get_logger
 from pipeline.shipped import shipped_tokenizer_file
 
 # torch and transformers are imported where the model is built: a warm cache is then found
@@ -53,8 +54,7 @@ class TeacherAssetError(VocagnoError):
     """The teacher could not be fetched or converted."""
 
 
-def _log(message: str) -> None:
-    print(f"[teacher_assets] {message}", file=sys.stderr, flush=True)
+_log = get_logger("teacher_assets").info
 
 
 def default_cache_dir() -> Path:
