@@ -8,6 +8,7 @@ import importlib
 import sys
 
 from pipeline.errors import exit_code
+from pipeline.log import configure
 
 COMMAND_MODULES = (
     "align",
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure()
     try:
         return exit_code(f"vocagno {args.command}", lambda: args.func(args))
     except BrokenPipeError:

@@ -18,11 +18,10 @@ tokenizer uses several threads, so alignment's share of tokenizing is compared i
 from __future__ import annotations
 
 import argparse
-import os
-import time
 from bisect import bisect_left, bisect_right
 
 import numpy as np
+from timing import interleaved_best_times, print_header, print_load_average
 
 from pipeline.alignment import UNMAPPED, align
 from pipeline.corpus import Corpus
@@ -66,18 +65,6 @@ def build_documents(student, num_docs: int, tokens: int) -> list[str]:
             if len(docs) == num_docs:
                 break
     return docs
-
-
-def interleaved_best_times(repeats: int, tasks: dict) -> tuple[dict, dict]:
-    """Best (wall, CPU) time of each task, running them in turn so all see the same load."""
-    wall, cpu = dict.fromkeys(tasks, float("inf")), dict.fromkeys(tasks, float("inf"))
-    for _ in range(repeats):
-        for name, (fn, *args) in tasks.items():
-            wall_begin, cpu_begin = time.perf_counter(), time.process_time()
-            fn(*args)
-            cpu[name] = min(cpu[name], time.process_time() - cpu_begin)
-            wall[name] = min(wall[name], time.perf_counter() - wall_begin)
-    return wall, cpu
 
 
 def align_all(align_fn, pairs) -> None:
@@ -124,8 +111,7 @@ def main() -> None:
         f"{'speedup':>8} {'tokenize tok/s':>15} {'align / tokenize':>17}\n"
         f"{'':<25} {'(CPU time)':>17} {'(CPU time)':>13} {'':>8} {'(wall)':>15} {'(wall)':>17}"
     )
-    print(header)
-    print("-" * len(header.splitlines()[0]))
+    print_header(header)
     student_all = concatenated(s_encs, docs)
     for name in args.teachers:
         t_encs = load_tokenizer(name).encode_batch(docs)
@@ -153,10 +139,7 @@ def main() -> None:
             )
     print()
     print("targets: speedup >= 20x, align / tokenize <= 5%")
-    # Other work on the machine moves these figures; the load says how much to trust them.
-    print(
-        f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
+    print_load_average()
 
 
 if __name__ == "__main__":

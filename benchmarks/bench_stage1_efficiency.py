@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
+from pipeline.log import configure  # noqa: E402
 from pipeline.scoring.batching import plan_batches  # noqa: E402
 from pipeline.scoring.hf import padded_batch  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
@@ -44,6 +45,7 @@ def main() -> int:
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    configure()  # the teacher's preparation reports its steps
     if args.teacher is None:
         from pipeline.models.teacher_assets import prepare_smollm2_teacher
 

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
+from pipeline.log import configure  # noqa: E402
 from pipeline.shipped import shipped_corpus  # noqa: E402
 from stage1_score.run import main as stage1  # noqa: E402
 
@@ -35,6 +36,7 @@ def main() -> int:
     parser.add_argument("--docs-per-shard", type=int, default=8)
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
     args = parser.parse_args()
+    configure()  # the teacher's preparation reports its steps
     if args.teacher is None:
         from pipeline.models.teacher_assets import prepare_smollm2_teacher
 

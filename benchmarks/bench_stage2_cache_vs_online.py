@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests/ holds the corpus reader for fixtures
 
 from bench_stage2_step import training_step  # noqa: E402
+from timing import Elapsed, measure, print_header, print_load_average  # noqa: E402
 
 from pipeline.cache.manifest import load_manifest  # noqa: E402
 from pipeline.cache.schema import DOC_ID, TEXT  # noqa: E402
 from pipeline.guidance import GuidanceSettings  # noqa: E402
+from pipeline.log import configure  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.models.teacher_assets import prepare_smollm2_teacher  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
@@ -59,14 +59,13 @@ class OnlineTeacherStream(ConsumerStream):
     def __init__(self, plan: DataPlan, scorer, teacher_tokenizer):
         super().__init__(plan, 0)
         self.scorer, self.teacher_tokenizer = scorer, teacher_tokenizer
-        self.teacher_seconds = 0.0
+        self.teacher = Elapsed()  # tokenizing and scoring, summed over reads
 
     def _annotate_rows(self, batch):
         texts = batch.column(TEXT).to_pylist()
-        begin = time.perf_counter()
-        encodings = self.teacher_tokenizer.encode_batch(texts)
-        losses = self.scorer.score([e.ids for e in encodings])
-        self.teacher_seconds += time.perf_counter() - begin
+        with measure(self.teacher):
+            encodings = self.teacher_tokenizer.encode_batch(texts)
+            losses = self.scorer.score([e.ids for e in encodings])
         docs = annotate(
             self.tokenizer,
             texts,
@@ -82,22 +81,20 @@ class OnlineTeacherStream(ConsumerStream):
 
 
 def train_side_by_side(streams: dict, steps: int, args, tokenizer) -> dict:
-    """Per stream: (wall, CPU) seconds for `steps` student steps (data + step), run in turn step
+    """Per stream: the Elapsed time of `steps` student steps (data + step), run in turn step
     by step so that both see the same machine load, and the teacher losses of its batches."""
     settings = GuidanceSettings()
     sides = {}
     for name, stream in streams.items():
         model = build_student(args.preset, tokenizer, seed=0, seq_len=args.seq_len)
         sides[name] = (iter(stream), model, torch.optim.AdamW(model.parameters(), lr=1e-5))
-    seconds = {name: [0.0, 0.0] for name in streams}  # wall, CPU
+    seconds = {name: Elapsed() for name in streams}
     seen = {name: [] for name in streams}
     for _ in range(steps):
         for name, (batches, model, optimizer) in sides.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            batch = next(batches)
-            training_step(model, optimizer, batch, settings)
-            seconds[name][0] += time.perf_counter() - wall
-            seconds[name][1] += time.process_time() - cpu
+            with measure(seconds[name]):
+                batch = next(batches)
+                training_step(model, optimizer, batch, settings)
             seen[name].append(batch["teacher_loss"])
     return {name: (seconds[name], seen[name]) for name in streams}
 
@@ -109,6 +106,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     args = parser.parse_args()
+    configure()  # the teacher's preparation reports its steps
 
     teacher = prepare_smollm2_teacher()
     student_tokenizer = load_tokenizer("tinyllama")
@@ -119,29 +117,28 @@ def main() -> None:
             "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in corpus_documents(args.docs))
         )
         # 1. Score once: the whole of stage 1, as a user runs it.
-        begin = time.perf_counter()
-        subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "stage1_score" / "run.py"),
-                "--teacher",
-                str(teacher),
-                "--corpus",
-                str(corpus),
-                "--out",
-                str(tmp / "cache"),
-                "--id-column",
-                "id",
-                "--docs-per-shard",
-                str(args.docs),
-                "--max-length",
-                "2048",
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        stage1_seconds = time.perf_counter() - begin
+        with measure() as stage1:
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "stage1_score" / "run.py"),
+                    "--teacher",
+                    str(teacher),
+                    "--corpus",
+                    str(corpus),
+                    "--out",
+                    str(tmp / "cache"),
+                    "--id-column",
+                    "id",
+                    "--docs-per-shard",
+                    str(args.docs),
+                    "--max-length",
+                    "2048",
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
         manifest = load_manifest(tmp / "cache")
         plan = DataPlan.from_cache(
             tmp / "cache",
@@ -161,15 +158,14 @@ def main() -> None:
         from pipeline.scoring.hf import HFScorer
         from pipeline.scoring.teacher import resolve_teacher
 
-        begin = time.perf_counter()
-        scorer = HFScorer(
-            resolve_teacher(str(teacher)),
-            dtype="float32",
-            max_length=2048,
-            stride=1024,
-            batch_tokens=16384,
-        )
-        teacher_load = time.perf_counter() - begin
+        with measure() as teacher_load:
+            scorer = HFScorer(
+                resolve_teacher(str(teacher)),
+                dtype="float32",
+                max_length=2048,
+                stride=1024,
+                batch_tokens=16384,
+            )
         online_stream = OnlineTeacherStream(plan, scorer, load_tokenizer(str(teacher)))
         results = train_side_by_side(
             {"online": online_stream, "cached": ConsumerStream(plan, 0)},
@@ -179,7 +175,8 @@ def main() -> None:
         )
 
     (online, online_cpu), (cached, cached_cpu) = (
-        [t / steps for t in results[name][0]] for name in ("online", "cached")
+        (results[name][0].wall / steps, results[name][0].cpu / steps)
+        for name in ("online", "cached")
     )
     difference = max(
         float((a - b).abs().nan_to_num().max())
@@ -190,12 +187,11 @@ def main() -> None:
         f"{args.docs} documents, {student_tokens:,} student tokens, "
         f"{manifest.total_teacher_tokens:,} "
         f"teacher tokens; student {args.preset}, {steps} steps of {args.micro_batch_size} x "
-        f"{args.seq_len} tokens = one epoch; teacher SmolLM2-135M fp32 (load {teacher_load:.1f} s)"
+        f"{args.seq_len} tokens = one epoch; teacher SmolLM2-135M fp32 (load {teacher_load.wall:.1f} s)"
     )
     print()
     header = f"{'':<28} {'s / step':>9} {'relative':>9} {'CPU s / step':>13} {'relative':>9}"
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     print(
         f"{'teacher in the loop':<28} {online:>9.2f} {online / cached:>8.2f}x "
         f"{online_cpu:>13.2f} {online_cpu / cached_cpu:>8.2f}x"
@@ -206,10 +202,10 @@ def main() -> None:
     print()
     print(f"saving per one-epoch run: {saving_per_run:.1f} s")
     print(
-        f"scoring once, stage 1 end to end (with Ray and teacher start-up): {stage1_seconds:.1f} s"
-        f" -> pays off after {stage1_seconds / saving_per_run:.2f} runs"
+        f"scoring once, stage 1 end to end (with Ray and teacher start-up): {stage1.wall:.1f} s"
+        f" -> pays off after {stage1.wall / saving_per_run:.2f} runs"
     )
-    marginal = online_stream.teacher_seconds
+    marginal = online_stream.teacher.wall
     print(
         f"scoring once, teacher work only (a corpus large enough to amortize start-up): "
         f"{marginal:.1f} s -> pays off after {marginal / saving_per_run:.2f} runs"
@@ -218,9 +214,7 @@ def main() -> None:
         f"online vs cached teacher loss per student token: max |difference| {difference:.4f} "
         "(cache stores float16)"
     )
-    print(
-        f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
+    print_load_average()
 
 
 if __name__ == "__main__":

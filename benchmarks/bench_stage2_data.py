@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the cache builder
 
-from bench_alignment import interleaved_best_times  # noqa: E402
+from timing import interleaved_best_times, print_header, print_load_average  # noqa: E402
 
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
@@ -126,8 +126,7 @@ def main() -> None:
     )
     print()
     header = f"{'':<31} {'tokens/s':>10} {'relative':>9} {'tokens/CPU-s':>13} {'relative':>9}"
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     base = rates["bare student tokenization"]
     for name, (by_wall, by_cpu) in rates.items():
         print(
@@ -141,9 +140,7 @@ def main() -> None:
         f"{data[1] / base[1]:.2f} by CPU time (target >= 0.8); one worker feeds "
         f"{data[0] / train[0]:,.0f}x what one rank's trainer consumes"
     )
-    print(
-        f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
+    print_load_average()
 
 
 if __name__ == "__main__":

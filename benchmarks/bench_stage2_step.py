@@ -14,7 +14,6 @@ both shown: CPU time is the steadier one on a machine that other work shares.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the cache builder
 
-from bench_alignment import interleaved_best_times  # noqa: E402
+from timing import interleaved_best_times, print_header, print_load_average  # noqa: E402
 
 from pipeline.cross_entropy import token_loss  # noqa: E402
 from pipeline.guidance import GuidanceSettings, guided_loss  # noqa: E402
@@ -107,8 +106,7 @@ def main() -> None:
         f"{'guidance':<9} {'kept':>6} {'step ms':>9} {'CPU ms':>9} {'tokens/s':>9} "
         f"{'selection ms':>13} {'step / none':>12} {'CPU / none':>11}"
     )
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for mode in MODES:
         step, step_cpu = wall[f"step {mode}"], cpu[f"step {mode}"]
         print(
@@ -119,9 +117,7 @@ def main() -> None:
     print()
     # CPU time (all threads of this process) is the steadier figure on a machine others share.
     print("target: step token / step none <= 1.05 (wall and CPU time)")
-    print(
-        f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
+    print_load_average()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from apps.demo.config import SECTION, DemoConfig  # noqa: E402
 from pipeline.config import parse_config  # noqa: E402
 from pipeline.errors import exit_code  # noqa: E402
+from pipeline.log import configure  # noqa: E402
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "demo.toml"
 
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _demo(argv: list[str]) -> None:
     config = parse_config(DemoConfig, argv, __doc__, SECTION)
+    configure(separated=True)  # Ray's and torchrun's output runs between the demo's lines
     from apps.demo.run import run_demo
 
     run_demo(config, Path(argv[argv.index("--manifest") + 1]))

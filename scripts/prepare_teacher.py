@@ -13,6 +13,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.errors import exit_code  # noqa: E402
+from pipeline.log import configure  # noqa: E402
 from pipeline.models.teacher_assets import prepare_smollm2_teacher  # noqa: E402
 
 
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         help="cache root (default: $VOCAGNO_CACHE or ~/.cache/vocagno)",
     )
     args = parser.parse_args(argv)
+    configure()
     return exit_code("prepare_teacher", lambda: print(prepare_smollm2_teacher(args.cache_dir)))
 
 

@@ -16,6 +16,7 @@ from pipeline.config import to_dict
 from pipeline.corpus import Corpus
 from pipeline.errors import ConfigError, CorpusError, VocagnoError
 from pipeline.io import atomic_write_json, sha256_text
+from pipeline.log import get_logger
 from pipeline.scoring.teacher import (
     TeacherSource,
     check_tokenizer_fits,
@@ -30,12 +31,14 @@ from pipeline.scoring.teacher import (
 from pipeline.versions import software_versions
 from stage1_score.config import ScoreConfig, result_settings
 from stage1_score.output import RUN_RECORD_NAME, OutputLock, finished_shard, prepare_output
-from stage1_score.progress import Progress, log
+from stage1_score.progress import Progress
 from stage1_score.units import WorkUnit, plan_units
 from stage1_score.worker import UnitResult, UnitScorer, WorkerSpec
 
 UNITS_IN_FLIGHT_PER_WORKER = 2
 BACKEND_PACKAGES = {"hf": "transformers", "vllm": "vllm"}
+
+log = get_logger("stage1")
 
 
 class ScoringError(VocagnoError):
@@ -185,7 +188,7 @@ class WorkerPool:
         self.started_ray = connect_ray(self.config.ray_address)
         log(describe_cluster(self.started_ray))
         workers, cpus, gpus = size_pool(self.config)
-        log(f"starting {workers} worker(s) with {cpus} CPU(s) and {gpus} GPU(s) each")
+        log.info(f"starting {workers} worker(s) with {cpus} CPU(s) and {gpus} GPU(s) each")
         actor = ray.remote(UnitScorer).options(
             num_cpus=cpus, num_gpus=gpus, max_restarts=2, max_task_retries=2
         )
@@ -257,13 +260,13 @@ class WorkerPool:
 def run(config: ScoreConfig) -> CacheManifest:
     """Score the corpus into `config.out`; returns the manifest written there."""
     job = plan(config)
-    log(
+    log.info(
         f"teacher {config.teacher} ({config.backend}, {config.dtype}), windows of "
         f"{job.max_length} tokens every {job.stride}; corpus {config.corpus} "
         f"({len(job.corpus.sources)} source(s), {job.corpus.total_bytes:,} bytes)"
     )
     with OutputLock(config.out):
-        run_fingerprint = prepare_output(config.out, job.identity, config.overwrite, log)
+        run_fingerprint = prepare_output(config.out, job.identity, config.overwrite, log.info)
 
         def spec(threads: int) -> WorkerSpec:
             return WorkerSpec(
@@ -292,7 +295,7 @@ def run(config: ScoreConfig) -> CacheManifest:
         # identity, so the manifest stays a function of what was scored.
         atomic_write_json(config.out / RUN_RECORD_NAME, {"config": to_dict(config)} | pool.info)
         write_manifest(config.out, manifest)
-    log(
+    log.info(
         f"wrote {config.out}: {len(manifest.shards)} shards, {manifest.total_rows:,} documents, "
         f"{manifest.total_teacher_tokens:,} teacher tokens, {len(manifest.skipped)} skipped"
     )
@@ -318,7 +321,9 @@ def _score_corpus(job: Plan, pool: WorkerPool, run_fingerprint: str) -> CacheMan
             yield unit
 
     def finished(unit: WorkUnit) -> ShardRecord | None:
-        return finished_shard(config.out, unit.index, unit.content_sha256, run_fingerprint, log)
+        return finished_shard(
+            config.out, unit.index, unit.content_sha256, run_fingerprint, log.info
+        )
 
     shards = pool.score(units(), finished, progress)
     if not shards:

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
 
+from pipeline.log import get_logger
 from stage1_score.units import WorkUnit
 from stage1_score.worker import UnitResult
+
+_log = get_logger("stage1")
 
 
 def _duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
-
-
-def log(message: str) -> None:
-    print(f"[stage1] {message}", file=sys.stderr, flush=True)
 
 
 class Progress:
@@ -28,10 +26,10 @@ class Progress:
     tables, close for JSON lines and text) and divides what is left by this run's document rate.
     """
 
-    def __init__(self, fraction_read: Callable[[], float], every: float, emit=log):
+    def __init__(self, fraction_read: Callable[[], float], every: float, emit=None):
         self.fraction_read = fraction_read
         self.every = every
-        self.emit = emit
+        self.emit = emit or _log.info
         self.started = time.monotonic()
         self.last = self.started
         self.planned_docs = 0

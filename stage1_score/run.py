@@ -18,6 +18,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from pipeline.config import parse_config  # noqa: E402
 from pipeline.errors import exit_code  # noqa: E402
+from pipeline.log import configure  # noqa: E402
 from stage1_score.config import SECTION, ScoreConfig  # noqa: E402
 
 DESCRIPTION = (
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _score(argv: list[str] | None) -> None:
     config = parse_config(ScoreConfig, argv, description=DESCRIPTION, section=SECTION)
+    configure()
     from stage1_score.job import run
 
     run(config)

@@ -7,7 +7,6 @@ sidecar. A worker killed at any point leaves either nothing new or a finished un
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 from pipeline.cache.manifest import ShardRecord
 from pipeline.cache.schema import SCHEMA_VERSION, shard_name, write_shard
 from pipeline.cache.writer import build_unit_table
+from pipeline.log import configure, get_logger
 from pipeline.scoring.teacher import TeacherSource, load_teacher_tokenizer
 from stage1_score.output import Sidecar, write_sidecar
 from stage1_score.units import WorkUnit
@@ -75,6 +75,7 @@ class UnitScorer:
     """Loads lazily on first use, so a restarted Ray actor reloads by itself."""
 
     def __init__(self, spec: WorkerSpec, worker: int = 0):
+        configure()  # as a Ray actor this is its process's entry point
         self.spec = spec
         self.worker = worker
         self._tokenizer = None
@@ -120,7 +121,7 @@ class UnitScorer:
 
 
 class _ProgressLog:
-    """Progress inside a long unit, on stderr (Ray forwards actor output to the driver)."""
+    """Progress inside a long unit, logged (Ray forwards actor stderr to the driver)."""
 
     def __init__(self, worker: int, unit: int, total: int, every: float):
         self.worker, self.unit, self.total, self.every = worker, unit, total, every
@@ -133,9 +134,6 @@ class _ProgressLog:
         if now - self.last >= self.every:
             self.last = now
             rate = self.done / max(now - self.started, 1e-9)
-            print(
-                f"[worker {self.worker}] unit {self.unit}: {self.done}/{self.total} tokens "
-                f"({rate:,.0f} tok/s)",
-                file=sys.stderr,
-                flush=True,
+            get_logger(f"worker {self.worker}").info(
+                f"unit {self.unit}: {self.done}/{self.total} tokens ({rate:,.0f} tok/s)"
             )

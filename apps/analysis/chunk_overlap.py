@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from apps.analysis.configs import ChunkOverlapConfig
+from apps.analysis.markdown import markdown_page
 from pipeline.alignment import align, chunk_alignment_overlap, token_alignment_overlap
 from pipeline.cache.manifest import SkippedDocument
 from pipeline.config import to_dict
@@ -162,33 +163,31 @@ def _percent(value: float | None) -> str:
 def chunk_overlap_markdown(report: dict) -> str:
     student, teacher = report["student_tokenizer"]["spec"], report["teacher_tokenizer"]["spec"]
     token = report["token_level"]
-    lines = [
-        f"# Character overlap of aligned spans: student {student}, teacher {teacher}",
-        "",
-        f"{report['documents']} documents of `{report['config']['input']}` "
-        f"({report['student_tokens']} student / {report['teacher_tokens']} teacher tokens)"
-        + (f"; {len(report['skipped'])} malformed records skipped." if report["skipped"] else "."),
-        "",
+    table = [
         "| alignment | IoU | IoS | pairs scored | pairs with an empty side |",
         "|---|---:|---:|---:|---:|",
     ]
     for row in report["chunks"]:
         chunks = f"{row['num_chunks']} equal chunk" + ("s" if row["num_chunks"] > 1 else "")
-        lines.append(
+        table.append(
             f"| {chunks} | {_percent(row['iou'])} | {_percent(row['ios'])} | {row['scored']} "
             f"| {row['unscored']} |"
         )
-    lines += [
+    table.append(
         f"| token-level lexical alignment | {_percent(token['iou'])} | {_percent(token['ios'])} "
-        f"| {token['scored']} tokens | {token['unscored']} unmapped |",
-        "",
+        f"| {token['scored']} tokens | {token['unscored']} unmapped |"
+    )
+    return markdown_page(
+        f"Character overlap of aligned spans: student {student}, teacher {teacher}",
+        f"{report['documents']} documents of `{report['config']['input']}` "
+        f"({report['student_tokens']} student / {report['teacher_tokens']} teacher tokens)"
+        + (f"; {len(report['skipped'])} malformed records skipped." if report["skipped"] else "."),
+        table,
         "IoU: shared characters over the union of the two spans. IoS: shared characters over the "
         "student span (how much of the student text the teacher side covers).",
-        "",
-        f"Fingerprint `{report['fingerprint']}` (see {JSON_NAME} for the configuration).",
-        "",
-    ]
-    return "\n".join(lines)
+        report["fingerprint"],
+        f"{JSON_NAME} for the configuration",
+    )
 
 
 def plot_chunk_overlap(report: dict, dest: Path) -> None:

@@ -12,6 +12,7 @@ import io
 from pathlib import Path
 
 from apps.analysis.configs import VocabularyOverlapConfig
+from apps.analysis.markdown import markdown_page
 from pipeline.config import to_dict
 from pipeline.io import atomic_write_json, atomic_write_text, fingerprint
 from pipeline.tokenizer import load_tokenizer
@@ -75,27 +76,25 @@ def vocabulary_overlap_csv(rows: list[dict]) -> str:
 
 def vocabulary_overlap_markdown(report: dict) -> str:
     student = report["rows"][0]["student"]
-    lines = [
-        f"# Vocabulary overlap with the student {student}",
-        "",
+    table = [
         "| teacher | teacher vocabulary | shared tokens | % of teacher vocabulary "
         f"| % of {student} vocabulary |",
         "|---|---:|---:|---:|---:|",
     ]
     for row in report["rows"]:
-        lines.append(
+        table.append(
             f"| {row['teacher']} | {row['teacher_vocab']:,} | {row['shared']:,} "
             f"| {100 * row['shared_over_teacher']:.2f}% | {100 * row['shared_over_student']:.2f}% |"
         )
-    lines += [
-        "",
+    return markdown_page(
+        f"Vocabulary overlap with the student {student}",
+        None,
+        table,
         f"{student} has {report['rows'][0]['student_vocab']:,} tokens. A token is shared when the "
         "same token string is in both vocabularies (added tokens included).",
-        "",
-        f"Fingerprint `{report['fingerprint']}` (see {JSON_NAME} for the tokenizers' fingerprints).",
-        "",
-    ]
-    return "\n".join(lines)
+        report["fingerprint"],
+        f"{JSON_NAME} for the tokenizers' fingerprints",
+    )
 
 
 def plot_vocabulary_overlap(report: dict, dest: Path) -> None:

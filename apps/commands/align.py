@@ -15,7 +15,7 @@ import json
 import sys
 from collections.abc import Iterator
 
-from apps.commands.tokenizer_options import add_tokenizer_pair
+from apps.commands.subcommand import tokenizer_pair_subcommand
 from pipeline.corpus.records import surrogate_problem
 from pipeline.errors import ConfigError
 
@@ -23,13 +23,12 @@ _BATCH_DOCS = 64  # documents tokenized per encode_batch call
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser(
+    parser = tokenizer_pair_subcommand(
+        subparsers,
         "align",
-        help="map each student token to its teacher token range (JSON lines or a table)",
-        description=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "map each student token to its teacher token range (JSON lines or a table)",
+        __doc__,
     )
-    add_tokenizer_pair(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", metavar="STR", help="align this one text")
     source.add_argument(

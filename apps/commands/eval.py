@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from apps.commands.subcommand import config_from_args, config_subcommand
 from apps.evaluation.config import SECTION, EvalConfig
-from pipeline.config import build_parser, config_from_options
 
 DESCRIPTION = (
     "Evaluate a causal LM: held-out loss in bits per character (comparable across tokenizers) and "
@@ -15,23 +15,21 @@ DESCRIPTION = (
 
 
 def add_parser(subparsers) -> None:
-    options = build_parser(EvalConfig, DESCRIPTION, SECTION)
-    parser = subparsers.add_parser(
+    config_subcommand(
+        subparsers,
         "eval",
-        parents=[options],
-        add_help=False,
+        EvalConfig,
+        SECTION,
+        DESCRIPTION,
+        _run,
         help="bits per character and answer accuracy of a model",
-        description=DESCRIPTION,
-        formatter_class=options.formatter_class,
     )
-    parser.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from apps.evaluation.run import evaluate
 
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
-    report = evaluate(config_from_options(EvalConfig, given, SECTION))
+    report = evaluate(config_from_args(args))
     summary = {k: v for k, v in report.items() if k != "config"}
     if "answer_accuracy" in summary:
         summary["answer_accuracy"] = {

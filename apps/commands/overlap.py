@@ -11,18 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from apps.commands.tokenizer_options import add_tokenizer_pair
+from apps.commands.subcommand import tokenizer_pair_subcommand
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser(
+    tokenizer_pair_subcommand(
+        subparsers,
         "overlap",
-        help="vocabulary overlap of a student and a teacher tokenizer (paper Figure 1), as JSON",
-        description=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_tokenizer_pair(parser)
-    parser.set_defaults(func=run)
+        "vocabulary overlap of a student and a teacher tokenizer (paper Figure 1), as JSON",
+        __doc__,
+    ).set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

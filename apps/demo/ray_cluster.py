@@ -5,12 +5,16 @@ head runs as `ray start --head --block` in its own process group on free ports a
 terminated on exit.
 
 Ray 2.60 enables token authentication on a head node whenever a token file exists, while its job
-CLI does not follow unless told: the mode is set explicitly (`RAY_AUTH_MODE=token`) for the head
-and for every client, which `RayCluster.env` carries.
+clients do not follow unless told: the mode is set explicitly (`RAY_AUTH_MODE=token`) for the head
+and for every client, which `RayCluster.env` carries (and this process's environment, for the
+job-submission SDK used here).
+
+The job's outcome is Ray's own job status from the SDK, never a match on the CLI's wording.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shlex
@@ -52,7 +56,9 @@ def _ray_executable() -> str:
 @contextlib.contextmanager
 def local_ray_cluster(num_cpus: int, log_path: Path) -> Iterator[RayCluster]:
     """Start a head node; yield its address and the client environment."""
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    # Set here before Ray is imported in this process: Ray reads the mode once.
+    os.environ["RAY_AUTH_MODE"] = "token"
+    env = dict(os.environ)
     dashboard_port = _free_port()
     address = f"http://127.0.0.1:{dashboard_port}"
     # Ray's socket paths must stay short, so its session folder lives under /tmp.
@@ -106,13 +112,11 @@ def _jobs_api_ready(address: str) -> bool:
         return False
 
 
-def _ray_cli(
-    cluster: RayCluster, verb: str, *args: str, capture: bool = True
-) -> subprocess.CompletedProcess:
+def _ray_cli(cluster: RayCluster, verb: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [_ray_executable(), "job", verb, f"--address={cluster.address}", *args],
         env=cluster.env,
-        capture_output=capture,
+        capture_output=True,
         text=True,
     )
 
@@ -120,7 +124,8 @@ def _ray_cli(
 def submit_and_follow(
     cluster: RayCluster, submission_id: str, entrypoint: list[str], cwd: Path
 ) -> None:
-    """`ray job submit` the entrypoint (run in `cwd` on the head), stream its logs, check it succeeded.
+    """`ray job submit` the entrypoint (run in `cwd` on the head), stream its logs to stdout, and
+    raise unless Ray reports it SUCCEEDED.
 
     The node's job agent comes up some seconds after the dashboard; only that answer is retried.
     """
@@ -137,9 +142,21 @@ def submit_and_follow(
         if "No available agent" not in output or time.monotonic() > deadline:
             raise VocagnoError(f"ray job submit failed:\n{output[-2000:]}")
         time.sleep(2)
-    _ray_cli(cluster, "logs", "--follow", submission_id, capture=False)
-    status = _ray_cli(cluster, "status", submission_id)
-    if f"Job '{submission_id}' succeeded" not in status.stdout + status.stderr:
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(cluster.address)
+    asyncio.run(_print_logs(client, submission_id))
+    status = client.get_job_status(submission_id)
+    if status != JobStatus.SUCCEEDED:
+        # Ray's message goes on to quote the job's last logs, already streamed above.
+        message = (client.get_job_info(submission_id).message or "no message from Ray").splitlines()
         raise VocagnoError(
-            f"Ray job {submission_id} did not succeed: {(status.stdout + status.stderr)[-500:]}"
+            f"Ray job {submission_id} ended {status.value}: {message[0].rstrip(':')}"
         )
+
+
+async def _print_logs(client, submission_id: str) -> None:
+    """The job's output as it comes, until the job ends."""
+    async for chunk in client.tail_job_logs(submission_id):
+        sys.stdout.write(chunk)
+        sys.stdout.flush()

@@ -20,13 +20,13 @@ from apps.evaluation.config import EvalConfig
 from pipeline.config import load_manifest_section
 from pipeline.errors import VocagnoError
 from pipeline.io import atomic_path, atomic_write_json, open_binary_stream, staged_folder
+from pipeline.log import get_logger
 from pipeline.shipped import shipped_corpus
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def log(message: str) -> None:
-    print(f"\n[demo {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = get_logger("demo").info
 
 
 def write_corpus_slice(dest: Path, count: int) -> Path:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.errors import VocagnoError
 from pipeline.io import fsync_dir, fsync_tree, open_binary_stream, sha256_file
+from pipeline.log import get_logger
 from pipeline.models.hf_tokenizer import hf_tokenizer_config
 from pipeline.shipped import shipped_tokenizer_file
 from pipeline.tokenizer import FramingPolicy
@@ -50,8 +51,7 @@ class TeacherAssetError(VocagnoError):
     """The teacher could not be fetched or converted."""
 
 
-def _log(message: str) -> None:
-    print(f"[teacher_assets] {message}", file=sys.stderr, flush=True)
+_log = get_logger("teacher_assets").info
 
 
 def default_cache_dir() -> Path:
