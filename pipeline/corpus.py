@@ -34,10 +34,11 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 import zstandard
 
+from pipeline.choices import ON_BAD_RECORD, TEXT_SPLITS, OnBadRecord, TextSplit
 from pipeline.errors import CorpusError
 from pipeline.io import is_zstd
 from pipeline.manifest import SkippedDocument
@@ -49,8 +50,6 @@ PLAIN_TEXT = ("*.txt", "*.md")
 _COMPRESSED = (".zst", ".zstd")
 _BATCH_ROWS = 1024
 
-TextSplit = Literal["file", "line"]
-OnBadRecord = Literal["error", "skip"]
 
 
 @dataclass(frozen=True)
@@ -64,10 +63,14 @@ class CorpusOptions:
     def __post_init__(self) -> None:
         if not self.text_column:
             raise ValueError("text column must not be empty")
-        if self.text_split not in ("file", "line"):
-            raise ValueError(f"text_split must be 'file' or 'line', not {self.text_split!r}")
-        if self.on_bad_record not in ("error", "skip"):
-            raise ValueError(f"on_bad_record must be 'error' or 'skip', not {self.on_bad_record!r}")
+        if self.text_split not in TEXT_SPLITS:
+            raise ValueError(
+                f"text_split must be one of {TEXT_SPLITS}, not {self.text_split!r}"
+            )
+        if self.on_bad_record not in ON_BAD_RECORD:
+            raise ValueError(
+                f"on_bad_record must be one of {ON_BAD_RECORD}, not {self.on_bad_record!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-GUIDANCE_MODES = ("token", "chunk", "random", "none")
-UNMAPPED_STRATEGIES = ("include", "exclude", "mean")
-SELECTION_SCOPES = ("microbatch", "global")
+from pipeline.choices import GUIDANCE_MODES, SELECTION_SCOPES, UNMAPPED_STRATEGIES
+
 IGNORE_INDEX = -100
 
 

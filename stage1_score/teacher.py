@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pipeline.choices import TORCH_DTYPES
 from pipeline.errors import TokenizerError, VocagnoError
 from pipeline.io import sha256_file, sha256_text
 from pipeline.tokenizer import TextTokenizer, load_tokenizer
 
-TORCH_DTYPES = ("float32", "bfloat16", "float16", "auto")
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 

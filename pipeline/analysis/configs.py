@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
+from pipeline.choices import OnBadRecord
 from pipeline.config import option
 from pipeline.tokenizer import TOKENIZER_SPEC
 
@@ -34,7 +34,7 @@ class ChunkOverlapConfig:
         "`datasets` folder, or a folder or glob of these"
     )
     text_column: str = option("text", help="field or column holding each document's text")
-    on_bad_record: Literal["error", "skip"] = option(
+    on_bad_record: OnBadRecord = option(
         "error",
         help="a malformed record (bad JSON, empty text, ...) stops the analysis (error), or is "
         "left out and listed in chunk_overlap.json (skip)",
@@ -51,8 +51,6 @@ class ChunkOverlapConfig:
             raise ValueError(f"num_docs must be at least 1, not {self.num_docs}")
         if not self.chunks or min(self.chunks) < 1:
             raise ValueError(f"chunk counts must be at least 1, not {self.chunks}")
-        if self.on_bad_record not in ("error", "skip"):
-            raise ValueError(f"on_bad_record must be 'error' or 'skip', not {self.on_bad_record!r}")
         if len(set(self.chunks)) != len(self.chunks):
             raise ValueError(f"chunk counts must not repeat: {self.chunks}")
         self.chunks = sorted(self.chunks)

@@ -21,6 +21,8 @@ _BATCH_DOCS = 64  # documents tokenized per encode_batch call
 
 
 def add_parser(subparsers) -> None:
+    from pipeline.choices import ON_BAD_RECORD
+
     parser = subparsers.add_parser(
         "align",
         help="map each student token to its teacher token range (JSON lines or a table)",
@@ -43,7 +45,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--on-bad-record",
-        choices=("error", "skip"),
+        choices=ON_BAD_RECORD,
         default="error",
         help="a malformed --input record stops with an error naming file and record (default), "
         "or with 'skip' is reported on stderr and left out",

@@ -42,8 +42,7 @@ def add_parser(subparsers) -> None:
 
 
 def _add_inspect(actions) -> None:
-    from pipeline.alignment import AGGREGATIONS
-    from pipeline.guidance import UNMAPPED_STRATEGIES
+    from pipeline.choices import AGGREGATIONS, UNMAPPED_STRATEGIES
 
     inspect = actions.add_parser(
         "inspect",

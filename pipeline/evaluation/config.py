@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
+from pipeline.choices import TorchDtype
 from pipeline.config import option
 
 SECTION = "eval"
@@ -32,7 +32,7 @@ class EvalConfig:
         None, help="tokens per scoring window; unset: the model's context length"
     )
     batch_tokens: int = option(8192, help="padded tokens per scoring batch")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = option(
+    dtype: TorchDtype = option(
         "float32", help="dtype of the weights (losses are computed in fp32)"
     )
     out: Path | None = option(None, help="also write the report as JSON here")
