@@ -143,10 +143,10 @@ def _kind_of(value: Any) -> str:
         return "unset"
     if isinstance(value, bool):
         return "a boolean"
-    for kind, name in ((int, "an integer"), (float, "a float"), (str, "a string"), (list, "a list")):
-        if isinstance(value, kind):
-            return name
-    return f"a {type(value).__name__}"
+    names = ((int, "an integer"), (float, "a float"), (str, "a string"), (list, "a list"))
+    return next(
+        (name for kind, name in names if isinstance(value, kind)), f"a {type(value).__name__}"
+    )
 
 
 def _expected(hint: Any) -> str:

@@ -51,7 +51,6 @@ _COMPRESSED = (".zst", ".zstd")
 _BATCH_ROWS = 1024
 
 
-
 @dataclass(frozen=True)
 class CorpusOptions:
     text_column: str = "text"
@@ -64,9 +63,7 @@ class CorpusOptions:
         if not self.text_column:
             raise ValueError("text column must not be empty")
         if self.text_split not in TEXT_SPLITS:
-            raise ValueError(
-                f"text_split must be one of {TEXT_SPLITS}, not {self.text_split!r}"
-            )
+            raise ValueError(f"text_split must be one of {TEXT_SPLITS}, not {self.text_split!r}")
         if self.on_bad_record not in ON_BAD_RECORD:
             raise ValueError(
                 f"on_bad_record must be one of {ON_BAD_RECORD}, not {self.on_bad_record!r}"

@@ -32,9 +32,7 @@ class EvalConfig:
         None, help="tokens per scoring window; unset: the model's context length"
     )
     batch_tokens: int = option(8192, help="padded tokens per scoring batch")
-    dtype: TorchDtype = option(
-        "float32", help="dtype of the weights (losses are computed in fp32)"
-    )
+    dtype: TorchDtype = option("float32", help="dtype of the weights (losses are computed in fp32)")
     out: Path | None = option(None, help="also write the report as JSON here")
 
     def __post_init__(self) -> None:
