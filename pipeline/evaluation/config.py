@@ -39,5 +39,10 @@ class EvalConfig:
         for name in ("num_docs", "accuracy_problems", "shots"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        for name in ("max_new_tokens", "generation_batch", "batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length must be at least 2, not {self.max_length}")
         if self.num_docs == 0 and self.accuracy_problems == 0:
             raise ValueError("nothing to do: num_docs and accuracy_problems are both 0")
