@@ -274,7 +274,10 @@ def parse_config(cls: type[T], argv: list[str] | None, description: str, section
 
 def to_dict(config: Any) -> dict[str, Any]:
     """JSON-able view (paths as strings) to save beside outputs and to fingerprint."""
-    out = {}
-    for key, value in dataclasses.asdict(config).items():
-        out[key] = str(value) if isinstance(value, Path) else value
-    return out
+    return {key: _jsonable(value) for key, value in dataclasses.asdict(config).items()}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_jsonable(item) for item in value]
+    return str(value) if isinstance(value, Path) else value

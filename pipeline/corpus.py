@@ -61,7 +61,7 @@ class CorpusOptions:
 
     def __post_init__(self) -> None:
         if not self.text_column:
-            raise ValueError("text column must not be empty")
+            raise ValueError("text_column must not be empty")
         if self.text_split not in TEXT_SPLITS:
             raise ValueError(f"text_split must be one of {TEXT_SPLITS}, not {self.text_split!r}")
         if self.on_bad_record not in ON_BAD_RECORD:

@@ -20,7 +20,7 @@ class VocabularyOverlapConfig:
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         if not self.teacher_tokenizers:
-            raise ValueError("give at least one teacher tokenizer")
+            raise ValueError("teacher_tokenizers: give at least one teacher tokenizer")
         if len(set(self.teacher_tokenizers)) != len(self.teacher_tokenizers):
             raise ValueError(f"teacher tokenizers must not repeat: {self.teacher_tokenizers}")
 
@@ -50,7 +50,7 @@ class ChunkOverlapConfig:
         if self.num_docs < 1:
             raise ValueError(f"num_docs must be at least 1, not {self.num_docs}")
         if not self.chunks or min(self.chunks) < 1:
-            raise ValueError(f"chunk counts must be at least 1, not {self.chunks}")
+            raise ValueError(f"chunks must be at least 1, not {self.chunks}")
         if len(set(self.chunks)) != len(self.chunks):
             raise ValueError(f"chunk counts must not repeat: {self.chunks}")
         self.chunks = sorted(self.chunks)
@@ -68,6 +68,6 @@ class TrainingCurvesConfig:
         self.run_dirs = [Path(d) for d in self.run_dirs]
         self.out = Path(self.out)
         if not self.run_dirs:
-            raise ValueError("give at least one run folder")
+            raise ValueError("run_dirs: give at least one run folder")
         if len(set(self.run_dirs)) != len(self.run_dirs):
             raise ValueError(f"run folders must not repeat: {[str(d) for d in self.run_dirs]}")
