@@ -133,7 +133,7 @@ class _Refused(ValueError):
 def _show(value: Any) -> str:
     """A value as the user wrote it: TOML and JSON spell strings with double quotes."""
     try:
-        return json.dumps(str(value) if isinstance(value, Path) else value)
+        return json.dumps(str(value) if isinstance(value, Path) else value, ensure_ascii=False)
     except (TypeError, ValueError):
         return repr(value)
 
@@ -152,13 +152,18 @@ def _kind_of(value: Any) -> str:
 def _expected(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return _expected(_scalar_type(hint))
+        return _expected(_optional_of(hint))
     if origin is typing.Literal:
         return "one of " + ", ".join(_show(c) for c in typing.get_args(hint))
     if origin is list:
         return f"a list of {_expected(typing.get_args(hint)[0])}"
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     return names.get(hint, "a path (a string)" if hint is Path else str(hint))
+
+
+def _optional_of(hint: Any) -> Any:
+    """`X` of `X | None`, keeping a Literal (where `_scalar_type` gives its value type)."""
+    return next(arg for arg in typing.get_args(hint) if arg is not type(None))
 
 
 def _checked(hint: Any, value: Any) -> Any:
@@ -171,7 +176,7 @@ def _checked(hint: Any, value: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(hint):
             return None
-        return _checked(_scalar_type(hint), value)
+        return _checked(_optional_of(hint), value)
     if origin is typing.Literal:
         if isinstance(value, str) and value in typing.get_args(hint):
             return value
