@@ -31,12 +31,10 @@ Rules for real-world offsets (each has a test; docs/alignment.md shows the spans
 
 from __future__ import annotations
 
-from typing import Literal
-
 import numpy as np
 
-Aggregation = Literal["max", "mean", "sum"]
-AGGREGATIONS: tuple[str, ...] = ("max", "mean", "sum")
+from pipeline.choices import AGGREGATIONS, Aggregation
+
 DEFAULT_AGGREGATION: Aggregation = "max"  # the paper's choice; every option's default reads this
 UNMAPPED = -1
 

@@ -2,13 +2,17 @@
 the JSON saved beside every output.
 
 Precedence: dataclass defaults < the manifest's `[section]` table < options given on the command
-line. Validation lives in each dataclass's `__post_init__`, so every path in gets the same checks.
+line. Every source of a value (flags, a manifest table, a config saved beside an output) goes
+through `from_dict`, which checks each value against its field's type hint (types, and the
+choices of a `Literal`) and then builds the dataclass, whose `__post_init__` checks ranges: a
+manifest value gets exactly the checks of the same value on the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import tomllib
 import types
 import typing
@@ -20,9 +24,9 @@ from pipeline.errors import ConfigError
 T = TypeVar("T")
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", **extra: Any) -> Any:
-    """A dataclass field with its --help text (and optional `choices`)."""
-    metadata = {"help": help, **extra}
+def option(default: Any = dataclasses.MISSING, help: str = "") -> Any:
+    """A dataclass field with its --help text; its type hint gives type and choices."""
+    metadata = {"help": help}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: default.copy(), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -48,8 +52,16 @@ def _choices(hint: Any) -> tuple | None:
     return None
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """A bad flag is a ConfigError: one line and exit code 2 from `exit_code`, as a bad manifest
+    value is, instead of argparse's usage text."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(message)
+
+
 def build_parser(cls: type, description: str, section: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument(
@@ -79,12 +91,19 @@ def build_parser(cls: type, description: str, section: str) -> argparse.Argument
             )
         elif typing.get_origin(kind) is list:
             item = typing.get_args(kind)[0]
-            parser.add_argument(flag, type=item, nargs="+", default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(
+                flag,
+                type=_scalar_type(item),
+                choices=_choices(item),
+                nargs="+",
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
         else:
             parser.add_argument(
                 flag,
                 type=kind,
-                choices=f.metadata.get("choices") or _choices(hint),
+                choices=_choices(hint),
                 default=argparse.SUPPRESS,
                 help=help_text,
             )
@@ -99,15 +118,118 @@ def load_manifest_section(path: Path, section: str) -> dict[str, Any]:
         raise ConfigError(f"manifest {path} does not exist") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"manifest {path} is not valid TOML: {exc}") from exc
-    table = data.get(section, data)
-    return {k.replace("-", "_"): v for k, v in table.items() if not isinstance(v, dict)}
+    if section in data:
+        # A table inside the section is a misplaced value, for the type check to refuse.
+        table = data[section]
+    else:
+        table = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    return {k.replace("-", "_"): v for k, v in table.items()}
 
 
-def from_dict(cls: type[T], values: dict[str, Any], where: str = "config") -> T:
+class _Refused(ValueError):
+    """A value that does not fit its field's type; the message says what is allowed."""
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it: TOML and JSON spell strings with double quotes."""
+    try:
+        return json.dumps(str(value) if isinstance(value, Path) else value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _kind_of(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "a boolean"
+    names = ((int, "an integer"), (float, "a float"), (str, "a string"), (list, "a list"))
+    return next(
+        (name for kind, name in names if isinstance(value, kind)), f"a {type(value).__name__}"
+    )
+
+
+def _expected(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return _expected(_optional_of(hint))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(_show(c) for c in typing.get_args(hint))
+    if origin is list:
+        return f"a list of {_expected(typing.get_args(hint)[0])}"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(hint, "a path (a string)" if hint is Path else str(hint))
+
+
+def _optional_of(hint: Any) -> Any:
+    """`X` of `X | None`, keeping a Literal (where `_scalar_type` gives its value type)."""
+    return next(arg for arg in typing.get_args(hint) if arg is not type(None))
+
+
+def _checked(hint: Any, value: Any) -> Any:
+    """`value` if it fits `hint` (an int widened to a float, a string made a Path), else _Refused.
+
+    Strict on purpose: a string is never a bool or a number, a float is never an int, so that a
+    typo in a manifest ("false", "no", 1.5) cannot silently become another setting.
+    """
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        return _checked(_optional_of(hint), value)
+    if origin is typing.Literal:
+        if isinstance(value, str) and value in typing.get_args(hint):
+            return value
+    elif origin is list:
+        if isinstance(value, list | tuple):
+            item, items = typing.get_args(hint)[0], []
+            for index, element in enumerate(value):
+                try:
+                    items.append(_checked(item, element))
+                except _Refused as exc:
+                    raise _Refused(f"item {index + 1}: {exc}") from None
+            return items
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif hint is Path:
+        if isinstance(value, str | Path):
+            return Path(value)
+    kind = "is not allowed" if _scalar_type(hint) is type(value) else f"is {_kind_of(value)}"
+    raise _Refused(f"{_show(value)} {kind}; expected {_expected(hint)}")
+
+
+def check_options(
+    cls: type, values: dict[str, Any], where: str, flags: bool = False
+) -> dict[str, Any]:
+    """`values` with each checked against its field of `cls`: the first misfit is a ConfigError
+    naming `where`, the key (as `--flag` if `flags`), the value and what is allowed."""
+    hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - names)
     if unknown:
         raise ConfigError(f"{where}: unknown option(s) {unknown}; known: {sorted(names)}")
+    checked = {}
+    for key, value in values.items():
+        try:
+            checked[key] = _checked(hints[key], value)
+        except _Refused as exc:
+            name = "--" + key.replace("_", "-") if flags else key
+            raise ConfigError(f"{where} {name}: {exc}") from None
+    return checked
+
+
+def _build(cls: type[T], values: dict[str, Any], where: str) -> T:
+    """`cls` from checked values; its `__post_init__` checks ranges and how options combine."""
     missing = sorted(
         f.name
         for f in dataclasses.fields(cls)
@@ -125,17 +247,28 @@ def from_dict(cls: type[T], values: dict[str, Any], where: str = "config") -> T:
         raise ConfigError(f"{where}: {exc}") from exc
 
 
+def from_dict(cls: type[T], values: dict[str, Any], where: str = "config") -> T:
+    """A validated `cls` from one source of values (a manifest table, a saved config)."""
+    return _build(cls, check_options(cls, values, where), where)
+
+
 def config_from_options(cls: type[T], given: dict[str, Any], section: str) -> T:
-    """Merge explicitly given options over a `manifest` entry's [section] table into a `cls`."""
+    """Merge explicitly given options over a `manifest` entry's [section] table into a `cls`.
+
+    Each source is checked on its own, so that a bad value is reported where it was written.
+    """
     given = dict(given)
     values: dict[str, Any] = {}
-    where = "command line"
+    sources = []
     manifest = given.pop("manifest", None)
     if manifest is not None:
-        values.update(load_manifest_section(manifest, section))
-        where = f"{manifest} [{section}] and command line"
-    values.update(given)
-    return from_dict(cls, values, where)
+        where = f"{manifest} [{section}]"
+        values.update(check_options(cls, load_manifest_section(manifest, section), where))
+        sources.append(where)
+    if given or not sources:
+        values.update(check_options(cls, given, "command line", flags=True))
+        sources.append("command line")
+    return _build(cls, values, " and ".join(sources))
 
 
 def parse_config(cls: type[T], argv: list[str] | None, description: str, section: str) -> T:
@@ -146,7 +279,10 @@ def parse_config(cls: type[T], argv: list[str] | None, description: str, section
 
 def to_dict(config: Any) -> dict[str, Any]:
     """JSON-able view (paths as strings) to save beside outputs and to fingerprint."""
-    out = {}
-    for key, value in dataclasses.asdict(config).items():
-        out[key] = str(value) if isinstance(value, Path) else value
-    return out
+    return {key: _jsonable(value) for key, value in dataclasses.asdict(config).items()}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_jsonable(item) for item in value]
+    return str(value) if isinstance(value, Path) else value

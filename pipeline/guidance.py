@@ -40,11 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.choices import GUIDANCE_MODES, SELECTION_SCOPES, UNMAPPED_STRATEGIES
 from pipeline.collectives import all_gather, rank_and_world
-
-GUIDANCE_MODES = ("token", "chunk", "random", "none")
-UNMAPPED_STRATEGIES = ("include", "exclude", "mean")
-SELECTION_SCOPES = ("microbatch", "global")
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
+from pipeline.choices import LossDtype, OnBadRecord, ScoringBackend, TextSplit, TorchDtype
 from pipeline.config import option
 from pipeline.corpus import CorpusOptions
 from pipeline.scoring.windows import default_stride, validate_window
@@ -40,20 +40,20 @@ class ScoreConfig:
         None, help="column holding a unique document id; unset: <file>:<record index>"
     )
     split: str = option("train", help="split of a saved DatasetDict or a hub dataset")
-    text_split: Literal["file", "line"] = option(
+    text_split: TextSplit = option(
         "file", help="plain-text files: one document per file, or one per non-blank line"
     )
-    on_bad_record: Literal["error", "skip"] = option(
+    on_bad_record: OnBadRecord = option(
         "error",
         help="a bad record (empty/null text, invalid UTF-8 or JSON, duplicate id): stop with an "
         "error naming it, or skip it and list it in the manifest",
     )
     docs_per_shard: int = option(1000, help="documents per work unit; unit k becomes shard k")
-    backend: Literal["hf", "vllm"] = option(
+    backend: ScoringBackend = option(
         "hf",
         help="hf: transformers, any machine; vllm: GPU only, needs `pip install vocagno[vllm]`",
     )
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = option(
+    dtype: TorchDtype = option(
         "float32", help="dtype of the teacher's weights (losses are always computed in fp32)"
     )
     max_length: int | None = option(
@@ -64,7 +64,7 @@ class ScoreConfig:
         help="tokens between window starts for longer documents; each later window keeps "
         "max_length - stride tokens of left context; unset: max_length // 2",
     )
-    loss_dtype: Literal["float16", "float32"] = option(
+    loss_dtype: LossDtype = option(
         "float16", help="dtype of the stored loss column (float16 halves its size)"
     )
     batch_tokens: int = option(

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.config import to_dict
+from pipeline.config import from_dict, to_dict
 from pipeline.differences import setting_differences
 from pipeline.errors import CacheError, ConfigError
 from pipeline.io import atomic_write_json, atomic_write_text, fsync_file, publish_folder
@@ -192,7 +192,10 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
             f"uninterrupted run (set OMP_NUM_THREADS={threads} for that)",
             stacklevel=2,
         )
-    old = json.loads((folder / "config.json").read_text())
+    # Read back through the checks a manifest gets: an edited or foreign config.json is refused
+    # by name, and values compare in one form (paths, floats) with the current run's.
+    saved_config = folder / "config.json"
+    old = to_dict(from_dict(TrainConfig, json.loads(saved_config.read_text()), str(saved_config)))
     new = to_dict(config)
     changed = setting_differences(old, new, ignore=RESUMABLE_CHANGES)
     if changed:

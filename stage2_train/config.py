@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pipeline.alignment import AGGREGATIONS, DEFAULT_AGGREGATION
+from pipeline.alignment import DEFAULT_AGGREGATION
+from pipeline.choices import (
+    Aggregation,
+    ComputeDtype,
+    GuidanceMode,
+    SelectionScope,
+    UnmappedStrategy,
+)
 from pipeline.config import option, parse_config, to_dict
 from pipeline.errors import ConfigError
-from pipeline.guidance import (
-    DEFAULT_GUIDANCE,
-    GUIDANCE_MODES,
-    SELECTION_SCOPES,
-    UNMAPPED_STRATEGIES,
-    GuidanceSettings,
-)
+from pipeline.guidance import DEFAULT_GUIDANCE, GuidanceSettings
 from pipeline.io import fingerprint
 
 SECTION = "stage2"
@@ -45,33 +45,29 @@ class TrainConfig:
         help="student tokenizer spec (shipped name, tokenizer.json, folder, hub id); default: "
         "the student's own (required for a config or preset student)",
     )
-    guidance: Literal["token", "chunk", "random", "none"] = option(
+    guidance: GuidanceMode = option(
         DEFAULT_GUIDANCE.mode,
         help="token: the method (top-k by excess loss over token-aligned teacher loss); chunk: "
         "the same with equal-chunk alignment (paper Table 2); random: same kept fraction, "
         "random tokens (control); none: every token (plain continual pretraining)",
-        choices=GUIDANCE_MODES,
     )
     num_chunks: int = option(32, help="chunks per document for --guidance chunk")
     topk: float = option(
         DEFAULT_GUIDANCE.topk, help="fraction of candidate tokens kept (ceil(topk * n))"
     )
-    unmapped: Literal["include", "exclude", "mean"] = option(
+    unmapped: UnmappedStrategy = option(
         DEFAULT_GUIDANCE.unmapped,
         help="student tokens with no teacher loss: include (always kept), exclude (never "
         "kept), mean (get the mean teacher loss and compete in the top-k)",
-        choices=UNMAPPED_STRATEGIES,
     )
-    aggregate: Literal["max", "mean", "sum"] = option(
+    aggregate: Aggregation = option(
         DEFAULT_AGGREGATION,
         help="how the losses of the teacher tokens covering one student token combine",
-        choices=AGGREGATIONS,
     )
-    selection_scope: Literal["microbatch", "global"] = option(
+    selection_scope: SelectionScope = option(
         DEFAULT_GUIDANCE.scope,
         help="rank tokens per micro-batch on each rank, or across all ranks' micro-batches at "
         "once (one threshold, all_gather)",
-        choices=SELECTION_SCOPES,
     )
     seq_len: int = option(2048, help="tokens per training sequence (documents are packed)")
     stop_at_step: int | None = option(
@@ -103,7 +99,7 @@ class TrainConfig:
     fsdp: bool = option(
         False, help="shard the student with FSDP (for students too big for one device)"
     )
-    dtype: Literal["auto", "float32", "bfloat16"] = option(
+    dtype: ComputeDtype = option(
         "auto",
         help="compute dtype: bfloat16 autocast needs a GPU; auto is bfloat16 on GPU, float32 "
         "on CPU "

@@ -199,7 +199,7 @@ def test_chunks_options_from_a_manifest_with_the_command_line_winning(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--chunks", "0", "4"], "chunk counts must be at least 1"),
+        (["--chunks", "0", "4"], "chunks must be at least 1"),
         (["--num-docs", "0"], "num_docs must be at least 1"),
         (["--input", "/nonexistent/corpus.jsonl"], "/nonexistent/corpus.jsonl"),
     ],

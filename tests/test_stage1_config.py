@@ -38,7 +38,7 @@ def test_command_line_wins_over_the_manifest():
         (["--max-length", "64", "--stride", "64"], r"less than max_length \(64\), not 64"),
         (["--max-length", "1"], "max_length must be at least 2"),
         (["--num-workers", "-1"], "num_workers must be 0"),
-        (["--text-column", ""], "text column must not be empty"),
+        (["--text-column", ""], "text_column must not be empty"),
         (["--vllm-gpu-memory-utilization", "1.5"], "vllm_gpu_memory_utilization"),
     ],
 )

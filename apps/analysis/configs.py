@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
+from pipeline.choices import OnBadRecord
 from pipeline.config import option
 from pipeline.tokenizer import TOKENIZER_SPEC
 
@@ -20,7 +20,7 @@ class VocabularyOverlapConfig:
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         if not self.teacher_tokenizers:
-            raise ValueError("give at least one teacher tokenizer")
+            raise ValueError("teacher_tokenizers: give at least one teacher tokenizer")
         if len(set(self.teacher_tokenizers)) != len(self.teacher_tokenizers):
             raise ValueError(f"teacher tokenizers must not repeat: {self.teacher_tokenizers}")
 
@@ -34,7 +34,7 @@ class ChunkOverlapConfig:
         "`datasets` folder, or a folder or glob of these"
     )
     text_column: str = option("text", help="field or column holding each document's text")
-    on_bad_record: Literal["error", "skip"] = option(
+    on_bad_record: OnBadRecord = option(
         "error",
         help="a malformed record (bad JSON, empty text, ...) stops the analysis (error), or is "
         "left out and listed in chunk_overlap.json (skip)",
@@ -50,9 +50,7 @@ class ChunkOverlapConfig:
         if self.num_docs < 1:
             raise ValueError(f"num_docs must be at least 1, not {self.num_docs}")
         if not self.chunks or min(self.chunks) < 1:
-            raise ValueError(f"chunk counts must be at least 1, not {self.chunks}")
-        if self.on_bad_record not in ("error", "skip"):
-            raise ValueError(f"on_bad_record must be 'error' or 'skip', not {self.on_bad_record!r}")
+            raise ValueError(f"chunks must be at least 1, not {self.chunks}")
         if len(set(self.chunks)) != len(self.chunks):
             raise ValueError(f"chunk counts must not repeat: {self.chunks}")
         self.chunks = sorted(self.chunks)
@@ -70,6 +68,6 @@ class TrainingCurvesConfig:
         self.run_dirs = [Path(d) for d in self.run_dirs]
         self.out = Path(self.out)
         if not self.run_dirs:
-            raise ValueError("give at least one run folder")
+            raise ValueError("run_dirs: give at least one run folder")
         if len(set(self.run_dirs)) != len(self.run_dirs):
             raise ValueError(f"run folders must not repeat: {[str(d) for d in self.run_dirs]}")

@@ -23,6 +23,8 @@ _BATCH_DOCS = 64  # documents tokenized per encode_batch call
 
 
 def add_parser(subparsers) -> None:
+    from pipeline.choices import ON_BAD_RECORD
+
     parser = tokenizer_pair_subcommand(
         subparsers,
         "align",
@@ -44,7 +46,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--on-bad-record",
-        choices=("error", "skip"),
+        choices=ON_BAD_RECORD,
         default="error",
         help="a malformed --input record stops with an error naming file and record (default), "
         "or with 'skip' is reported on stderr and left out",

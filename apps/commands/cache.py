@@ -42,8 +42,9 @@ def add_parser(subparsers) -> None:
 
 
 def _add_inspect(actions) -> None:
-    from pipeline.alignment import AGGREGATIONS, DEFAULT_AGGREGATION
-    from pipeline.guidance import DEFAULT_GUIDANCE, UNMAPPED_STRATEGIES
+    from pipeline.alignment import DEFAULT_AGGREGATION
+    from pipeline.choices import AGGREGATIONS, UNMAPPED_STRATEGIES
+    from pipeline.guidance import DEFAULT_GUIDANCE
 
     inspect = actions.add_parser(
         "inspect",

@@ -17,13 +17,45 @@ from apps.demo.ray_cluster import local_ray_cluster, submit_and_follow
 from apps.demo.report import write_report
 from apps.evaluation.config import SECTION as EVAL_SECTION
 from apps.evaluation.config import EvalConfig
-from pipeline.config import load_manifest_section
+from pipeline.config import from_dict, load_manifest_section
 from pipeline.errors import VocagnoError
 from pipeline.io import atomic_path, atomic_write_json, open_binary_stream, staged_folder
 from pipeline.log import get_logger
 from pipeline.shipped import shipped_corpus
+from stage2_train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def check_stage_tables(config: DemoConfig, manifest: Path) -> tuple[TrainConfig, dict]:
+    """Each stage's table checked as that stage will check it, with the options the demo gives
+    it on the command line: a bad value stops the demo here, before Ray starts or anything is
+    written, not minutes later in a subprocess. Returns the stage-2 options and the [eval] table.
+    """
+    from stage1_score.config import ScoreConfig
+
+    def table(section: str, given: dict) -> tuple[dict, str]:
+        return {**load_manifest_section(manifest, section), **given}, f"{manifest} [{section}]"
+
+    cache = config.out / "cache"
+    teacher = config.teacher or "SmolLM2-135M-Instruct"  # prepared later; any name checks alike
+    corpus = str(config.out / "corpus" / "train.jsonl")
+    from_dict(ScoreConfig, *table("stage1", {"teacher": teacher, "corpus": corpus, "out": cache}))
+    given = {
+        "cache": cache,
+        "student": config.student,
+        "student_tokenizer": config.student_tokenizer,
+    }
+    stage2 = [
+        from_dict(
+            TrainConfig,
+            *table("stage2", {**given, "out": config.out / "arms" / arm, "guidance": arm}),
+        )
+        for arm in config.arms
+    ]
+    settings, where = table(EVAL_SECTION, {})
+    from_dict(EvalConfig, {**settings, "model": teacher}, where)
+    return stage2[0], settings
 
 
 log = get_logger("demo").info
@@ -98,42 +130,38 @@ def train_arm(config: DemoConfig, manifest: Path, cache: Path, student: Path, ar
     return out
 
 
-def evaluate_models(config: DemoConfig, manifest: Path, models: dict[str, Path]) -> dict:
+def evaluate_models(config: DemoConfig, settings: dict, models: dict[str, Path]) -> dict:
     from apps.evaluation.run import evaluate
 
-    settings = load_manifest_section(manifest, EVAL_SECTION)
     results = {}
     for name, model in models.items():
         dest = eval_path(config, name)
         if not dest.exists():
             log(f"evaluating {name}")
-            evaluate(EvalConfig(model=str(model), out=dest, **settings))
+            evaluate(from_dict(EvalConfig, {**settings, "model": str(model), "out": dest}))
         results[name] = json.loads(dest.read_text())
     return results
 
 
-def inspect_guided_arm(config: DemoConfig, manifest: Path, cache: Path, arms: dict) -> Path | None:
+def inspect_guided_arm(
+    config: DemoConfig, stage2: TrainConfig, cache: Path, arms: dict
+) -> Path | None:
     """The paper's Figure 8 for the guided student: which tokens the teacher made it train on."""
     from transformers import AutoModelForCausalLM
 
     from apps.analysis.guidance_page import find_document, guided_tokens, write_guidance_page
-    from pipeline.alignment import DEFAULT_AGGREGATION
-    from pipeline.guidance import DEFAULT_GUIDANCE, GuidanceSettings
+    from pipeline.guidance import GuidanceSettings
     from pipeline.tokenizer import load_tokenizer
 
     if "token" not in arms:
         return None
-    stage2 = load_manifest_section(manifest, "stage2")
     student = arms["token"] / "final"
     document = find_document(cache, None, 0)
-    settings = GuidanceSettings(
-        mode="token",
-        topk=stage2.get("topk", DEFAULT_GUIDANCE.topk),
-        unmapped=stage2.get("unmapped", DEFAULT_GUIDANCE.unmapped),
-    )
-    aggregate = stage2.get("aggregate", DEFAULT_AGGREGATION)
+    settings = GuidanceSettings(mode="token", topk=stage2.topk, unmapped=stage2.unmapped)
     model = AutoModelForCausalLM.from_pretrained(student).eval()
-    tokens = guided_tokens(document, model, load_tokenizer(str(student)), settings, aggregate)
+    tokens = guided_tokens(
+        document, model, load_tokenizer(str(student)), settings, stage2.aggregate
+    )
     dest = config.out / "inspect.html"
     write_guidance_page(dest, document, tokens, "guided student: teacher guidance on one document")
     return dest
@@ -142,7 +170,7 @@ def inspect_guided_arm(config: DemoConfig, manifest: Path, cache: Path, arms: di
 def run_demo(config: DemoConfig, manifest: Path) -> Path:
     from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
-    stage2 = load_manifest_section(manifest, "stage2")
+    stage2, eval_settings = check_stage_tables(config, manifest)
     timings_path = config.out / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
 
@@ -163,7 +191,7 @@ def run_demo(config: DemoConfig, manifest: Path) -> Path:
     corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
     log(f"stage 1: scoring {config.train_docs} documents with the teacher")
     cache = timed("stage1", cache_done(config), score_with_ray, config, manifest, teacher, corpus)
-    student = make_student_init(config, stage2.get("seed", 0), stage2.get("seq_len", 2048))
+    student = make_student_init(config, stage2.seed, stage2.seq_len)
     arms = {}
     for arm in config.arms:
         log(f"stage 2: training arm --guidance {arm} with torchrun x{config.nproc_per_node}")
@@ -173,8 +201,8 @@ def run_demo(config: DemoConfig, manifest: Path) -> Path:
     models = {"teacher": teacher, "student-init": student}
     models.update({f"student-{arm}": out / "final" for arm, out in arms.items()})
     evaluated = all(eval_path(config, name).exists() for name in models)
-    results = timed("eval", evaluated, evaluate_models, config, manifest, models)
-    inspect_guided_arm(config, manifest, cache, arms)
+    results = timed("eval", evaluated, evaluate_models, config, eval_settings, models)
+    inspect_guided_arm(config, stage2, cache, arms)
     report = write_report(config, teacher, cache, arms, results, timings)
     log(f"done: {report}")
     return report

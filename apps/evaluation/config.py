@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
+from pipeline.choices import TorchDtype
 from pipeline.config import option
 
 SECTION = "eval"
@@ -32,14 +32,17 @@ class EvalConfig:
         None, help="tokens per scoring window; unset: the model's context length"
     )
     batch_tokens: int = option(8192, help="padded tokens per scoring batch")
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = option(
-        "float32", help="dtype of the weights (losses are computed in fp32)"
-    )
+    dtype: TorchDtype = option("float32", help="dtype of the weights (losses are computed in fp32)")
     out: Path | None = option(None, help="also write the report as JSON here")
 
     def __post_init__(self) -> None:
         for name in ("num_docs", "accuracy_problems", "shots"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        for name in ("max_new_tokens", "generation_batch", "batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length must be at least 2, not {self.max_length}")
         if self.num_docs == 0 and self.accuracy_problems == 0:
             raise ValueError("nothing to do: num_docs and accuracy_problems are both 0")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.choices import LOSS_DTYPE_NAMES
 from pipeline.errors import CacheError
 from pipeline.io import atomic_path, sha256_file
 
@@ -26,7 +27,7 @@ TOKEN_START = "token_start"
 TOKEN_END = "token_end"
 LOSS = "loss"
 COLUMNS = (DOC_ID, TEXT, TEXT_SHA256, TOKEN_IDS, TOKEN_START, TOKEN_END, LOSS)
-LOSS_DTYPES = {"float16": pa.float16(), "float32": pa.float32()}
+LOSS_DTYPES = {name: pa.type_for_alias(name) for name in LOSS_DTYPE_NAMES}
 
 
 def cache_schema(loss_dtype: str = "float32") -> pa.Schema:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-TextSplit = Literal["file", "line"]
-OnBadRecord = Literal["error", "skip"]
+from pipeline.choices import ON_BAD_RECORD, TEXT_SPLITS, OnBadRecord, TextSplit
 
 
 @dataclass(frozen=True)
@@ -19,11 +18,13 @@ class CorpusOptions:
 
     def __post_init__(self) -> None:
         if not self.text_column:
-            raise ValueError("text column must not be empty")
-        if self.text_split not in ("file", "line"):
-            raise ValueError(f"text_split must be 'file' or 'line', not {self.text_split!r}")
-        if self.on_bad_record not in ("error", "skip"):
-            raise ValueError(f"on_bad_record must be 'error' or 'skip', not {self.on_bad_record!r}")
+            raise ValueError("text_column must not be empty")
+        if self.text_split not in TEXT_SPLITS:
+            raise ValueError(f"text_split must be one of {TEXT_SPLITS}, not {self.text_split!r}")
+        if self.on_bad_record not in ON_BAD_RECORD:
+            raise ValueError(
+                f"on_bad_record must be one of {ON_BAD_RECORD}, not {self.on_bad_record!r}"
+            )
 
 
 @dataclass(frozen=True)

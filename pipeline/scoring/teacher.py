@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pipeline.choices import TORCH_DTYPES
 from pipeline.errors import TokenizerError, VocagnoError
 from pipeline.hub import is_hub_id
 from pipeline.io import sha256_file, sha256_text
@@ -24,7 +25,6 @@ from pipeline.tokenizer import (
     load_tokenizer,
 )
 
-TORCH_DTYPES = ("float32", "bfloat16", "float16", "auto")
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 

@@ -1,0 +1,28 @@
+"""Every closed set of option values, each declared once as a `Literal`.
+
+A config field typed with one of these gets its flag's `choices`, its `--help` and its manifest
+check from that declaration (pipeline.config); code that checks a value at run time uses the
+tuple derived from it. Kept free of imports so that any config module may use it cheaply.
+"""
+
+from typing import Literal, get_args
+
+GuidanceMode = Literal["token", "chunk", "random", "none"]
+UnmappedStrategy = Literal["include", "exclude", "mean"]
+SelectionScope = Literal["microbatch", "global"]
+Aggregation = Literal["max", "mean", "sum"]
+TextSplit = Literal["file", "line"]
+OnBadRecord = Literal["error", "skip"]
+TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]  # a teacher's weights
+ComputeDtype = Literal["auto", "float32", "bfloat16"]  # stage 2 autocast
+ScoringBackend = Literal["hf", "vllm"]
+LossDtype = Literal["float16", "float32"]
+
+GUIDANCE_MODES: tuple[str, ...] = get_args(GuidanceMode)
+UNMAPPED_STRATEGIES: tuple[str, ...] = get_args(UnmappedStrategy)
+SELECTION_SCOPES: tuple[str, ...] = get_args(SelectionScope)
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+TEXT_SPLITS: tuple[str, ...] = get_args(TextSplit)
+ON_BAD_RECORD: tuple[str, ...] = get_args(OnBadRecord)
+TORCH_DTYPES: tuple[str, ...] = get_args(TorchDtype)
+LOSS_DTYPE_NAMES: tuple[str, ...] = get_args(LossDtype)

@@ -1,0 +1,293 @@
+"""A manifest value gets exactly the checks of the same value on the command line (issue 17).
+
+Every option of every configuration dataclass is walked: a wrong-typed manifest value and, where
+one applies, an out-of-choice or out-of-range value are each refused in one line naming the file,
+section and key, with exit code 2 and nothing written; a right value gives the same config and
+fingerprint as the same flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import typing
+from pathlib import Path
+
+import pytest
+
+from apps.analysis.configs import (
+    ChunkOverlapConfig,
+    TrainingCurvesConfig,
+    VocabularyOverlapConfig,
+)
+from apps.demo.config import DemoConfig
+from apps.evaluation.config import EvalConfig
+from pipeline.config import (
+    _scalar_type,
+    build_parser,
+    config_from_options,
+    from_dict,
+    parse_config,
+    to_dict,
+)
+from pipeline.errors import ConfigError, exit_code
+from pipeline.io import fingerprint
+from stage1_score.config import ScoreConfig
+from stage2_train.config import TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+# Each configuration dataclass, its manifest section, and values for its required options.
+CONFIGS = {
+    ScoreConfig: ("stage1", {"teacher": "t", "corpus": "c.jsonl", "out": "cache"}),
+    TrainConfig: ("stage2", {"cache": "cache", "student": "s", "out": "run", "max_steps": 200}),
+    EvalConfig: ("eval", {"model": "m"}),
+    DemoConfig: ("demo", {}),
+    VocabularyOverlapConfig: ("analyze", {"student_tokenizer": "s", "teacher_tokenizers": ["t"]}),
+    ChunkOverlapConfig: (
+        "analyze",
+        {"student_tokenizer": "s", "teacher_tokenizer": "t", "input": "i"},
+    ),
+    TrainingCurvesConfig: ("analyze", {"run_dirs": ["r"]}),
+}
+# Values each `__post_init__` must refuse, by option (ranges, and emptiness of lists).
+OUT_OF_RANGE = {
+    ScoreConfig: {
+        "docs_per_shard": 0, "batch_tokens": 0, "vllm_max_num_batched_tokens": 0,
+        "num_workers": -1, "cpus_per_worker": -1, "max_length": 1, "stride": 0,
+        "vllm_gpu_memory_utilization": 1.5, "progress_seconds": 0, "text_column": "",
+    },
+    TrainConfig: {
+        "max_steps": 0, "num_chunks": 0, "seq_len": 0, "save_every": 0,
+        "global_batch_tokens": 0, "micro_batch_size": 0, "warmup_steps": -1, "num_workers": -1,
+        "weight_decay": -0.1, "grad_clip": -1, "stop_at_step": 0, "min_lr": 0,
+        "adam_beta1": 1, "adam_beta2": 1.5, "topk": 1.5,
+    },
+    EvalConfig: {
+        "num_docs": -1, "accuracy_problems": -1, "shots": -1, "max_new_tokens": 0,
+        "generation_batch": 0, "batch_tokens": 0, "max_length": 1,
+    },
+    DemoConfig: {"train_docs": 0, "nproc_per_node": 0, "ray_cpus": 0, "arms": []},
+    VocabularyOverlapConfig: {"teacher_tokenizers": []},
+    ChunkOverlapConfig: {"num_docs": 0, "chunks": [0]},
+    TrainingCurvesConfig: {"run_dirs": []},
+}  # fmt: skip
+# Right values that the generic choice in `_right_value` would make invalid with the defaults.
+RIGHT = {
+    (TrainConfig, "max_steps"): 400,  # must stay above warmup_steps
+    (TrainConfig, "warmup_steps"): 50,
+    (TrainConfig, "grad_clip"): 2,  # a TOML integer for a float option
+    (ScoreConfig, "progress_seconds"): 30,
+}
+
+
+def _fields(cls):
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init]
+
+
+def _default(field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def _literal(hint):
+    """The Literal inside `hint` (itself, or in `X | None`), or None."""
+    optional = typing.get_origin(_scalar_type(hint)) is typing.Literal
+    for arg in (hint, *(typing.get_args(hint) if optional else ())):
+        if typing.get_origin(arg) is typing.Literal:
+            return arg
+    return None
+
+
+def _right_value(cls, field, hint):
+    """A valid value other than the default, as a manifest would write it."""
+    if (cls, field.name) in RIGHT:
+        return RIGHT[cls, field.name]
+    default, kind = _default(field), _scalar_type(hint)
+    if _literal(hint):
+        return next(c for c in typing.get_args(_literal(hint)) if c != default)
+    if typing.get_origin(kind) is list:
+        item = typing.get_args(kind)[0]
+        if _literal(item):
+            return list(typing.get_args(item)[:1])
+        return [3, 5] if item is int else ["a", "b"]
+    if kind is bool:
+        return not default
+    if kind is int:
+        return default * 2 if default else 3
+    if kind is float:
+        return default / 2
+    return "elsewhere"
+
+
+def _wrong_types(hint):
+    """Manifest values of the wrong type for `hint`: each must be refused."""
+    kind = _scalar_type(hint)
+    if _literal(hint):
+        return [5, True]
+    if typing.get_origin(kind) is list:
+        item = typing.get_args(kind)[0]
+        return ["a", [True] if _scalar_type(item) is not bool else ["a"]]
+    return {
+        bool: ["false", "no", 0],
+        int: ["1", 1.5, True],
+        float: ["0.5", True],
+        str: [5, False, ["a"]],
+        Path: [5, True],
+    }[kind]
+
+
+def _out_of_choice(hint):
+    if _literal(hint):
+        return ["bogus"]
+    kind = _scalar_type(hint)
+    if typing.get_origin(kind) is list and _literal(typing.get_args(kind)[0]):
+        return [["bogus"]]
+    return []
+
+
+def _flags(name, value):
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + name.replace("_", "-")]
+    if isinstance(value, list):
+        return [flag, *map(str, value)]
+    return [flag, str(value)]
+
+
+def _write_manifest(path, section, values):
+    lines = [f"[{section}]"] + [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _cases(kind):
+    for cls in CONFIGS:
+        for field, hint in _fields(cls):
+            if kind == "right":
+                yield pytest.param(cls, field.name, _right_value(cls, field, hint), id=field.name)
+                continue
+            values = _wrong_types(hint) + _out_of_choice(hint)
+            if field.name in OUT_OF_RANGE[cls]:
+                values.append(OUT_OF_RANGE[cls][field.name])
+            for value in values:
+                yield pytest.param(
+                    cls, field.name, value, id=f"{cls.__name__}-{field.name}-{value!r}"
+                )
+
+
+@pytest.mark.parametrize(("cls", "name", "value"), list(_cases("bad")))
+def test_a_bad_manifest_value_is_one_line_naming_file_section_and_key(
+    cls, name, value, tmp_path, monkeypatch, capsys
+):
+    section, required = CONFIGS[cls]
+    monkeypatch.chdir(tmp_path)  # the configs' relative paths would land here
+    manifest = _write_manifest(tmp_path / "m.toml", section, {**required, name: value})
+    code = exit_code("prog", lambda: parse_config(cls, ["--manifest", str(manifest)], "", section))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"prog: error: {manifest} [{section}]"), err
+    assert re.search(rf"(?<![\w-])({name}|--{name.replace('_', '-')})(?![\w-])", err), err
+    assert [p.name for p in tmp_path.iterdir()] == ["m.toml"]  # nothing written
+
+
+@pytest.mark.parametrize(("cls", "name", "value"), list(_cases("right")))
+def test_a_right_manifest_value_is_the_same_config_as_the_same_flag(cls, name, value, tmp_path):
+    section, required = CONFIGS[cls]
+    manifest = _write_manifest(tmp_path / "m.toml", section, {**required, name: value})
+    from_manifest = parse_config(cls, ["--manifest", str(manifest)], "", section)
+    argv = [arg for key, v in {**required, name: value}.items() for arg in _flags(key, v)]
+    from_flags = parse_config(cls, argv, "", section)
+    assert from_manifest == from_flags
+    assert fingerprint(to_dict(from_manifest)) == fingerprint(to_dict(from_flags))
+    assert getattr(from_manifest, name) != _default(
+        next(f for f in dataclasses.fields(cls) if f.name == name)
+    )  # the value was read, not left at its default
+
+
+def test_the_issues_examples_are_refused_with_what_is_allowed(tmp_path):
+    stage2 = {"cache": "c", "student": "s", "out": "o", "max_steps": 10, "warmup_steps": 1}
+    expected = {
+        "fsdp": ("false", 'fsdp: "false" is a string; expected true or false'),
+        "dtype": ("float16", 'dtype: "float16" is not allowed; expected one of "auto", "float32"'),
+        "seed": ("0", 'seed: "0" is a string; expected an integer'),
+        "topk": ("0.4", 'topk: "0.4" is a string; expected a number'),
+        "warmup_steps": (1.5, "warmup_steps: 1.5 is a float; expected an integer"),
+    }
+    for key, (value, message) in expected.items():
+        manifest = _write_manifest(tmp_path / "x.toml", "stage2", {**stage2, key: value})
+        with pytest.raises(ConfigError) as refused:
+            parse_config(TrainConfig, ["--manifest", str(manifest)], "", "stage2")
+        assert str(refused.value).startswith(f"{manifest} [stage2] {message}")
+    stage1 = {"teacher": "t", "corpus": "c", "out": "o"}
+    for key, value in {"overwrite": "no", "max_length": "512", "loss_dtype": "bfloat16x"}.items():
+        with pytest.raises(ConfigError, match=rf"^s\.toml \[stage1\] {key}: \"{value}\""):
+            from_dict(ScoreConfig, {**stage1, key: value}, "s.toml [stage1]")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
+        (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+        (["--max-steps", "0"], "command line: --max-steps must be at least 1"),
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_the_flag(argv, message, capsys):
+    required = ["--cache", "c", "--student", "s", "--out", "o", "--max-steps", "10"]
+    code = exit_code("train", lambda: parse_config(TrainConfig, required + argv, "", "stage2"))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_bad_flag_is_named_before_a_manifest_is_merged(tmp_path):
+    manifest = _write_manifest(tmp_path / "m.toml", "eval", {"model": "m"})
+    with pytest.raises(ConfigError, match=r"^command line --shots: \"2\" is a string"):
+        config_from_options(EvalConfig, {"manifest": manifest, "shots": "2"}, "eval")
+
+
+def test_every_choice_set_reaches_flags_and_help_from_its_literal():
+    for cls, (section, _) in CONFIGS.items():
+        actions = {a.dest: a for a in build_parser(cls, "", section)._actions}
+        for field, hint in _fields(cls):
+            kind = _scalar_type(hint)
+            item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else hint
+            choices = typing.get_args(_literal(item)) if _literal(item) else None
+            assert actions[field.name].choices == choices, (cls.__name__, field.name)
+
+
+def test_every_configuration_dataclass_is_walked():
+    """A new config class (any dataclass built from `option(...)` fields) joins CONFIGS."""
+    sources = [*REPO.glob("pipeline/**/*.py"), *REPO.glob("stage*/**/*.py"), *REPO.glob("*.py")]
+    found = set()
+    for path in sources:
+        text = path.read_text()
+        for match in re.finditer(
+            r"@dataclass[^\n]*\nclass (\w+)[^\n]*:\n(.*?)(?=\n\S|\Z)", text, re.S
+        ):
+            if "= option(" in match.group(2):
+                found.add(match.group(1))
+    assert found == {cls.__name__ for cls in CONFIGS}
+
+
+def test_a_checkpoints_saved_config_is_read_through_the_same_checks(tmp_path):
+    from stage2_train.checkpoint import check_resumable
+
+    config = from_dict(TrainConfig, {"cache": "c", "student": "s", "out": "o", "max_steps": 10,
+                                     "warmup_steps": 1})  # fmt: skip
+    meta = {"cache_fingerprint": "f", "world_size": 1, "workers_per_rank": 0, "torch_threads": 1}
+    folder = tmp_path / "step-3"
+    folder.mkdir()
+    (folder / "checkpoint.json").write_text(json.dumps({"step": 3, **meta}))
+    saved = {**to_dict(config), "out": "elsewhere"}  # `out` may change on resume
+    (folder / "config.json").write_text(json.dumps(saved))
+    assert check_resumable(folder, config, meta) == 3
+    (folder / "config.json").write_text(json.dumps({**saved, "fsdp": "false"}))
+    with pytest.raises(
+        ConfigError, match=rf"^{folder / 'config.json'} fsdp: \"false\" is a string"
+    ):
+        check_resumable(folder, config, meta)
