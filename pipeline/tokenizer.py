@@ -47,8 +47,9 @@ TOKENIZER_SPEC = (
     "shipped name (tinyllama, mistral, qwen2.5, deepseek, smollm2), tokenizer.json[.zst], "
     "Hugging Face folder, .gguf file or hub id"
 )
-# Files by which a model folder carries its own tokenizer (fast, SentencePiece, BPE).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# Files by which a model folder carries its own tokenizer (fast, a declared class, SentencePiece,
+# BPE).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Bump when the offset repairs below change: offsets from an older rule set are different data.
 OFFSET_RULES = 1
 
