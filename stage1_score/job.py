@@ -205,14 +205,17 @@ class WorkerPool:
         self.info = {"workers": workers, "cpus_per_worker": cpus, "gpus_per_worker": gpus}
         self.info["backend"] = described[0]
 
-    def close(self) -> None:
+    def close_teachers(self) -> None:
+        """After a run, each actor shuts its teacher (vLLM's engine processes) down before Ray
+        ends it. After an error Ray ends them as they are, as after a kill: units still in
+        flight are not waited for, and the engines die with their actors."""
         if self.actors:
             import ray
 
-            # Each actor shuts its teacher down (vLLM's engine processes) before Ray ends it; a
-            # dead actor's call fails, which wait() ignores.
             closing = [actor.close.remote() for actor in self.actors]
             ray.wait(closing, num_returns=len(closing), timeout=CLOSE_SECONDS)
+
+    def close(self) -> None:
         if self.started_ray:
             import ray
 
@@ -296,6 +299,7 @@ def run(config: ScoreConfig) -> CacheManifest:
         pool = WorkerPool(config, spec, job.identity["teacher"]["backend_version"])
         try:
             manifest = _score_corpus(job, pool, run_fingerprint)
+            pool.close_teachers()
         finally:
             pool.close()
         # How this run went (paths as given, workers, threads): beside the cache, not in its
