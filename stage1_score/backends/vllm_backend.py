@@ -19,6 +19,7 @@ vLLM's issue tracker, each handled here:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,16 +91,20 @@ class VLLMScorer:
         threads: int,
         enforce_eager: bool,
     ):
-        # The engine's settings read from the environment, set before vllm reads them.
-        # plan() refuses max_length beyond the teacher's context, so the only position past it is
-        # the generated token's, which no forward pass ever computes.
+        # vLLM takes these settings from the environment: they are set before it reads them.
+        # max_model_len is max_length + 1 (below); the one position past a full window is the
+        # generated token's, which no forward pass computes, and plan() already refuses a
+        # max_length beyond the teacher's context, so vLLM's check would only refuse that token.
         os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
         # The engine's INFO lines would drown stage 1's progress (Ray forwards actor output).
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM, SamplingParams
         from vllm.platforms import current_platform
 
-        self.platform = current_platform.device_type
+        # LLM() warms up a chat template, which needs the tokenizer skipped below: it fails and
+        # logs a traceback as a warning, for nothing stage 1 uses.
+        logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
+
         if current_platform.is_cpu():
             # On CPUs vLLM sizes the KV cache from this variable; gpu_memory_utilization would
             # instead reserve that share of the machine's RAM.
@@ -130,7 +135,7 @@ class VLLMScorer:
         )
         self.params = SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False)
         self.settings = {
-            "platform": self.platform,
+            "platform": current_platform.device_type,
             "max_num_batched_tokens": max_num_batched_tokens,
             "dtype": dtype,
             "enforce_eager": enforce_eager,
