@@ -19,7 +19,6 @@ vLLM's issue tracker, each handled here:
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,10 +99,6 @@ class VLLMScorer:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM, SamplingParams
         from vllm.platforms import current_platform
-
-        # LLM() warms up a chat template, which needs the tokenizer skipped below: it fails and
-        # logs a traceback as a warning, for nothing stage 1 uses.
-        logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
 
         if current_platform.is_cpu():
             # On CPUs vLLM sizes the KV cache from this variable; gpu_memory_utilization would
