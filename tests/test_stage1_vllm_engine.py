@@ -2,14 +2,15 @@
 `vllm` cannot be imported): on documents longer than one window, so windows of exactly
 --max-length tokens, `--backend vllm` gives the HF backend's cache (the same documents, token ids
 and offsets; losses within 1e-3 nats in float32), and a run killed mid-corpus resumes into a
-verified cache that kept its finished shards byte for byte and equals the uninterrupted run. In a
-plain process, a window of the teacher's whole context scores like HF, and after `close()` the
-process exits cleanly.
+verified cache that kept its finished shards byte for byte and equals the uninterrupted run.
+Slow: in a plain process, a window of the teacher's whole context scores like HF, and after
+`close()` the process exits cleanly.
 
 Kept short for the default run: a tiny random teacher (head size 32, the least vLLM's CPU
-attention takes), enforce_eager (no torch.compile) and one worker; each engine started in about
-30 s here. The test process owns one local Ray cluster (2 CPUs); the killed run is a real
-`python stage1_score/run.py` that joins it. No engine runs in the pytest process itself.
+attention takes), enforce_eager (no torch.compile) and one worker. Each engine starts in about
+30 s on a quiet 2-core machine (2 min under a load average of 8); the default tests start three
+and took 4.6-7 min here. The test process owns one local Ray cluster (2 CPUs); the killed run is
+a real `python stage1_score/run.py` that joins it. No engine runs in the pytest process itself.
 """
 
 from __future__ import annotations
