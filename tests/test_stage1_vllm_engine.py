@@ -196,8 +196,9 @@ np.testing.assert_allclose(ours[0], hf[0], atol=1e-3, rtol=0)
 @pytest.mark.slow  # one more engine start; the stage-1 tests above already fill whole windows
 def test_a_window_of_the_whole_context_scores_and_the_process_exits_cleanly(teacher, corpus):
     """vLLM generates one token after each prompt, so a window of exactly the teacher's context
-    needs max_model_len one longer; and a plain process that built the engine must shut it
-    down, or it is aborted at exit (code 134)."""
+    needs max_model_len one longer; and a plain process that built the engine shuts it down
+    with close() and exits 0 (issue 18 saw an abort, code 134, without; a rerun here without
+    close() also exited 0, so this guards the clean exit rather than proving that fix)."""
     context = json.loads((teacher / "config.json").read_text())["max_position_embeddings"]
     text = " ".join(json.loads(line)["text"] for line in corpus.read_text().splitlines()[:4])
     done = subprocess.run(

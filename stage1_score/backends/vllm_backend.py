@@ -72,7 +72,8 @@ class VLLMScorer:
     """Scores token sequences with a vLLM engine on one GPU, or on CPUs; one instance per worker.
 
     Call `close()` before the process exits: the engine runs in child processes, and a process
-    that leaves them to interpreter exit is aborted (exit code 134).
+    that left them to interpreter exit was once aborted (exit code 134; issue 18, not reproduced
+    since, but the shutdown then depends on vLLM's exit hooks).
     """
 
     name = "vllm"
