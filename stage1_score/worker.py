@@ -38,6 +38,8 @@ class WorkerSpec:
     progress_seconds: float
     vllm_max_num_batched_tokens: int = 8192
     vllm_gpu_memory_utilization: float = 0.85
+    vllm_cpu_kvcache_gib: int = 1
+    vllm_enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ def load_scorer(spec: WorkerSpec):
             stride=spec.stride,
             max_num_batched_tokens=spec.vllm_max_num_batched_tokens,
             gpu_memory_utilization=spec.vllm_gpu_memory_utilization,
+            cpu_kvcache_gib=spec.vllm_cpu_kvcache_gib,
+            threads=spec.threads,
+            enforce_eager=spec.vllm_enforce_eager,
         )
     from pipeline.scoring.hf import HFScorer
 
@@ -93,6 +98,12 @@ class UnitScorer:
     def describe(self) -> dict:
         self._load()
         return self._scorer.describe() | {"threads": self.spec.threads}
+
+    def close(self) -> None:
+        """Release the teacher; only the vLLM engine holds processes that need shutting down."""
+        close = getattr(self._scorer, "close", None)
+        if close is not None:
+            close()
 
     def score_unit(self, unit: WorkUnit) -> UnitResult:
         self._load()

