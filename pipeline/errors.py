@@ -1,6 +1,8 @@
 """The project's own error types: each says what failed and where, for a message without a traceback."""
 
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 
@@ -24,20 +26,44 @@ class ConfigError(VocagnoError):
     """Invalid options or manifest."""
 
 
+class StoppedBySignal(VocagnoError):
+    """A run stopped on SIGINT/SIGTERM after saving its work; exits 128 + the signal's number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
 def exit_code(prog: str, action: Callable[[], int | None]) -> int:
     """Run a command's `action`: our own errors, and a path the system refuses (unwritable,
     missing, a file where a folder should be, a full disk), become one line on stderr and exit
-    code 2; Ctrl-C becomes one line and 130, as shells expect."""
+    code 2; Ctrl-C and SIGTERM become one line and 128 + the signal's number, as shells expect."""
+    main_thread = threading.current_thread() is threading.main_thread()  # where signals arrive
+    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt) if main_thread else None
     try:
         return int(action() or 0)
     except VocagnoError as exc:
         # One line even where a message quotes a library's multi-line text.
+        if isinstance(exc, StoppedBySignal):  # asked for, not an error
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 128 + exc.signum
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except OSError as exc:
         path = f"{exc.filename}: " if exc.filename is not None else ""
         print(f"{prog}: error: {path}{exc.strerror or exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print(f"{prog}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+        return 128 + getattr(exc, "signum", signal.SIGINT)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate_as_interrupt(signum: int, frame) -> None:
+    """SIGTERM (Slurm, Kubernetes, `kill`) unwinds like Ctrl-C: locks released, partial files
+    removed, one line; by default Python would die on the spot."""
+    interrupt = KeyboardInterrupt()
+    interrupt.signum = signum
+    raise interrupt

@@ -26,6 +26,7 @@ from torch import nn
 from pipeline.cache.manifest import load_manifest
 from pipeline.config import to_dict
 from pipeline.cross_entropy import IGNORE_INDEX, token_loss
+from pipeline.errors import StoppedBySignal
 from pipeline.guidance import guided_loss, kept_in_step, mapped_tokens
 from pipeline.io import atomic_write_json, atomic_write_text, staged_folder
 from pipeline.metrics import METRICS_NAME, read_json_lines
@@ -46,6 +47,7 @@ from stage2_train.data.plan import DataPlan, cache_fingerprint
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
 from stage2_train.parallel import autocast, full_state_dict, gradient_sync, unwrapped, wrap
+from stage2_train.stop_request import StopRequest
 
 METRIC_KEYS = ("loss", "loss_all", "kept_fraction", "mapped_fraction")
 
@@ -114,13 +116,14 @@ def train(config: TrainConfig) -> Path | None:
     the schedule is complete (on rank 0; None on the others)."""
     runtime = Runtime.start()
     try:
-        final = _train(config, runtime)
+        with StopRequest() as stop:
+            final = _train(config, runtime, stop)
         return final if runtime.is_main else None
     finally:
         runtime.stop()
 
 
-def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
+def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | None:
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
@@ -188,7 +191,7 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
         dynamic_ncols=True,
         file=sys.stderr,
     )
-    started, step_tokens = time.monotonic(), 0
+    started, step_tokens, stop_votes = time.monotonic(), 0, 0.0
 
     for step in range(start_step + 1, stop_step + 1):
         # batch: this rank's micro-batches, and how many tokens the whole step keeps
@@ -211,8 +214,8 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
         scale = (runtime.world_size / kept_total.clamp(min=1).double()).float()
 
         # forward-backward
-        # kept loss, all loss, kept, mapped, valid: summed on the device, read once at the log
-        totals = torch.zeros(5, dtype=torch.float64, device=runtime.device)
+        # kept loss, all loss, kept, mapped, valid, stop votes: summed on the device, read once
+        totals = torch.zeros(6, dtype=torch.float64, device=runtime.device)
         for micro, batch in enumerate(micro_batches):
             inputs = batch["input_ids"].to(runtime.device, non_blocking=True)
             labels = batch["labels"].to(runtime.device, non_blocking=True)
@@ -228,7 +231,7 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
                     generator=selection_generator(config, step, micro, runtime.rank),
                 )
                 (result.kept_loss_sum * scale).backward()
-            totals += torch.stack(
+            totals[:5] += torch.stack(
                 [
                     result.kept_loss_sum.detach().double(),
                     result.loss_sum.double(),
@@ -250,8 +253,9 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
         # log: the step's one host sync
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
+        totals[5] = stop.vote  # every rank learns of a stop request at the same step
         logged = torch.cat((runtime.all_reduce_sum(totals), grad_norm.detach().double().view(1)))
-        kept_loss, all_loss, kept, mapped, valid_count, grad_norm = logged.tolist()
+        kept_loss, all_loss, kept, mapped, valid_count, stop_votes, grad_norm = logged.tolist()
         step_tokens += int(valid_count)
         record = {
             "step": step,
@@ -281,13 +285,23 @@ def _train(config: TrainConfig, runtime: Runtime) -> Path | None:
             progress.update()
 
         # save
-        if step % config.save_every == 0 or step == stop_step:
-            save_checkpoint(config, step, model, optimizer, scheduler, data_state, meta, runtime)
+        if stop_votes or step % config.save_every == 0 or step == stop_step:
+            saved = save_checkpoint(
+                config, step, model, optimizer, scheduler, data_state, meta, runtime
+            )
+        if stop_votes:
+            break
 
     progress.close()
     for log in (metrics, documents, writer):
         if log is not None:
             log.close()
+    if stop_votes:
+        raise StoppedBySignal(
+            f"stopped by request after step {step}, saved in {saved}; run the same command "
+            "to resume from it",
+            stop.exit_signal,
+        )
     if stop_step < config.max_steps:
         return None
     provenance = {

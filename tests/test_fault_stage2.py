@@ -1,5 +1,6 @@
-"""Stage 2 under real faults: a checkpoint save that crashed half-way, a training process
-SIGKILLed mid-run, and a torchrun rank SIGKILLed mid-run. Resuming with --resume auto continues from the last complete checkpoint and
+"""Stage 2 under real faults: a checkpoint save that crashed half-way, a stop signal (SIGINT,
+SIGTERM) that saves where it stopped, a training process SIGKILLed mid-run, and a torchrun rank
+SIGKILLed mid-run. Resuming with --resume auto continues from the last complete checkpoint and
 reproduces the uninterrupted run's per-step metrics bit for bit.
 
 Covered elsewhere, cited in docs/fault-tolerance.md: resuming with another world size
@@ -10,6 +11,7 @@ which folders count as checkpoints (test_stage2_train.py::test_incomplete_checkp
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -137,3 +139,30 @@ def test_a_rank_killed_mid_run_resumes_bit_identical(tmp_path):
         whole / "final" / "model.safetensors"
     ).read_bytes()
     assert not list((out / "checkpoints").glob(".*.partial"))
+
+
+@pytest.mark.parametrize(
+    ("signum", "send"),
+    [
+        (signal.SIGINT, lambda p, s: os.killpg(p.pid, s)),  # Ctrl-C: the terminal's whole group
+        (signal.SIGTERM, lambda p, s: p.send_signal(s)),  # Slurm, Kubernetes, `kill`
+    ],
+)
+def test_a_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_bit_identical(
+    cache, whole, tmp_path, signum, send
+):
+    out = tmp_path / "out"
+    command = [sys.executable, str(TRAIN), *train_args(cache, out, *SAVE_ARGS)]
+    run = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    for line in run.stderr:  # the header comes once the stop handler is installed
+        if line.startswith("stage 2:"):
+            send(run, signum)
+            break
+    err = run.stderr.read()
+    assert run.wait() == 128 + signum, err
+    assert "Traceback" not in err
+    stopped = [step for step, _ in complete_checkpoints(out)]
+    assert len(stopped) == 1 and stopped[0] < 8  # saved where it stopped, not at the end
+    assert f"stopped by request after step {stopped[0]}, saved in " in err
+    assert main(train_args(cache, out, *SAVE_ARGS)) == 0
+    assert_same_run(out, whole)

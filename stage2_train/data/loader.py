@@ -11,6 +11,7 @@ from pipeline.errors import VocagnoError
 from stage2_train.data.packing import ConsumerStream
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState, StreamPosition
+from stage2_train.stop_request import ignore_interrupts_in_workers
 
 
 class CacheStream(IterableDataset):
@@ -61,4 +62,5 @@ def make_loader(
         num_workers=plan.num_workers,
         pin_memory=pin_memory,
         prefetch_factor=4 if plan.num_workers else None,
+        worker_init_fn=ignore_interrupts_in_workers,
     )
