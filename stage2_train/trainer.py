@@ -47,6 +47,7 @@ from stage2_train.data.plan import DataPlan, cache_fingerprint
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
 from stage2_train.parallel import autocast, full_state_dict, gradient_sync, unwrapped, wrap
+from stage2_train.preflight import check_output_and_cache, check_student_fits, remove_stale_logs
 from stage2_train.stop_request import StopRequest
 
 METRIC_KEYS = ("loss", "loss_all", "kept_fraction", "mapped_fraction")
@@ -131,6 +132,7 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
     settings = config.guidance_settings()
     compute = autocast(runtime, config.dtype)
     manifest = load_manifest(config.cache)
+    check_output_and_cache(config, manifest)
     tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
     accumulation = config.accumulation_steps(runtime.world_size)
     plan = DataPlan(
@@ -153,9 +155,9 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
         "config_fingerprint": config.fingerprint,
         "torch_threads": torch.get_num_threads(),
     }
-    model = wrap(
-        build_student(config.student, tokenizer, config.seed, config.seq_len), runtime, config.fsdp
-    )
+    student = build_student(config.student, tokenizer, config.seed, config.seq_len)
+    check_student_fits(config, student.config, runtime.device)
+    model = wrap(student, runtime, config.fsdp)
     optimizer = make_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda index: lr_at(index + 1, config) / config.lr
@@ -165,6 +167,8 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
     if checkpoint is not None:
         start_step = check_resumable(checkpoint, config, meta)
         data_state = load_checkpoint(checkpoint, model, optimizer, scheduler, runtime)
+    elif runtime.is_main:
+        remove_stale_logs(config.out)
     stop_step = config.stop_at_step or config.max_steps
 
     metrics = documents = writer = None

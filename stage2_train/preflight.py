@@ -1,0 +1,97 @@
+"""Checks before any work starts: each refuses, in one line, a run that would otherwise fail late
+(after the compute is spent), hang, be killed without a word, or quietly train on something other
+than what was asked."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from pipeline.cache.manifest import CacheManifest
+from pipeline.errors import CacheError, ConfigError
+from stage2_train.config import TrainConfig
+
+# Bytes per target token of a float32 forward and backward: the logits, their softmax and its
+# gradient (3 x 4 bytes x vocabulary) and, per layer, about 34 activations of the hidden size
+# (Korthikanti et al., 2022, for 16-bit; doubled for float32). An estimate, meant to catch
+# orders of magnitude, not to plan memory.
+LOGIT_BYTES_PER_ENTRY = 12
+ACTIVATION_BYTES_PER_HIDDEN_PER_LAYER = 68
+
+
+def check_output_and_cache(config: TrainConfig, manifest: CacheManifest) -> None:
+    """--out apart from the cache, and every listed shard present with its recorded size (the
+    hashes are checked as shards are read): a deleted shard fails now, not at step 15 of 40."""
+    out, cache = Path(config.out).resolve(), Path(config.cache).resolve()
+    if out == cache or cache in out.parents or out in cache.parents:
+        raise ConfigError(
+            f"--out {config.out} and --cache {config.cache} overlap: checkpoints and the model "
+            "would be written into the cache (or the cache into the run); choose another --out"
+        )
+    problems = []
+    for shard in manifest.shards:
+        path = cache / shard.file
+        if not path.is_file():
+            problems.append(f"{shard.file} is missing")
+        elif path.stat().st_size != shard.bytes:
+            problems.append(f"{shard.file} has {path.stat().st_size} bytes, not {shard.bytes}")
+    if problems:
+        raise CacheError(
+            f"cache {config.cache}: {len(problems)} of {len(manifest.shards)} shard(s) do not "
+            f"match the manifest ({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''})"
+            "; run `vocagno cache verify` and rerun stage 1 to restore them"
+        )
+    if config.global_batch_tokens > manifest.total_teacher_tokens:
+        raise ConfigError(
+            f"--global-batch-tokens {config.global_batch_tokens} is more than the whole cache "
+            f"({manifest.total_teacher_tokens} teacher tokens): one step would repeat documents "
+            "within itself; lower it or score a larger corpus"
+        )
+
+
+def check_student_fits(config: TrainConfig, model_config, device: torch.device) -> None:
+    """--seq-len within the student's positions, and a micro-batch that fits in memory."""
+    text_config = model_config.get_text_config()
+    positions = getattr(text_config, "max_position_embeddings", None)
+    if positions is not None and config.seq_len > positions:
+        raise ConfigError(
+            f"--seq-len {config.seq_len} is beyond the student's {positions} positions; "
+            f"use --seq-len {positions} or less"
+        )
+    per_token = (
+        LOGIT_BYTES_PER_ENTRY * text_config.vocab_size
+        + ACTIVATION_BYTES_PER_HIDDEN_PER_LAYER
+        * text_config.hidden_size
+        * text_config.num_hidden_layers
+    )
+    needed = per_token * config.micro_batch_size * config.seq_len
+    available = available_memory(device)
+    if needed > available:
+        raise ConfigError(
+            f"--micro-batch-size {config.micro_batch_size} x --seq-len {config.seq_len} needs "
+            f"about {needed / 2**30:.1f} GiB for one forward and backward (an estimate), and "
+            f"{available / 2**30:.1f} GiB is free on {device}: lower --micro-batch-size (the "
+            "step keeps its size through gradient accumulation)"
+        )
+
+
+def available_memory(device: torch.device) -> int:
+    """Free memory for this process: the GPU's, or on a CPU the machine's available memory
+    (page cache counts as available) shared by the ranks torchrun started on this node."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines())
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    else:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def remove_stale_logs(out: Path) -> None:
+    """A fresh start (no checkpoint to resume) must not show an earlier failed run's curves."""
+    shutil.rmtree(Path(out) / "tensorboard", ignore_errors=True)
