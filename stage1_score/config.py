@@ -32,6 +32,11 @@ class ScoreConfig:
         None,
         help="teacher tokenizer, if not the teacher's own (shipped name, tokenizer.json, folder)",
     )
+    force_tokenizer: bool = option(
+        False,
+        help="score with --tokenizer although it is not the tokenizer the teacher's folder "
+        "carries, or its vocabulary is far smaller than the teacher's (normally a mistake)",
+    )
     teacher_revision: str | None = option(
         None, help="revision of a hub teacher (branch, tag, commit)"
     )

@@ -79,7 +79,7 @@ def plan(config: ScoreConfig) -> Plan:
     teacher_config = load_teacher_config(teacher)
     check_weights_readable(teacher)
     tokenizer = load_teacher_tokenizer(teacher, config.tokenizer)
-    check_tokenizer_fits(tokenizer, teacher_config)
+    check_tokenizer_fits(tokenizer, teacher_config, teacher, config.force_tokenizer)
     context = teacher_context_length(teacher_config)
     try:
         max_length, stride = config.windows(context)

@@ -20,8 +20,10 @@ import pytest
 
 from pipeline.cache.manifest import SkippedDocument, load_manifest
 from pipeline.cache.verify import verify_cache
+from pipeline.config import parse_config
 from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.io import sha256_text
+from pipeline.scoring.teacher import TeacherError
 from pipeline.tokenizer import load_tokenizer
 from stage1_score.output import LOCK_NAME, OutputLock
 from stage1_score.run import main
@@ -255,9 +257,31 @@ def test_input_errors_before_any_worker_starts(teacher, corpus, tmp_path, capsys
     cases["they do not belong together"] = [
         *args(teacher, corpus, tmp_path / "o"), "--tokenizer", "qwen2.5",
     ]  # fmt: skip
+    cases["--tokenizer 'mistral' is not the tokenizer in the teacher's folder"] = [
+        *args(teacher, corpus, tmp_path / "o"), "--tokenizer", "mistral",
+    ]  # fmt: skip
     for message, command in cases.items():
         assert main(command) == 2, message
         assert message in one_line_error(capsys)
+
+
+def test_a_tokenizer_that_is_not_the_teachers_needs_force(teacher, corpus, tmp_path):
+    from stage1_score.config import ScoreConfig
+    from stage1_score.job import plan
+
+    def planned(teacher_folder, *extra):
+        argv = args(teacher_folder, corpus, tmp_path / "o", *extra)
+        return plan(parse_config(ScoreConfig, argv, "", "stage1"))
+
+    forced = planned(teacher, "--tokenizer", "mistral", "--force-tokenizer")
+    assert forced.identity["tokenizer"]["source"] == "--tokenizer"
+    # A folder with no tokenizer of its own: only the vocabulary sizes can disagree.
+    bigger = make_tiny_teacher(tmp_path / "smollm2-teacher", "smollm2")
+    bare = tmp_path / "bare"
+    shutil.copytree(bigger, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(TeacherError, match="has 32000 tokens, the teacher's vocabulary 49152"):
+        planned(bare, "--tokenizer", "tinyllama")
+    assert planned(bare, "--tokenizer", "tinyllama", "--force-tokenizer").identity["tokenizer"]
 
 
 @pytest.mark.slow

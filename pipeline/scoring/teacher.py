@@ -151,6 +151,11 @@ def teacher_context_length(config) -> int | None:
     return None
 
 
+# Models pad their embedding table past the tokenizer (Qwen2.5: 151,643 of 151,936; Phi-2: 50,295
+# of 51,200); a tokenizer below this share of the table belongs to another model.
+MIN_VOCABULARY_SHARE = 0.95
+
+
 def load_teacher_tokenizer(source: TeacherSource, override: str | None = None) -> TextTokenizer:
     """The teacher's own tokenizer (or `override`), which must give character offsets."""
     spec = override or (str(source.path) if source.kind == "gguf" else source.load_args[0])
@@ -165,8 +170,13 @@ def load_teacher_tokenizer(source: TeacherSource, override: str | None = None) -
         raise TokenizerError(f"teacher {source.spec!r}: {exc}") from exc
 
 
-def check_tokenizer_fits(tokenizer: TextTokenizer, config) -> None:
-    """A tokenizer with ids beyond the model's embedding table would index garbage or crash."""
+def check_tokenizer_fits(
+    tokenizer: TextTokenizer, config, source: TeacherSource, force: bool = False
+) -> None:
+    """The tokenizer must belong to the model. Ids beyond the embedding table would index garbage
+    or crash: always refused. A vocabulary far smaller than the model's (beyond the padding
+    models add), or a --tokenizer other than the one the teacher's folder carries, gives losses of
+    a tokenization the teacher never saw: refused unless `force`."""
     vocab = getattr(config.get_text_config(), "vocab_size", None)
     largest = max(tokenizer.vocab().values())
     if vocab is not None and largest >= vocab:
@@ -174,6 +184,32 @@ def check_tokenizer_fits(tokenizer: TextTokenizer, config) -> None:
             f"tokenizer {tokenizer.spec!r} has token ids up to {largest}, but the teacher's "
             f"vocabulary has {vocab} entries: they do not belong together"
         )
+    if force:
+        return
+    if vocab is not None and tokenizer.vocab_size < MIN_VOCABULARY_SHARE * vocab:
+        raise TeacherError(
+            f"tokenizer {tokenizer.spec!r} has {tokenizer.vocab_size} tokens, the teacher's "
+            f"vocabulary {vocab}: they do not look like one model's; pass --force-tokenizer if "
+            "they are"
+        )
+    own = _own_tokenizer(source)
+    if own is not None and own.fingerprint != tokenizer.fingerprint:
+        raise TeacherError(
+            f"--tokenizer {tokenizer.spec!r} is not the tokenizer in the teacher's folder "
+            f"({own.vocab_size} tokens there, {tokenizer.vocab_size} here): the losses would be of a "
+            "tokenization the teacher was not trained on; drop --tokenizer, or pass "
+            "--force-tokenizer if this is intended"
+        )
+
+
+def _own_tokenizer(source: TeacherSource) -> TextTokenizer | None:
+    """The tokenizer the teacher's folder or GGUF file carries, if it has a usable one."""
+    if source.kind == "hub" or (source.kind == "folder" and not has_tokenizer_files(source.path)):
+        return None
+    try:
+        return load_teacher_tokenizer(source)
+    except TokenizerError:
+        return None
 
 
 def load_teacher_model(source: TeacherSource, dtype: str, device: str):
