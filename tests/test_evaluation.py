@@ -82,9 +82,31 @@ def test_eval_command_reports_both_measures(tmp_path, capsys):
     assert np.isfinite(saved["bits_per_character"]["bits_per_character"])
 
 
-def test_eval_of_a_missing_model_is_one_clear_error(tmp_path, capsys):
+def test_eval_of_a_missing_model_or_a_checkpoint_is_one_clear_error(tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "nope")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert f"error: model '{tmp_path / 'nope'}' does not exist" in capsys.readouterr().err
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-4"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text(json.dumps({"max_steps": 8, "dtype": "auto"}))
+    assert main(["eval", "--model", str(checkpoint)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a model's configuration" in err and "final/ folder" in err
+    assert err.count("\n") == 1
+
+
+def test_eval_data_with_a_bad_record_stops_or_skips_as_asked(tmp_path, capsys):
+    folder = make_tiny_teacher(tmp_path / "m", "tinyllama")
+    data = tmp_path / "held-out.jsonl"
+    rows = [{"text": "One apple and 2 pears.\n#### 3"}, {"text": "bad \ud800"}]
+    rows.append({"text": "Seven days.\n#### 7"})
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["eval", "--model", str(folder), "--data", str(data), "--num-docs", "2"]
+    args += ["--accuracy-problems", "0", "--max-length", "256"]
+    assert main(args) == 2
+    assert "record 1: text holds a lone surrogate" in capsys.readouterr().err
+    assert main([*args, "--on-bad-record", "skip"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bits_per_character"]["documents"] == 2 and report["skipped_records"] == 1
 
 
 def test_generation_stops_per_row_once_the_final_answer_line_is_written():

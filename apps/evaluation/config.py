@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.choices import TorchDtype
+from pipeline.choices import OnBadRecord, TorchDtype
 from pipeline.config import option
 
 SECTION = "eval"
@@ -20,6 +20,11 @@ class EvalConfig:
     )
     shots_data: str | None = option(
         None, help="where the few-shot examples come from; unset: the shipped train split"
+    )
+    on_bad_record: OnBadRecord = option(
+        "error",
+        help="a malformed held-out record stops with its file and record (error), or is passed "
+        "over and counted in the report's skipped_records (skip)",
     )
     num_docs: int = option(200, help="held-out documents for bits per character (0: skip)")
     accuracy_problems: int = option(

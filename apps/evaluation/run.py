@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 import sys
 
 from apps.evaluation.answer_accuracy import answer_accuracy, problem_from_document
 from apps.evaluation.bits_per_character import bits_per_character
 from apps.evaluation.config import EvalConfig
 from pipeline.config import to_dict
-from pipeline.corpus import Corpus, Document
+from pipeline.corpus import Corpus, CorpusOptions, Document
 from pipeline.io import atomic_write_json
 from pipeline.scoring.hf import HFScorer
 from pipeline.scoring.teacher import (
@@ -23,13 +22,22 @@ from pipeline.shipped import shipped_corpus
 DEFAULT_CONTEXT = 2048
 
 
-def _documents(spec: str, count: int) -> list[Document]:
-    docs = (d for d in Corpus(spec) if isinstance(d, Document))
-    return list(itertools.islice(docs, count))
+def _documents(spec: str, count: int, on_bad_record: str) -> tuple[list[Document], int]:
+    """The first `count` usable documents, and how many bad records were passed over on the way
+    (only with on_bad_record="skip"; otherwise the first bad one stops with its file and record)."""
+    documents, skipped = [], 0
+    for item in Corpus(spec, CorpusOptions(on_bad_record=on_bad_record)):
+        if len(documents) == count:
+            break
+        if isinstance(item, Document):
+            documents.append(item)
+        else:
+            skipped += 1
+    return documents, skipped
 
 
 def evaluate(config: EvalConfig) -> dict:
-    source = resolve_teacher(config.model)
+    source = resolve_teacher(config.model, role="model")
     tokenizer = load_teacher_tokenizer(source, config.tokenizer)
     max_length = config.max_length or min(
         teacher_context_length(load_teacher_config(source)) or DEFAULT_CONTEXT, DEFAULT_CONTEXT
@@ -43,17 +51,20 @@ def evaluate(config: EvalConfig) -> dict:
     )
     report: dict = {"model": config.model, "tokenizer": tokenizer.spec, "config": to_dict(config)}
     data = config.data or str(shipped_corpus("eval"))
+    skipped = 0
     if config.num_docs:
-        texts = [d.text for d in _documents(data, config.num_docs)]
+        documents, skipped = _documents(data, config.num_docs, config.on_bad_record)
+        texts = [d.text for d in documents]
         print(f"eval: bits per character over {len(texts)} documents", file=sys.stderr)
         report["bits_per_character"] = bits_per_character(scorer, tokenizer, texts).to_json()
     if config.accuracy_problems:
-        shots = [
-            d.text
-            for d in _documents(config.shots_data or str(shipped_corpus("train")), config.shots)
-        ]
+        shots_data = config.shots_data or str(shipped_corpus("train"))
+        shots = [d.text for d in _documents(shots_data, config.shots, config.on_bad_record)[0]]
         # Held-out problems come after the documents used for loss, so the two never overlap.
-        docs = _documents(data, config.num_docs + config.accuracy_problems)[config.num_docs :]
+        docs, skipped = _documents(
+            data, config.num_docs + config.accuracy_problems, config.on_bad_record
+        )
+        docs = docs[config.num_docs :]
         problems = [problem_from_document(d.text) for d in docs]
         print(f"eval: answer accuracy on {len(problems)} problems", file=sys.stderr)
         report["answer_accuracy"] = answer_accuracy(
@@ -64,6 +75,7 @@ def evaluate(config: EvalConfig) -> dict:
             max_new_tokens=config.max_new_tokens,
             batch_size=config.generation_batch,
         )
+    report["skipped_records"] = skipped
     if config.out:
         atomic_write_json(config.out, report)
     return report

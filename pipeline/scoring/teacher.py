@@ -39,6 +39,7 @@ class TeacherSource:
     kind: Literal["folder", "gguf", "hub"]
     path: Path | None = None
     revision: str | None = None
+    role: str = "teacher"  # what messages call it: `vocagno eval` measures any model
 
     @property
     def load_args(self) -> tuple[str, dict]:
@@ -50,21 +51,37 @@ class TeacherSource:
         return str(self.path), {}
 
 
-def resolve_teacher(spec: str, revision: str | None = None) -> TeacherSource:
+def resolve_teacher(spec: str, revision: str | None = None, role: str = "teacher") -> TeacherSource:
     path = Path(spec).expanduser()
     if path.is_dir():
+        if not _is_model_config(path / "config.json"):
+            raise TeacherError(
+                f"{path}/config.json is not a model's configuration (no model_type or "
+                "architectures): a stage-2 "
+                "checkpoint or run folder? use the run's final/ folder, the saved student"
+            )
         if not (path / "config.json").exists() and not list(path.glob("*.gguf")):
-            raise TeacherError(f"teacher folder {path} has no config.json: not a model folder")
-        return TeacherSource(spec, "folder", path.resolve())
+            raise TeacherError(f"{role} folder {path} has no config.json: not a model folder")
+        return TeacherSource(spec, "folder", path.resolve(), role=role)
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise TeacherError(f"teacher GGUF file {path} does not exist")
-        return TeacherSource(spec, "gguf", path.resolve())
+            raise TeacherError(f"{role} GGUF file {path} does not exist")
+        return TeacherSource(spec, "gguf", path.resolve(), role=role)
     if path.exists():
-        raise TeacherError(f"teacher {path} is neither a model folder nor a .gguf file")
+        raise TeacherError(f"{role} {path} is neither a model folder nor a .gguf file")
     if not is_hub_id(spec):
-        raise TeacherError(f"teacher {spec!r} does not exist (and is not a hub id owner/name)")
-    return TeacherSource(spec, "hub", None, revision)
+        raise TeacherError(f"{role} {spec!r} does not exist (and is not a hub id owner/name)")
+    return TeacherSource(spec, "hub", None, revision, role)
+
+
+def _is_model_config(path: Path) -> bool:
+    """False for a config.json that is valid JSON but no model's (a training run's settings);
+    a missing or unreadable one is left to the checks that name those problems."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True
+    return not isinstance(data, dict) or "model_type" in data or "architectures" in data
 
 
 def _folder_digest(folder: Path) -> str:
@@ -97,7 +114,7 @@ def teacher_identity(source: TeacherSource) -> dict:
 
         commit = HfApi().model_info(source.spec, revision=source.revision).sha
     except Exception as exc:
-        raise TeacherError(f"cannot resolve hub teacher {source.spec!r}: {exc}") from exc
+        raise TeacherError(f"cannot resolve hub {source.role} {source.spec!r}: {exc}") from exc
     return {"kind": "hub", "name": source.spec, "revision": commit}
 
 
@@ -114,7 +131,7 @@ def check_weights_readable(source: TeacherSource) -> None:
         files = sorted(p for pattern in WEIGHT_PATTERNS for p in source.path.glob(pattern))
         if not files:
             raise TeacherError(
-                f"teacher folder {source.path} holds no weights ({', '.join(WEIGHT_PATTERNS)})"
+                f"{source.role} folder {source.path} holds no weights ({', '.join(WEIGHT_PATTERNS)})"
             )
     for path in files:
         try:
@@ -128,7 +145,7 @@ def check_weights_readable(source: TeacherSource) -> None:
 
                 GGUFReader(str(path))
         except Exception as exc:
-            raise TeacherError(f"teacher weights {path} are unreadable: {exc}") from exc
+            raise TeacherError(f"{source.role} weights {path} are unreadable: {exc}") from exc
 
 
 def load_teacher_config(source: TeacherSource):
@@ -138,7 +155,7 @@ def load_teacher_config(source: TeacherSource):
     try:
         return AutoConfig.from_pretrained(name, **kwargs)
     except Exception as exc:
-        raise TeacherError(f"cannot read the config of teacher {source.spec!r}: {exc}") from exc
+        raise TeacherError(f"cannot read the config of {source.role} {source.spec!r}: {exc}") from exc
 
 
 def teacher_context_length(config) -> int | None:
@@ -161,13 +178,14 @@ def load_teacher_tokenizer(source: TeacherSource, override: str | None = None) -
     spec = override or (str(source.path) if source.kind == "gguf" else source.load_args[0])
     if override is None and source.kind == "folder" and not has_tokenizer_files(source.path):
         raise TokenizerError(
-            f"teacher folder {source.path} holds no tokenizer (no {' or '.join(TOKENIZER_FILES)}): "
-            f"pass --tokenizer with the teacher's tokenizer ({TOKENIZER_SPEC})"
+            f"{source.role} folder {source.path} holds no tokenizer (no "
+            f"{' or '.join(TOKENIZER_FILES)}): pass --tokenizer with the {source.role}'s tokenizer "
+            f"({TOKENIZER_SPEC})"
         )
     try:
         return load_tokenizer(spec)
     except TokenizerError as exc:
-        raise TokenizerError(f"teacher {source.spec!r}: {exc}") from exc
+        raise TokenizerError(f"{source.role} {source.spec!r}: {exc}") from exc
 
 
 def check_tokenizer_fits(
@@ -225,7 +243,7 @@ def load_teacher_model(source: TeacherSource, dtype: str, device: str):
             name, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **kwargs
         )
     except Exception as exc:
-        raise TeacherError(f"cannot load teacher {source.spec!r}: {exc}") from exc
+        raise TeacherError(f"cannot load {source.role} {source.spec!r}: {exc}") from exc
     return model.to(device).eval()
 
 
