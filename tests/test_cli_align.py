@@ -130,8 +130,8 @@ def test_overlap_prints_the_figure_1_numbers(capsys):
     "content, extra, message",
     [
         (None, [], "does not exist"),
-        ('{"text": "fine"}\n{"body": "no text"}\n', [], "record 1: no field 'text' (fields: body)"),
-        ('{"text": "fine"}\n{"text": "fine"}\n', ["--text-column", "doc"], "(fields: text)"),
+        ('{"text": "fine"}\n{"body": "no text"}\n', [], "record 1: no field 'text' (fields: 'body')"),
+        ('{"text": "fine"}\n{"text": "fine"}\n', ["--text-column", "doc"], "(fields: 'text')"),
         ('{"text": "fine"}\n{"text": "cut\n', [], "record 1: not valid JSON"),
     ],
 )

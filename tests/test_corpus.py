@@ -91,7 +91,7 @@ def test_missing_text_column_lists_the_columns(tmp_path):
 def test_missing_text_field_in_json_lines_lists_the_fields(tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [{"id": "x", "content": "hello"}])
     with pytest.raises(
-        CorpusError, match=r"c.jsonl: record 0: no field 'text' \(fields: content, id\)"
+        CorpusError, match=r"c.jsonl: record 0: no field 'text' \(fields: 'content', 'id'\)"
     ):
         documents(path)
 

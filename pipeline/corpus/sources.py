@@ -59,7 +59,7 @@ class JsonLinesSource(Source):
         if options.text_column not in row:
             raise BadRecord(
                 index,
-                f"no field {options.text_column!r} (fields: {', '.join(sorted(row)) or 'none'})",
+                f"no field {options.text_column!r} (fields: {', '.join(map(repr, sorted(row))) or 'none'})",
             )
         doc_id = None
         if options.id_column is not None:
