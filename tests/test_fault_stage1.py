@@ -1,5 +1,5 @@
-"""Stage 1 under real faults: the driver SIGKILLed mid-run and a Ray worker SIGKILLed mid-unit.
-Either way the same command run again finishes the cache, and it equals an uninterrupted run's
+"""Stage 1 under real faults: the driver SIGKILLed mid-run, a Ray worker SIGKILLed mid-unit, and
+the driver stopped by SIGINT or SIGTERM. Each way the same command run again finishes the cache, and it equals an uninterrupted run's
 byte for byte: every shard, sidecar, producer record and the manifest, no document twice or
 missing, no temporary file left.
 
@@ -173,4 +173,27 @@ def test_worker_killed_mid_unit_recovers_or_fails_clearly_and_rerun_is_identical
         assert main(command) == 0
     # Here Ray restarts the actor and retries the unit (max_restarts/max_task_retries): the run
     # finishes by itself; either way the cache is the uninterrupted one.
+    assert_equal_to_reference(out, reference, corpus)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_ends_the_run_cleanly_and_the_rerun_equals_the_uninterrupted_cache(
+    ray_address, teacher, corpus, reference, tmp_path, signum
+):
+    """Ctrl-C or SIGTERM (Slurm, Kubernetes, `ray job stop`): no traceback, one line saying how to
+    resume, exit 128 + signal, finished units kept and no partial file left."""
+    out, log = tmp_path / "cache", tmp_path / "stopped.log"
+    command = args(teacher, corpus, out, ray_address)
+    process = start_run(command, log)
+    wait_for(lambda: len(finished_units(out)) >= 2, "two finished units", process, log)
+    process.send_signal(signum)
+    process.wait(timeout=120)
+    output = log.read_text()
+    assert process.returncode == 128 + signum, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1] == (
+        "stage1: interrupted; rerun the same command to resume"
+    )
+    assert not list(out.glob(TEMPORARY_GLOB)) and not (out / "manifest.json").exists()
+    assert main(command) == 0  # the lock was released
     assert_equal_to_reference(out, reference, corpus)
