@@ -11,25 +11,16 @@ the engine: torch.compile unless --enforce-eager). It also prints the largest lo
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import itertools
 import json
-import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-
-from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
-from stage1_score.run import main as stage1  # noqa: E402
-
-CORPUS = Path(__file__).resolve().parents[1] / "pipeline/assets/corpus/gsm_symbolic-train.jsonl.zst"
+from stage1_runs import add_stage1_arguments, prepared_teacher, timed_stage1, write_corpus_slice  # noqa: E402
 
 
 def losses(out: Path) -> list[np.ndarray]:
@@ -43,26 +34,16 @@ def losses(out: Path) -> list[np.ndarray]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--teacher", help="teacher folder (default: the prepared SmolLM2)")
-    parser.add_argument("--docs", type=int, default=64)
-    parser.add_argument("--docs-per-shard", type=int, default=8)
-    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
+    add_stage1_arguments(parser)
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     args = parser.parse_args()
-    if args.teacher is None:
-        from pipeline.models.teacher_assets import prepare_smollm2_teacher
-
-        args.teacher = str(prepare_smollm2_teacher())
+    args.teacher = prepared_teacher(args.teacher)
     import ray
 
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR")
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
-        corpus = Path(scratch) / "docs.jsonl"
-        docs = itertools.islice(Corpus(CORPUS, CorpusOptions(id_column="id")), args.docs)
-        corpus.write_text(
-            "".join(json.dumps({"id": d.doc_id, "text": d.text}) + "\n" for d in docs)
-        )
+        corpus = write_corpus_slice(Path(scratch), args.docs)
         for backend in ("hf", "vllm"):
             out = Path(scratch) / backend
             command = [
@@ -73,14 +54,8 @@ def main() -> int:
                 "--progress-seconds", "1e9",
                 *(["--vllm-enforce-eager"] if args.enforce_eager else []),
             ]  # fmt: skip
-            log = io.StringIO()
-            started = time.perf_counter()
-            with contextlib.redirect_stderr(log):
-                assert stage1(command) == 0, log.getvalue()
-            wall = time.perf_counter() - started
-            tokens = json.loads((out / "manifest.json").read_text())["totals"]["teacher_tokens"]
-            final = [line for line in log.getvalue().splitlines() if "finished in" in line][-1]
-            rate = float(re.search(r"w0 ([\d,]+) tok/s", final).group(1).replace(",", ""))
+            wall, manifest, (rate,) = timed_stage1(command)
+            tokens = manifest["totals"]["teacher_tokens"]
             results[backend] = (wall, tokens, rate, losses(out))
     ray.shutdown()
     print(f"{args.docs} documents, teacher {args.teacher} (float32), 1 worker x {args.cpus} CPUs")

@@ -9,48 +9,29 @@ the unit seconds reported by the workers give the steady-state rate without that
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import itertools
-import json
-import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
-from pipeline.log import configure  # noqa: E402
-from pipeline.shipped import shipped_corpus  # noqa: E402
-from stage1_score.run import main as stage1  # noqa: E402
+from stage1_runs import add_stage1_arguments, prepared_teacher, timed_stage1, write_corpus_slice  # noqa: E402
 
-CORPUS = shipped_corpus("train")
+from pipeline.log import configure  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--teacher", help="teacher folder (default: the prepared SmolLM2)")
-    parser.add_argument("--docs", type=int, default=64)
-    parser.add_argument("--docs-per-shard", type=int, default=8)
-    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
+    add_stage1_arguments(parser)
     args = parser.parse_args()
     configure()  # the teacher's preparation reports its steps
-    if args.teacher is None:
-        from pipeline.models.teacher_assets import prepare_smollm2_teacher
-
-        args.teacher = str(prepare_smollm2_teacher())
+    args.teacher = prepared_teacher(args.teacher)
     import ray
 
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR")
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
-        corpus = Path(scratch) / "docs.jsonl"
-        docs = itertools.islice(Corpus(CORPUS, CorpusOptions(id_column="id")), args.docs)
-        corpus.write_text(
-            "".join(json.dumps({"id": d.doc_id, "text": d.text}) + "\n" for d in docs)
-        )
+        corpus = write_corpus_slice(Path(scratch), args.docs)
         for workers in (1, 2):
             out = Path(scratch) / f"cache-{workers}"
             command = [
@@ -59,17 +40,8 @@ def main() -> int:
                 "--max-length", "512", "--stride", "256", "--batch-tokens", "4096",
                 "--num-workers", str(workers), "--progress-seconds", "1e9",
             ]  # fmt: skip
-            log = io.StringIO()
-            started = time.perf_counter()
-            with contextlib.redirect_stderr(log):
-                assert stage1(command) == 0, log.getvalue()
-            wall = time.perf_counter() - started
-            manifest = json.loads((out / "manifest.json").read_text())
+            wall, manifest, per_worker = timed_stage1(command)
             tokens = manifest["totals"]["teacher_tokens"]
-            final = [line for line in log.getvalue().splitlines() if "finished in" in line][-1]
-            per_worker = [
-                float(r.replace(",", "")) for r in re.findall(r"w\d+ ([\d,]+) tok/s", final)
-            ]
             results[workers] = (wall, tokens, per_worker, manifest["shards"])
     ray.shutdown()
     print(f"{args.docs} documents, teacher {args.teacher}, {args.cpus} CPUs")

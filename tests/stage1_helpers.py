@@ -3,6 +3,7 @@ and a direct transformers forward pass to check stage-1 losses against."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -10,11 +11,24 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.io import read_bytes
 from pipeline.shipped import shipped_corpus, shipped_tokenizer_file
 from pipeline.tokenizer import load_tokenizer, shipped_tokenizers
 
 SHIPPED_CORPUS = shipped_corpus("eval")
+
+
+def shipped_documents(count: int) -> list[tuple[str, str]]:
+    """(id, text) of the first `count` documents of the shipped held-out split."""
+    docs = itertools.islice(Corpus(SHIPPED_CORPUS, CorpusOptions(id_column="id")), count)
+    return [(d.doc_id, d.text) for d in docs]
+
+
+def write_jsonl_corpus(path: Path, documents: list[tuple[str, str]]) -> Path:
+    """A plain JSON-lines corpus with `id` and `text` fields."""
+    path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in documents))
+    return path
 
 
 def make_tiny_teacher(

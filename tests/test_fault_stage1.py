@@ -28,9 +28,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.cache.verify import TEMPORARY_GLOB, verify_cache
-from pipeline.corpus import Corpus, CorpusOptions
 from stage1_score.run import main
-from tests.stage1_helpers import SHIPPED_CORPUS, make_tiny_teacher
+from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
 from tests.test_stage1_run import snapshot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,10 +47,8 @@ def teacher(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    docs = list(Corpus(SHIPPED_CORPUS, CorpusOptions(id_column="id")))[:NUM_DOCS]
     path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"id": d.doc_id, "text": d.text}) + "\n" for d in docs))
-    return path
+    return write_jsonl_corpus(path, shipped_documents(NUM_DOCS))
 
 
 @pytest.fixture(scope="module")

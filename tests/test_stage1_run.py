@@ -28,10 +28,11 @@ from pipeline.tokenizer import load_tokenizer
 from stage1_score.output import LOCK_NAME, OutputLock
 from stage1_score.run import main
 from tests.stage1_helpers import (
-    SHIPPED_CORPUS,
     load_model,
     make_tiny_teacher,
+    shipped_documents,
     windowed_direct_losses,
+    write_jsonl_corpus,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,13 +47,10 @@ def teacher(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """NUM_DOCS real documents, plus an empty one (record 3) and a repeated id (the last record)."""
-    docs = list(Corpus(SHIPPED_CORPUS, CorpusOptions(id_column="id")))[:NUM_DOCS]
-    lines = [json.dumps({"id": d.doc_id, "text": d.text}) for d in docs]
-    lines.insert(3, json.dumps({"id": "empty", "text": " \n\t"}))
-    lines.append(lines[0])
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    documents = shipped_documents(NUM_DOCS)
+    documents.insert(3, ("empty", " \n\t"))
+    documents.append(documents[0])
+    return write_jsonl_corpus(tmp_path_factory.mktemp("corpus") / "docs.jsonl", documents)
 
 
 @pytest.fixture(scope="module")

