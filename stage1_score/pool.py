@@ -4,6 +4,8 @@ the corpus, so memory stays bounded whatever the corpus size."""
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Callable, Iterator
 
 from pipeline.cache.manifest import ShardRecord
@@ -30,7 +32,12 @@ def connect_ray(address: str | None) -> bool:
 
     if ray.is_initialized():
         return False
+    handler = signal.getsignal(signal.SIGTERM)
     ray.init(address=address, logging_level="WARNING")
+    # ray.init puts its own SIGTERM handler in place, which skips our unwinding (lock, cleanup,
+    # one line): the entry point's handler is put back.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
     return True
 
 
