@@ -128,9 +128,7 @@ def test_a_resumed_document_stream_continues_exactly(cache, seq_len):
             for key in ("input_ids", "labels", "position_ids", "segment_ids"):
                 assert torch.equal(want[key], got[key]), key
             assert torch.equal(want["teacher_loss"].isnan(), got["teacher_loss"].isnan())
-            assert torch.equal(
-                want["teacher_loss"].nan_to_num(), got["teacher_loss"].nan_to_num()
-            )
+            assert torch.equal(want["teacher_loss"].nan_to_num(), got["teacher_loss"].nan_to_num())
             assert want["documents"] == got["documents"]
             assert want["position"] == got["position"]
     if seq_len == 48:
