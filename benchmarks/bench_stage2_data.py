@@ -5,7 +5,8 @@ which the trainer consumes tokens.
 
 A cache of the shipped GSM-style corpus (teacher tokenizer --teacher, random teacher losses: the
 data path's cost does not depend on their values) is streamed by one consumer exactly as a
-worker does (stage2_train.data.packing.ConsumerStream); the bare tokenizer encodes the same texts in
+worker does (stage2_train.data.streams.consumer_stream, --packing documents by default; the
+delivered tokens are its targets); the bare tokenizer encodes the same texts in
 the same read-sized batches with the same framing. Tokenizers run on one thread (one worker =
 one core). The trainer's rate is one optimizer step of the --preset student on this machine.
 Data path and tokenizer are timed in turn, best of --repeats, so they see the same machine load;
@@ -26,26 +27,31 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the cache builder
 
 from timing import interleaved_best_times, print_header, print_load_average  # noqa: E402
 
+from pipeline.cross_entropy import IGNORE_INDEX  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from stage2_train.data.documents import READ_ROWS  # noqa: E402
-from stage2_train.data.packing import ConsumerStream  # noqa: E402
 from stage2_train.data.plan import DataPlan  # noqa: E402
+from stage2_train.data.streams import PACKINGS, consumer_stream  # noqa: E402
 from tests.cache_fixtures import build_cache, corpus_documents  # noqa: E402
 
 
-def stream_tokens(plan: DataPlan, batches: int) -> int:
-    """Student tokens delivered by one consumer in `batches` micro-batches."""
-    stream = iter(ConsumerStream(plan, 0))
-    for _ in range(batches):
-        next(stream)
-    return batches * plan.micro_batch_size * plan.seq_len
+def stream_tokens(plan: DataPlan) -> int:
+    """Student targets delivered by one consumer until it has read every document once (padding
+    and re-read context are no targets: they count as cost, not as delivered tokens)."""
+    tokens = 0
+    for batch in consumer_stream(plan, 0):
+        tokens += int(np.count_nonzero(batch["labels"].numpy() != IGNORE_INDEX))  # no torch op
+        if batch["position"]["epoch"] >= 1:
+            return tokens
+    raise AssertionError("unreachable: streams are endless")
 
 
 def tokenize_reads(tokenizer, texts: list[str]) -> int:
@@ -71,6 +77,9 @@ def main() -> None:
     parser.add_argument("--preset", default="llama-small", help="student for the trainer's rate")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument(
+        "--packing", default="documents", choices=PACKINGS, help="stage 2's --packing"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timings per figure (best kept)")
     args = parser.parse_args()
 
@@ -90,13 +99,14 @@ def main() -> None:
             student_tokenizer=args.student,
             seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size,
+            packing=args.packing,
         )
-        # Whole micro-batches within one epoch: the stream reads every document once.
-        batches = (total - 1) // (args.micro_batch_size * args.seq_len)
+        # Until every document was read once (and a little of the next epoch's first read).
+        streamed = stream_tokens(plan)
         wall, cpu = interleaved_best_times(
             args.repeats,
             {
-                "data path": (stream_tokens, plan, batches),
+                "data path": (stream_tokens, plan),
                 "tokenize": (tokenize_reads, student, texts),
             },
         )
@@ -109,7 +119,6 @@ def main() -> None:
     train_wall, train_cpu = interleaved_best_times(
         args.repeats, {"train step": (train_step, model, optimizer, inputs)}
     )
-    streamed = batches * args.micro_batch_size * args.seq_len
     step_tokens = args.micro_batch_size * args.seq_len
     rates = {  # (wall, CPU) student tokens per second
         "bare student tokenization": (total / wall["tokenize"], total / cpu["tokenize"]),
@@ -121,7 +130,7 @@ def main() -> None:
     }
     print(
         f"{args.docs} documents, {total:,} {args.student} tokens (teacher {args.teacher}); one "
-        f"thread per tokenizer; trainer: {args.preset}, {args.micro_batch_size} x {args.seq_len} "
+        f"thread per tokenizer; {args.packing} packing; trainer: {args.preset}, {args.micro_batch_size} x {args.seq_len} "
         f"tokens per step, {torch.get_num_threads()} torch threads; best of {args.repeats}"
     )
     print()

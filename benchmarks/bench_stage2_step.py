@@ -2,7 +2,7 @@
 --guidance token takes at most 1.05x the time of a step with --guidance none.
 
 One optimizer step as stage 2 runs it (forward, per-token loss, selection, backward, AdamW) on a
-from-scratch student with the tinyllama vocabulary, on packed batches from a real data path: the
+from-scratch student with the tinyllama vocabulary, on packed batches from a real data path (--packing documents by default: with the document mask): the
 shipped corpus with random teacher losses (selection cost does not depend on their values). The
 modes are timed in turn, best of --repeats each, so they all see the same machine load; the
 selection alone (guided_loss on the step's per-token losses) is timed too. Wall and CPU time are
@@ -28,15 +28,16 @@ from pipeline.cross_entropy import token_loss  # noqa: E402
 from pipeline.guidance import GuidanceSettings, guided_loss  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
-from stage2_train.data.packing import ConsumerStream  # noqa: E402
+from stage2_train.attention import student_logits  # noqa: E402
 from stage2_train.data.plan import DataPlan  # noqa: E402
+from stage2_train.data.streams import PACKINGS, consumer_stream  # noqa: E402
 from tests.cache_fixtures import build_cache  # noqa: E402
 
 MODES = ("none", "token", "random")
 
 
 def training_step(model, optimizer, batch, settings: GuidanceSettings) -> float:
-    logits = model(input_ids=batch["input_ids"]).logits
+    logits = student_logits(model, batch, torch.device("cpu"))
     result = guided_loss(
         token_loss(logits, batch["labels"]),
         batch["teacher_loss"],
@@ -57,6 +58,9 @@ def main() -> None:
     )
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument(
+        "--packing", default="documents", choices=PACKINGS, help="stage 2's --packing"
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timings per mode (best kept)")
     args = parser.parse_args()
 
@@ -68,8 +72,9 @@ def main() -> None:
             student_tokenizer="tinyllama",
             seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size,
+            packing=args.packing,
         )
-        batch = next(iter(ConsumerStream(plan, 0)))
+        batch = next(iter(consumer_stream(plan, 0)))
     model = build_student(args.preset, tokenizer, seed=0, seq_len=args.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     settings = {mode: GuidanceSettings(mode=mode) for mode in MODES}
@@ -78,7 +83,7 @@ def main() -> None:
     }  # warm-up
 
     with torch.no_grad():
-        per_token = token_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+        per_token = token_loss(student_logits(model, batch, torch.device("cpu")), batch["labels"])
     tasks = {
         f"step {mode}": (training_step, model, optimizer, batch, settings[mode]) for mode in MODES
     }
@@ -98,7 +103,7 @@ def main() -> None:
     print(
         f"student {args.preset} ({params / 1e6:.1f}M parameters, "
         f"vocabulary {tokenizer.vocab_size}), "
-        f"{args.micro_batch_size} x {args.seq_len} tokens per step, {torch.get_num_threads()} "
+        f"{args.micro_batch_size} x {args.seq_len} tokens per step ({args.packing} packing), {torch.get_num_threads()} "
         f"torch threads, best of {args.repeats}"
     )
     print()

@@ -70,6 +70,18 @@ class TrainConfig:
         "once (one threshold, all_gather)",
     )
     seq_len: int = option(2048, help="tokens per training sequence (documents are packed)")
+    packing: Literal[documents, stream] = option(
+        "documents",
+        help="documents: whole documents packed best-fit, attention masked at document "
+        "boundaries, positions restarting per document (as stage 1 scored them); stream: "
+        "documents concatenated and cut into windows, no mask (see docs/packing.md)",
+        choices=("documents", "stream"),
+    )
+    packing_context: float = option(
+        0.5,
+        help="--packing documents: the continuation of a document longer than a window "
+        "re-reads this fraction of a window before it as context, without loss",
+    )
     stop_at_step: int | None = option(
         None,
         help="stop cleanly after this step with a checkpoint, as a cluster time limit would; "
@@ -133,6 +145,8 @@ class TrainConfig:
             )
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
             raise ValueError(f"--stop-at-step must be in [1, --max-steps], not {self.stop_at_step}")
+        if not 0 <= self.packing_context < 1:
+            raise ValueError(f"--packing-context must be in [0, 1), not {self.packing_context}")
         if not 0 < self.min_lr <= self.lr:
             raise ValueError(f"need 0 < --min-lr <= --lr, not {self.min_lr} and {self.lr}")
         for name in ("adam_beta1", "adam_beta2"):

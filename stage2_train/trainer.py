@@ -34,6 +34,7 @@ from pipeline.models.hf_tokenizer import save_tokenizer
 from pipeline.models.student import build_student, student_tokenizer_spec
 from pipeline.tokenizer import load_tokenizer
 from pipeline.versions import software_versions
+from stage2_train.attention import student_logits
 from stage2_train.checkpoint import (
     check_resumable,
     load_checkpoint,
@@ -142,6 +143,8 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
         alignment=choose_alignment(config.guidance, tokenizer.fingerprint, manifest.tokenizer),
         num_chunks=config.num_chunks,
         aggregate=config.aggregate,
+        packing=config.packing,
+        packing_context=config.packing_context,
         seq_len=config.seq_len,
         micro_batch_size=config.micro_batch_size,
         seed=config.seed,
@@ -221,12 +224,11 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
         # kept loss, all loss, kept, mapped, valid, stop votes: summed on the device, read once
         totals = torch.zeros(6, dtype=torch.float64, device=runtime.device)
         for micro, batch in enumerate(micro_batches):
-            inputs = batch["input_ids"].to(runtime.device, non_blocking=True)
             labels = batch["labels"].to(runtime.device, non_blocking=True)
             teacher = batch["teacher_loss"].to(runtime.device, non_blocking=True)
             with gradient_sync(model, micro == accumulation - 1):
                 with compute:
-                    logits = model(input_ids=inputs).logits
+                    logits = student_logits(model, batch, runtime.device)
                 result = guided_loss(
                     token_loss(logits, labels),
                     teacher,

@@ -284,8 +284,10 @@ def test_continual_pretraining_starts_from_a_local_hf_folder(cache, uninterrupte
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stage2_train.data.packing import ConsumerStream
+    from pipeline.cross_entropy import IGNORE_INDEX, token_loss
+    from stage2_train.attention import student_logits
     from stage2_train.data.plan import DataPlan
+    from stage2_train.data.streams import consumer_stream
 
     folder, out = uninterrupted / "final", tmp_path / "out"
     args = train_args(cache, out, "--num-workers", "0", "--global-batch-tokens", "64")
@@ -293,12 +295,11 @@ def test_continual_pretraining_starts_from_a_local_hf_folder(cache, uninterrupte
     del args[args.index("--student-tokenizer") : args.index("--student-tokenizer") + 2]
     assert main([*args, "--guidance", "none", "--max-steps", "2"]) == 0
     plan = DataPlan.from_cache(cache, student_tokenizer=str(folder), seq_len=32, micro_batch_size=2)
-    batch = next(iter(ConsumerStream(plan, 0)))
+    batch = next(iter(consumer_stream(plan, 0)))  # the default, documents packing
     model = AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
-        expected = model(
-            input_ids=batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"]
-        ).loss
+        losses = token_loss(student_logits(model, batch, torch.device("cpu")), batch["labels"])
+        expected = losses[batch["labels"] != IGNORE_INDEX].double().mean()
     assert read_metrics(out)[0]["loss_all"] == pytest.approx(float(expected), rel=1e-5)
 
 

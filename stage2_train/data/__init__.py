@@ -2,7 +2,9 @@
 
 plan       what fixes the stream, and which consumer reads which part of which shard
 documents  reading a shard, checking its rows, and giving every student token its teacher loss
-packing    one consumer's documents packed into micro-batches of windows
+packing    stream packing: one consumer's token stream cut into windows (--packing stream)
+document_packing  context-true packing: whole documents, best-fit, per-document masks
+streams    the consumer stream of the plan's packing
 position   where a consumer's stream continues, and a rank's data state in a checkpoint
 loader     a rank's DataLoader over its consumers
 """

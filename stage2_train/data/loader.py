@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.errors import VocagnoError
-from stage2_train.data.packing import ConsumerStream
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState, StreamPosition
+from stage2_train.data.streams import consumer_stream
 from stage2_train.stop_request import ignore_interrupts_in_workers
 
 
@@ -35,7 +35,7 @@ class CacheStream(IterableDataset):
         local = ((info.id if info else 0) + self.first_consumer) % self.plan.consumers_per_rank
         consumer = self.rank * self.plan.consumers_per_rank + local
         try:
-            for batch in ConsumerStream(self.plan, consumer, self.positions[local]):
+            for batch in consumer_stream(self.plan, consumer, self.positions[local]):
                 batch["consumer"] = local
                 yield batch
         except VocagnoError as exc:

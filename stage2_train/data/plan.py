@@ -39,6 +39,8 @@ class DataPlan:
     num_chunks: int = 1
     aggregate: str = DEFAULT_AGGREGATION
     seed: int = 0
+    packing: str = "documents"  # or "stream" (see document_packing and packing)
+    packing_context: float = 0.5  # documents packing: a split document's context, in windows
     world_size: int = 1
     num_workers: int = 0
 

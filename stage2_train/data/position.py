@@ -1,7 +1,8 @@
 """Position. After each micro-batch a consumer's place is (epoch, item, read, row, token): the
 document where the next window starts and the token offset inside it. Every micro-batch carries
 its consumer's position; a checkpoint stores the last consumed one per consumer, and a resumed
-stream re-reads that document and drops `token` tokens, so it continues exactly.
+stream re-reads that document and drops `token` tokens (stream packing) or skips its first
+`token` targets (documents packing), so it continues exactly.
 """
 
 from __future__ import annotations
