@@ -34,12 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the
 
 from timing import interleaved_best_times, print_header, print_load_average  # noqa: E402
 
+from pipeline.choices import PACKINGS  # noqa: E402
 from pipeline.cross_entropy import IGNORE_INDEX  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from stage2_train.data.documents import READ_ROWS  # noqa: E402
 from stage2_train.data.plan import DataPlan  # noqa: E402
-from stage2_train.data.streams import PACKINGS, consumer_stream  # noqa: E402
+from stage2_train.data.streams import consumer_stream  # noqa: E402
 from tests.cache_fixtures import build_cache, corpus_documents  # noqa: E402
 
 

@@ -17,6 +17,7 @@ TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]  # a teacher's we
 ComputeDtype = Literal["auto", "float32", "bfloat16"]  # stage 2 autocast
 ScoringBackend = Literal["hf", "vllm"]
 LossDtype = Literal["float16", "float32"]
+Packing = Literal["documents", "stream"]  # stage 2: how documents fill training sequences
 
 GUIDANCE_MODES: tuple[str, ...] = get_args(GuidanceMode)
 UNMAPPED_STRATEGIES: tuple[str, ...] = get_args(UnmappedStrategy)
@@ -26,3 +27,4 @@ TEXT_SPLITS: tuple[str, ...] = get_args(TextSplit)
 ON_BAD_RECORD: tuple[str, ...] = get_args(OnBadRecord)
 TORCH_DTYPES: tuple[str, ...] = get_args(TorchDtype)
 LOSS_DTYPE_NAMES: tuple[str, ...] = get_args(LossDtype)
+PACKINGS: tuple[str, ...] = get_args(Packing)

@@ -10,6 +10,7 @@ from pipeline.choices import (
     Aggregation,
     ComputeDtype,
     GuidanceMode,
+    Packing,
     SelectionScope,
     UnmappedStrategy,
 )
@@ -70,12 +71,11 @@ class TrainConfig:
         "once (one threshold, all_gather)",
     )
     seq_len: int = option(2048, help="tokens per training sequence (documents are packed)")
-    packing: Literal[documents, stream] = option(
+    packing: Packing = option(
         "documents",
         help="documents: whole documents packed best-fit, attention masked at document "
         "boundaries, positions restarting per document (as stage 1 scored them); stream: "
         "documents concatenated and cut into windows, no mask (see docs/packing.md)",
-        choices=("documents", "stream"),
     )
     packing_context: float = option(
         0.5,

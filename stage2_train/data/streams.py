@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from pipeline.choices import PACKINGS
 from stage2_train.data.document_packing import DocumentStream
 from stage2_train.data.packing import ConsumerStream
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import StreamPosition
-
-PACKINGS = ("documents", "stream")
 
 
 def consumer_stream(
