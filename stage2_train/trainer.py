@@ -133,8 +133,8 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
     settings = config.guidance_settings()
     compute = autocast(runtime, config.dtype)
     manifest = load_manifest(config.cache)
-    check_output_and_cache(config, manifest)
     tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
+    check_output_and_cache(config, manifest)
     accumulation = config.accumulation_steps(runtime.world_size)
     plan = DataPlan(
         cache_dir=config.cache,
