@@ -10,8 +10,11 @@ from pipeline.alignment import AGGREGATIONS, DEFAULT_AGGREGATION
 from pipeline.config import option, parse_config, to_dict
 from pipeline.errors import ConfigError
 from pipeline.guidance import (
+    CHUNK_STUDENT_AGGREGATES,
     DEFAULT_GUIDANCE,
     GUIDANCE_MODES,
+    LOSS_NORMALIZATIONS,
+    MODES,
     SELECTION_SCOPES,
     UNMAPPED_STRATEGIES,
     GuidanceSettings,
@@ -45,14 +48,30 @@ class TrainConfig:
         help="student tokenizer spec (shipped name, tokenizer.json, folder, hub id); default: "
         "the student's own (required for a config or preset student)",
     )
-    guidance: Literal["token", "chunk", "random", "none"] = option(
+    guidance: Literal["token", "chunk", "random", "random-chunk", "none"] = option(
         DEFAULT_GUIDANCE.mode,
-        help="token: the method (top-k by excess loss over token-aligned teacher loss); chunk: "
-        "the same with equal-chunk alignment (paper Table 2); random: same kept fraction, "
-        "random tokens (control); none: every token (plain continual pretraining)",
+        help="; ".join(f"{m.name}: {m.summary} (paper: {m.paper})" for m in MODES.values()),
         choices=GUIDANCE_MODES,
     )
-    num_chunks: int = option(32, help="chunks per document for --guidance chunk")
+    num_chunks: int = option(
+        32,
+        help="equal chunks per document for --guidance chunk and random-chunk (paper Table 2: "
+        "8, 16, 32, 64)",
+    )
+    chunk_student_aggregate: Literal["mean", "max", "sum"] = option(
+        DEFAULT_GUIDANCE.chunk_student_aggregate,
+        help="how a chunk's student token losses combine into the chunk's student loss for "
+        "--guidance chunk (the paper does not say; its teacher side uses --aggregate)",
+        choices=CHUNK_STUDENT_AGGREGATES,
+    )
+    loss_normalization: Literal["all", "kept"] = option(
+        DEFAULT_GUIDANCE.normalization,
+        help="all: the kept tokens' summed loss over all N target tokens of the step (paper "
+        "eq. 3, an expectation over i in [1, N]); kept: over the number of kept tokens (a mean "
+        "over kept tokens, not the paper's: ~2.4x larger gradients at top-k 40%%, so another "
+        "effective learning rate; not available for chunk modes)",
+        choices=LOSS_NORMALIZATIONS,
+    )
     topk: float = option(
         DEFAULT_GUIDANCE.topk, help="fraction of candidate tokens kept (ceil(topk * n))"
     )
@@ -150,7 +169,12 @@ class TrainConfig:
 
     def guidance_settings(self) -> GuidanceSettings:
         return GuidanceSettings(
-            mode=self.guidance, topk=self.topk, unmapped=self.unmapped, scope=self.selection_scope
+            mode=self.guidance,
+            topk=self.topk,
+            unmapped=self.unmapped,
+            scope=self.selection_scope,
+            normalization=self.loss_normalization,
+            chunk_student_aggregate=self.chunk_student_aggregate,
         )
 
     def accumulation_steps(self, world_size: int) -> int:

@@ -109,13 +109,37 @@ def test_guidance_none_keeps_every_token(cache, tmp_path):
 
 
 def test_chunk_guidance_runs_and_differs_from_token(cache, tmp_path):
-    token, chunk = tmp_path / "token", tmp_path / "chunk"
+    token, chunk, random = tmp_path / "token", tmp_path / "chunk", tmp_path / "random-chunk"
     common = ("--num-workers", "0", "--max-steps", "2")
     assert main(train_args(cache, token, *common)) == 0
     assert main(train_args(cache, chunk, *common, "--guidance", "chunk", "--num-chunks", "4")) == 0
+    assert main(train_args(cache, random, *common, "--guidance", "random-chunk")) == 0
     assert read_metrics(token)[0]["loss_all"] == read_metrics(chunk)[0]["loss_all"]  # same data
     assert read_metrics(token)[0]["loss"] != read_metrics(chunk)[0]["loss"]  # other selection
     assert read_metrics(chunk)[0]["mapped_fraction"] == 1.0  # chunks map every token
+    assert read_metrics(random)[0]["loss"] != read_metrics(chunk)[0]["loss"]
+    saved = json.loads((random / "config.json").read_text())
+    assert saved["guidance"] == "random-chunk" and saved["chunk_student_aggregate"] == "mean"
+
+
+def test_eq3_normalization_is_the_default_and_kept_is_the_option(cache, tmp_path):
+    """Paper eq. 3 divides the kept loss by all N target tokens; `kept` by the kept count. On the
+    same first step (same init, same data, same selection) the gradients differ by exactly the
+    kept fraction, and the choice is in the run's config."""
+    runs = {}
+    for normalization in ("all", "kept"):
+        out = tmp_path / normalization
+        args = train_args(cache, out, "--num-workers", "0", "--max-steps", "2")
+        if normalization == "kept":
+            args += ["--loss-normalization", "kept"]
+        assert main(args) == 0
+        runs[normalization] = read_metrics(out)[0]
+        saved = json.loads((out / "config.json").read_text())
+        assert saved["loss_normalization"] == normalization
+    assert runs["all"]["kept_fraction"] == runs["kept"]["kept_fraction"] < 0.7
+    assert runs["all"]["grad_norm"] / runs["kept"]["grad_norm"] == pytest.approx(
+        runs["all"]["kept_fraction"], rel=1e-4
+    )
 
 
 def test_resume_refuses_other_settings_other_cache_and_never(cache, uninterrupted, tmp_path):
@@ -247,6 +271,8 @@ def test_schedule_warms_up_then_decays_to_min_lr():
         ({"min_lr": 1.0}, "--min-lr"),
         ({"seq_len": 0}, "--seq-len"),
         ({"guidance": "soft"}, "guidance"),
+        ({"guidance": "chunk", "loss_normalization": "kept"}, "loss-normalization kept"),
+        ({"chunk_student_aggregate": "median"}, "chunk student"),
     ],
 )
 def test_config_validation(change, message):
