@@ -232,9 +232,11 @@ def chunk_alignment_overlap(
     teacher_end: np.ndarray,
     num_chunks: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per chunk pair (paper Figure 3): character IoU / IoS of student chunk c vs teacher chunk c.
+    """Per chunk pair (paper Figure 3): character IoU / IoS of student chunk c vs teacher chunk c,
+    cut by `chunk_bounds` exactly as `equal_chunk_alignment` cuts them for training.
 
-    A chunk's characters are [first token's start, last token's end); NaN for an empty chunk.
+    A chunk's characters are [first token's start, last token's end); NaN for an empty chunk and
+    for a student chunk without characters (only BOS/EOS): its IoS is undefined.
     """
     s_bounds = chunk_bounds(len(student_start), num_chunks)
     t_bounds = chunk_bounds(len(teacher_start), num_chunks)
@@ -251,5 +253,5 @@ def chunk_alignment_overlap(
     s_lo, s_hi, s_ok = chunk_spans(student_start, student_end, s_bounds)
     t_lo, t_hi, t_ok = chunk_spans(teacher_start, teacher_end, t_bounds)
     iou, ios = span_overlap(s_lo, s_hi, t_lo, t_hi)
-    ok = s_ok & t_ok
+    ok = s_ok & t_ok & (s_hi > s_lo)
     return np.where(ok, iou, np.nan), np.where(ok, ios, np.nan)
