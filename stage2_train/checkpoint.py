@@ -86,7 +86,13 @@ def _rng_state() -> dict:
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian],
+        "numpy": [
+            kind,
+            torch.from_numpy(keys.astype(np.int64)),
+            position,
+            has_gauss,
+            cached_gaussian,
+        ],
         "python": [version, torch.tensor(python_state, dtype=torch.int64), python_gauss],
     }
 
@@ -96,7 +102,9 @@ def _set_rng_state(state: dict) -> None:
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
+    np.random.set_state(
+        (kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian)
+    )
     version, python_state, python_gauss = state["python"]
     random.setstate((version, tuple(python_state.tolist()), python_gauss))
 
@@ -164,6 +172,10 @@ def save_checkpoint(
     return final
 
 
+# What a run saved before these options existed computed: it divided by the kept count.
+LEGACY_SETTINGS = {"loss_normalization": "kept", "chunk_student_aggregate": "mean"}
+
+
 def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
     """Refuse a checkpoint this run cannot continue exactly; returns its step."""
     saved = json.loads((folder / "checkpoint.json").read_text())
@@ -193,6 +205,8 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
             stacklevel=2,
         )
     old = json.loads((folder / "config.json").read_text())
+    if old.get("guidance") != "chunk":  # chunk then selected tokens: that run cannot go on
+        old = {**LEGACY_SETTINGS, **old}
     new = to_dict(config)
     changed = setting_differences(old, new, ignore=RESUMABLE_CHANGES)
     if changed:

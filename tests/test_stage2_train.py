@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.errors import CacheError, ConfigError
-from stage2_train.checkpoint import MARKER, complete_checkpoints, resume_from
+from stage2_train.checkpoint import MARKER, check_resumable, complete_checkpoints, resume_from
 from stage2_train.config import TrainConfig, parse_train_config
 from stage2_train.train import main
 from stage2_train.trainer import lr_at
@@ -120,6 +120,24 @@ def test_chunk_guidance_runs_and_differs_from_token(cache, tmp_path):
     assert read_metrics(random)[0]["loss"] != read_metrics(chunk)[0]["loss"]
     saved = json.loads((random / "config.json").read_text())
     assert saved["guidance"] == "random-chunk" and saved["chunk_student_aggregate"] == "mean"
+
+
+def test_a_run_from_before_eq3_resumes_only_as_what_it_was(cache, uninterrupted, tmp_path):
+    """Runs saved before --loss-normalization divided by the kept count: they continue under
+    `kept` and are refused under the new default, never silently switched."""
+    old = tmp_path / "old"
+    shutil.copytree(uninterrupted, old)
+    _, checkpoint = complete_checkpoints(old)[-1]
+    saved = json.loads((checkpoint / "config.json").read_text())
+    for key in ("loss_normalization", "chunk_student_aggregate"):
+        del saved[key]
+    (checkpoint / "config.json").write_text(json.dumps(saved))
+    meta = json.loads((checkpoint / "checkpoint.json").read_text())
+    args = train_args(cache, old, *RESUME_ARGS)
+    assert check_resumable(checkpoint, parse_train_config([*args, "--loss-normalization", "kept"]),
+                           meta) == 6  # fmt: skip
+    with pytest.raises(ConfigError, match='loss_normalization: "kept" -> "all"'):
+        check_resumable(checkpoint, parse_train_config(args), meta)
 
 
 def test_eq3_normalization_is_the_default_and_kept_is_the_option(cache, tmp_path):
