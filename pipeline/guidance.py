@@ -102,7 +102,7 @@ MODES: dict[str, GuidanceMode] = {
             "equal chunks per document, chunk c to chunk c; top-k CHUNKS by chunk excess loss",
         ),
         GuidanceMode(
-            "random", "noise", "token", "token", "not in the paper (a control)",
+            "random", "noise", "token", "token", "no row; the token-level control",
             "as many tokens as token keeps, chosen at random (seeded)",
         ),
         GuidanceMode(

@@ -17,7 +17,10 @@ class DemoConfig:
     train_docs: int = option(300, help="training documents taken from the shipped corpus")
     student: str = option("llama-tiny", help="stage-2 student preset or model")
     student_tokenizer: str = option("tinyllama", help="the student's tokenizer")
-    arms: list[str] = option(["none", "token"], help="--guidance of each training arm")
+    arms: list[str] = option(
+        ["none", "token"],
+        help=f"--guidance of each training arm: any of {', '.join(GUIDANCE_MODES)}",
+    )
     nproc_per_node: int = option(2, help="torchrun ranks per arm")
     ray_cpus: int = option(2, help="CPUs of the local Ray cluster")
     teacher: str | None = option(
