@@ -416,3 +416,15 @@ def test_resume_under_another_thread_count_warns_that_it_is_not_bit_identical(
             run(train_args(cache, out, *RESUME_ARGS))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_option_choices_are_the_declared_ones():
+    """The Literal of each guidance option is the declaration in pipeline.guidance, once."""
+    import typing
+
+    from pipeline.guidance import CHUNK_STUDENT_AGGREGATES, GUIDANCE_MODES, LOSS_NORMALIZATIONS
+
+    hints = typing.get_type_hints(TrainConfig)
+    assert typing.get_args(hints["guidance"]) == GUIDANCE_MODES
+    assert typing.get_args(hints["loss_normalization"]) == LOSS_NORMALIZATIONS
+    assert typing.get_args(hints["chunk_student_aggregate"]) == CHUNK_STUDENT_AGGREGATES
