@@ -37,21 +37,11 @@ candidate set keeps at least one). The k highest scores win; tied candidates are
 order (earlier first), with positions in (rank, row, column) order for the global scope. Hence
 the selection is deterministic and never keeps more than k.
 
-Chunks (the paper gives Table 2's chunk-to-chunk mapping and "the same teacher loss-based
-guidance"; what it leaves open is chosen here and documented in docs/guidance.md):
-  - the data path marks where each chunk starts (`chunk_start`, per target token); a chunk is
-    the run of target tokens from one start to the next, so it never spans two documents. A chunk
-    that a micro-batch boundary cuts is two pieces, each scored and selected on its own;
-  - chunk teacher loss = Φ (`--aggregate`) over the scored teacher tokens of teacher chunk c: the
-    data path gives that value to every student token of student chunk c;
-  - chunk student loss = `chunk_student_aggregate` (mean by default; max or sum) of L_S over the
-    chunk's valid target tokens;
-  - chunk excess = chunk student loss - chunk teacher loss; a chunk whose teacher chunk has no
-    scored token is an unmapped chunk, handled by `unmapped` at the chunk level;
-  - out of n candidate chunks in the scope exactly k = ceil(topk * n) chunks are kept, and every
-    valid token of a kept chunk is kept.
-Token selection is chunk selection with one-token chunks, and the code says so: chunk modes reduce
-the tokens to chunks, run the same selection over chunks, and expand the result back to tokens.
+Chunks (`chunk`, `random-chunk`): the data path marks where each chunk starts; the selection
+reduces tokens to chunks (pipeline.chunk_selection: chunk student loss, chunk teacher loss),
+ranks chunks exactly as `token` ranks tokens (k = ceil(topk * n) chunks) and keeps every valid
+token of a kept chunk. Token selection is chunk selection with one-token chunks. The definitions
+the paper leaves open are in pipeline.chunk_selection and docs/guidance.md.
 
 Scope (`scope`): `microbatch` ranks each rank's micro-batch on its own; `global` ranks the union of
 the same micro-step on all ranks (one threshold across the data-parallel group, via all_gather).
@@ -66,56 +56,13 @@ float additions), so a resumed run selects bit for bit what the uninterrupted on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from pipeline.chunk_selection import chunk_ids, reduce_to_chunks
 from pipeline.collectives import all_gather, rank_and_world
+from pipeline.guidance_modes import GUIDANCE_MODES, MODES, GuidanceMode
 
-
-@dataclass(frozen=True)
-class GuidanceMode:
-    """What one guidance mode is: the CLI's choices, the demo's arms, the data path's alignment
-    and the selection all read this declaration; nothing branches on a mode's name."""
-
-    name: str
-    rank_by: Literal["excess", "noise", "nothing"]  # nothing: no selection, every token kept
-    unit: Literal["token", "chunk"]  # what the top-k counts and keeps
-    alignment: Literal["token", "chunk"]  # how the data path gives each token its L_T
-    paper: str  # where the paper defines it
-    summary: str
-
-    @property
-    def needs_chunks(self) -> bool:
-        return self.unit == "chunk"
-
-
-MODES: dict[str, GuidanceMode] = {
-    mode.name: mode
-    for mode in (
-        GuidanceMode(
-            "token", "excess", "token", "token", "eq. 3-4, Table 1 'Ours'",
-            "the method: top-k tokens by excess loss over token-aligned teacher loss",
-        ),
-        GuidanceMode(
-            "chunk", "excess", "chunk", "chunk", "Table 2 'Chunking Alignment / Teacher'",
-            "equal chunks per document, chunk c to chunk c; top-k CHUNKS by chunk excess loss",
-        ),
-        GuidanceMode(
-            "random", "noise", "token", "token", "no row; the token-level control",
-            "as many tokens as token keeps, chosen at random (seeded)",
-        ),
-        GuidanceMode(
-            "random-chunk", "noise", "chunk", "chunk", "Table 2 'Chunking Alignment / Random'",
-            "as many chunks as chunk keeps, chosen at random (seeded)",
-        ),
-        GuidanceMode(
-            "none", "nothing", "token", "token", "Table 1 'TinyLlama-CPT'",
-            "every token (plain continual pretraining)",
-        ),
-    )
-}  # fmt: skip
-GUIDANCE_MODES = tuple(MODES)
 UNMAPPED_STRATEGIES = ("include", "exclude", "mean")
 SELECTION_SCOPES = ("microbatch", "global")
 LOSS_NORMALIZATIONS = ("all", "kept")
@@ -295,15 +242,6 @@ def _select(
     return keep
 
 
-def chunk_ids(chunk_start: torch.Tensor) -> torch.Tensor:
-    """Flat chunk index of every position, in position order (row-major); the first position
-    always starts a chunk. Ids are < the number of positions, so per-chunk tensors can have the
-    positions' size and no count ever leaves the device."""
-    start = chunk_start.flatten().clone()
-    start[0] = True
-    return torch.cumsum(start.long(), dim=0) - 1
-
-
 def _select_chunks(
     student_loss: torch.Tensor,
     teacher_loss: torch.Tensor,
@@ -313,39 +251,14 @@ def _select_chunks(
     chunk_start: torch.Tensor,
 ) -> torch.Tensor:
     """Reduce tokens to chunks, select chunks with `_select`, keep every valid token of a kept
-    chunk. Chunks are contiguous runs, so sums are differences of one cumulative sum (float64,
-    deterministic) and first/last positions are scatter min/max (order-independent)."""
+    chunk."""
     chunk = chunk_ids(chunk_start)
-    size = chunk.numel()
-    device = chunk.device
-    position = torch.arange(size, device=device)
-    flat_valid = valid.flatten()
-    first = torch.full((size,), size - 1, device=device).scatter_reduce(0, chunk, position, "amin")
-    last = torch.zeros(size, dtype=torch.long, device=device).scatter_reduce(
-        0, chunk, position, "amax"
+    chunk_student, chunk_teacher, has_valid = reduce_to_chunks(
+        chunk, student_loss, teacher_loss, valid, settings.chunk_student_aggregate
     )
-
-    def run_sum(values: torch.Tensor) -> torch.Tensor:
-        total = torch.cat((values.new_zeros(1), torch.cumsum(values, dim=0)))
-        return total[last + 1] - total[first]
-
-    count = run_sum(flat_valid.long())
-    has_valid = count > 0  # also False for the unused ids past the last chunk
-    student = torch.where(flat_valid, student_loss.flatten().double(), 0.0)
-    how = settings.chunk_student_aggregate
-    if how == "max":
-        masked = torch.where(flat_valid, student, -torch.inf)
-        chunk_student = torch.full((size,), -torch.inf, dtype=student.dtype, device=device)
-        chunk_student = chunk_student.scatter_reduce(0, chunk, masked, "amax")
-    else:
-        chunk_student = run_sum(student)
-        if how == "mean":
-            chunk_student = chunk_student / count.clamp(min=1)
-    # Every token of a chunk carries its chunk's teacher loss; take the first token's.
-    chunk_teacher = teacher_loss.flatten()[first]
     chunk_noise = None if noise is None else noise.flatten()
-    keep_chunk = _select(chunk_student.float(), chunk_teacher, has_valid, settings, chunk_noise)
-    return (keep_chunk[chunk] & flat_valid).view(valid.shape)
+    keep_chunk = _select(chunk_student, chunk_teacher, has_valid, settings, chunk_noise)
+    return (keep_chunk[chunk] & valid.flatten()).view(valid.shape)
 
 
 def _select_units(student_loss, teacher_loss, valid, settings, noise, chunk_start):
