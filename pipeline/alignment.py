@@ -136,23 +136,54 @@ def chunk_bounds(length: int, num_chunks: int) -> np.ndarray:
     return (np.arange(num_chunks + 1, dtype=np.int64) * length) // num_chunks
 
 
+def chunk_of(position: np.ndarray, length: np.ndarray, num_chunks: int) -> np.ndarray:
+    """The equal chunk (of `chunk_bounds(length, num_chunks)`) that holds each token position:
+    the largest c with c * length // num_chunks <= position, i.e. ((position + 1) * n - 1) //
+    length. Elementwise over arrays, so many documents take one call."""
+    position = np.asarray(position, dtype=np.int64)
+    length = np.asarray(length, dtype=np.int64)
+    return ((position + 1) * num_chunks - 1) // np.maximum(length, 1)
+
+
 def equal_chunk_alignment(
-    num_student: int, num_teacher: int, num_chunks: int
+    num_student: int | np.ndarray, num_teacher: int | np.ndarray, num_chunks: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The paper's chunking baseline (section 2, Table 2): student chunk c maps to teacher chunk c.
 
-    Returned in the same (map_start, map_end) form as `align`, so aggregation and selection are
-    shared: every student token of chunk c maps to the whole teacher chunk c (-1 if it is empty).
+    Returned in the same (map_start, map_end) form as `align`, so aggregation is shared: every
+    student token of chunk c maps to the whole teacher chunk c (-1 if it is empty). Given arrays
+    of per-document token counts, the documents are concatenated on both sides (indices into the
+    concatenated teacher tokens), still with no loop.
     """
-    s_bounds = chunk_bounds(num_student, num_chunks)
-    t_bounds = chunk_bounds(num_teacher, num_chunks)
-    chunk = np.searchsorted(s_bounds, np.arange(num_student), side="right") - 1
-    map_start = t_bounds[chunk]
-    map_end = t_bounds[chunk + 1] - 1
-    empty = map_end < map_start
-    map_start[empty] = UNMAPPED
-    map_end[empty] = UNMAPPED
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be at least 1, not {num_chunks}")
+    n_student = np.atleast_1d(np.asarray(num_student, dtype=np.int64))
+    n_teacher = np.atleast_1d(np.asarray(num_teacher, dtype=np.int64))
+    first_student = np.cumsum(n_student) - n_student
+    first_teacher = np.cumsum(n_teacher) - n_teacher
+    position = np.arange(int(n_student.sum())) - np.repeat(first_student, n_student)
+    chunk = chunk_of(position, np.repeat(n_student, n_student), num_chunks)
+    teachers = np.repeat(n_teacher, n_student)
+    lo = chunk * teachers // num_chunks
+    hi = (chunk + 1) * teachers // num_chunks - 1
+    empty = hi < lo
+    shift = np.repeat(first_teacher, n_student)
+    map_start = np.where(empty, UNMAPPED, lo + shift)
+    map_end = np.where(empty, UNMAPPED, hi + shift)
     return map_start, map_end
+
+
+def chunk_starts(num_student: np.ndarray, num_chunks: int) -> np.ndarray:
+    """For consecutive documents of these token counts: True at each token that begins one of its
+    document's equal chunks (a document's first token always does), so a chunk never spans two
+    documents. Chunks longer than the document hold no token and mark nothing."""
+    n_student = np.asarray(num_student, dtype=np.int64)
+    first = np.cumsum(n_student) - n_student
+    position = np.arange(int(n_student.sum())) - np.repeat(first, n_student)
+    chunk = chunk_of(position, np.repeat(n_student, n_student), num_chunks)
+    start = np.ones(chunk.shape, dtype=bool)
+    start[1:] = (chunk[1:] != chunk[:-1]) | (position[1:] == 0)
+    return start
 
 
 def span_overlap(
@@ -199,9 +230,11 @@ def chunk_alignment_overlap(
     teacher_end: np.ndarray,
     num_chunks: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per chunk pair (paper Figure 3): character IoU / IoS of student chunk c vs teacher chunk c.
+    """Per chunk pair (paper Figure 3): character IoU / IoS of student chunk c vs teacher chunk c,
+    cut by `chunk_bounds` exactly as `equal_chunk_alignment` cuts them for training.
 
-    A chunk's characters are [first token's start, last token's end); NaN for an empty chunk.
+    A chunk's characters are [first token's start, last token's end); NaN for an empty chunk and
+    for a student chunk without characters (only BOS/EOS): its IoS is undefined.
     """
     s_bounds = chunk_bounds(len(student_start), num_chunks)
     t_bounds = chunk_bounds(len(teacher_start), num_chunks)
@@ -218,5 +251,5 @@ def chunk_alignment_overlap(
     s_lo, s_hi, s_ok = chunk_spans(student_start, student_end, s_bounds)
     t_lo, t_hi, t_ok = chunk_spans(teacher_start, teacher_end, t_bounds)
     iou, ios = span_overlap(s_lo, s_hi, t_lo, t_hi)
-    ok = s_ok & t_ok
+    ok = s_ok & t_ok & (s_hi > s_lo)
     return np.where(ok, iou, np.nan), np.where(ok, ios, np.nan)

@@ -2,14 +2,20 @@
 
 A config field typed with one of these gets its flag's `choices`, its `--help` and its manifest
 check from that declaration (pipeline.config); code that checks a value at run time uses the
-tuple derived from it. Kept free of imports so that any config module may use it cheaply.
+tuple derived from it. It imports only the mode registry (itself import-free), so any config
+module may use it cheaply.
 """
 
 from typing import Literal, get_args
 
-GuidanceMode = Literal["token", "chunk", "random", "none"]
+from pipeline.guidance_modes import GUIDANCE_MODES as MODE_NAMES
+
+# The modes are declared with what each needs, once, in pipeline/guidance_modes.py.
+GuidanceMode = Literal[MODE_NAMES]
 UnmappedStrategy = Literal["include", "exclude", "mean"]
 SelectionScope = Literal["microbatch", "global"]
+LossNormalization = Literal["all", "kept"]  # eq. 3: over all target tokens, or the kept ones
+ChunkStudentAggregate = Literal["mean", "max", "sum"]
 Aggregation = Literal["max", "mean", "sum"]
 TextSplit = Literal["file", "line"]
 OnBadRecord = Literal["error", "skip"]
@@ -22,6 +28,8 @@ Packing = Literal["documents", "stream"]  # stage 2: how documents fill training
 GUIDANCE_MODES: tuple[str, ...] = get_args(GuidanceMode)
 UNMAPPED_STRATEGIES: tuple[str, ...] = get_args(UnmappedStrategy)
 SELECTION_SCOPES: tuple[str, ...] = get_args(SelectionScope)
+LOSS_NORMALIZATIONS: tuple[str, ...] = get_args(LossNormalization)
+CHUNK_STUDENT_AGGREGATES: tuple[str, ...] = get_args(ChunkStudentAggregate)
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 TEXT_SPLITS: tuple[str, ...] = get_args(TextSplit)
 ON_BAD_RECORD: tuple[str, ...] = get_args(OnBadRecord)

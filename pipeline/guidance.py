@@ -1,17 +1,29 @@
-"""Teacher-guided selective loss (paper section 3.2, eq. 3-4, and the ablations of section 6).
+"""Teacher-guided selective loss (paper section 3.2, eq. 3-4; Table 2's chunk baseline; the
+ablations of section 6).
 
-Every student target token t has a per-token student loss L_S(t) and, from the data path, the
-aggregated loss of the teacher tokens it is aligned to, L_T(t) (NaN = unmapped: no teacher token
-covers it, or none of them was scored). The weight W(t) of eq. 4 is 1 for the kept tokens and 0
-otherwise; the loss is the mean student loss over the kept tokens.
+Every student target token t has a per-token student loss L_S(t) (eq. 1) and, from the data path,
+the aggregated loss of the teacher tokens it is aligned to, L_T(t) (eq. 2; NaN = unmapped: no
+teacher token covers it, or none of them was scored). The weight W(t) of eq. 4 is 1 for the kept
+tokens and 0 otherwise.
 
-Modes (`GuidanceSettings.mode`):
-  token   the method: candidates are the mapped tokens, ranked by excess = L_S - L_T.
-  chunk   the paper's Table 2 baseline: the same selection; only the data path differs (L_T comes
-          from equal-chunk alignment instead of token alignment).
-  random  the control: the same candidates and the same number kept, ranked by seeded uniform
-          noise instead of excess.
-  none    plain continual pretraining: every valid token is kept.
+The loss (eq. 3, `LOSS_NORMALIZATIONS`): L = -E_{i~[1,N]}[W(x_i) log P(x_i)], the expectation over
+all N target tokens, i.e. the sum of the student loss over the kept tokens divided by the number
+of target tokens (`all`, the default). `kept` divides by the number kept instead (a mean over
+kept tokens, not in the paper: at top-k 40% its gradients are about 2.4x larger, which changes
+the effective learning rate and how often clipping bites). For a step, N is counted over all
+its micro-batches and ranks (`loss_denominator`).
+
+Modes (`GuidanceSettings.mode`), each declared once in `MODES` (what it ranks by, what unit it
+selects, which alignment the data path must give it):
+  token         the method: candidates are the mapped tokens, ranked by excess = L_S - L_T.
+  random        the control: the same candidates and the same number kept, ranked by seeded
+                uniform noise instead of excess.
+  chunk         the paper's Table 2 baseline ("Chunking Alignment / Teacher"): each document's
+                student and teacher tokens are cut into `num_chunks` equal chunks, student chunk c
+                maps to teacher chunk c, and CHUNKS are selected (see "Chunks" below).
+  random-chunk  Table 2's control ("Chunking Alignment / Random"): the same chunks, the same
+                number of chunks kept, ranked by seeded noise.
+  none          plain continual pretraining: every valid token is kept.
 Same-vocabulary guidance (Rho-1) is `token` with the same tokenizer on both sides: alignment is
 then the identity and L_T is the teacher's own per-token loss.
 
@@ -21,17 +33,24 @@ scope and lets them compete in the top-k with everyone else (with no mapped toke
 constant is 0: any constant ranks them among themselves by L_S alone).
 
 How many are kept, and ties: out of n candidates exactly k = ceil(topk * n) are kept (so any
-candidate set keeps at least one, and the kept count is known from the masks alone, before the
-forward pass). The k highest scores win; tokens tied at the threshold are taken in position
+candidate set keeps at least one). The k highest scores win; tied candidates are taken in position
 order (earlier first), with positions in (rank, row, column) order for the global scope. Hence
 the selection is deterministic and never keeps more than k.
+
+Chunks (`chunk`, `random-chunk`): the data path marks where each chunk starts; the selection
+reduces tokens to chunks (pipeline.chunk_selection: chunk student loss, chunk teacher loss),
+ranks chunks exactly as `token` ranks tokens (k = ceil(topk * n) chunks) and keeps every valid
+token of a kept chunk. Token selection is chunk selection with one-token chunks. The definitions
+the paper leaves open are in pipeline.chunk_selection and docs/guidance.md.
 
 Scope (`scope`): `microbatch` ranks each rank's micro-batch on its own; `global` ranks the union of
 the same micro-step on all ranks (one threshold across the data-parallel group, via all_gather).
 
 No host sync: k, the selection and the counts are device tensors (k = ceil(topk * n) is computed
-from the candidate count on the device), so a training loop can queue micro-batch after
-micro-batch and read the counts once per logged step.
+from the candidate count on the device; chunk reductions use scatter and cumulative sums, never
+`nonzero`), so a training loop can queue micro-batch after micro-batch and read the counts once
+per logged step. Every reduction is deterministic (scatter max/min and cumulative sums; no atomic
+float additions), so a resumed run selects bit for bit what the uninterrupted one did.
 """
 
 from __future__ import annotations
@@ -40,19 +59,30 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.choices import GUIDANCE_MODES, SELECTION_SCOPES, UNMAPPED_STRATEGIES
+from pipeline.choices import (
+    CHUNK_STUDENT_AGGREGATES,
+    GUIDANCE_MODES,
+    LOSS_NORMALIZATIONS,
+    SELECTION_SCOPES,
+    UNMAPPED_STRATEGIES,
+)
+from pipeline.chunk_selection import chunk_ids, reduce_to_chunks
 from pipeline.collectives import all_gather, rank_and_world
+from pipeline.guidance_modes import MODES, ModeDeclaration
 
 
 @dataclass(frozen=True)
 class GuidanceSettings:
     """The one declaration of the guidance defaults (paper: top 40% by excess loss, unmapped
-    tokens included): stage 2's options, `vocagno cache inspect` and the demo read them here."""
+    tokens included, eq. 3's expectation over all target tokens): stage 2's options,
+    `vocagno cache inspect` and the demo read them here."""
 
     mode: str = "token"
     topk: float = 0.4
     unmapped: str = "include"
     scope: str = "microbatch"
+    normalization: str = "all"
+    chunk_student_aggregate: str = "mean"
 
     def __post_init__(self) -> None:
         if self.mode not in GUIDANCE_MODES:
@@ -67,6 +97,26 @@ class GuidanceSettings:
             raise ValueError(
                 f"selection scope must be one of {SELECTION_SCOPES}, not {self.scope!r}"
             )
+        if self.normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(
+                f"loss normalization must be one of {LOSS_NORMALIZATIONS}, "
+                f"not {self.normalization!r}"
+            )
+        if self.chunk_student_aggregate not in CHUNK_STUDENT_AGGREGATES:
+            raise ValueError(
+                f"chunk student aggregate must be one of {CHUNK_STUDENT_AGGREGATES}, "
+                f"not {self.chunk_student_aggregate!r}"
+            )
+        if self.normalization == "kept" and self.declared.needs_chunks:
+            raise ValueError(
+                f"--loss-normalization kept cannot serve --guidance {self.mode}: how many tokens "
+                "a chunk selection keeps depends on which chunks win, so it is not known before "
+                "the forward pass (use --loss-normalization all, the paper's eq. 3)"
+            )
+
+    @property
+    def declared(self) -> ModeDeclaration:
+        return MODES[self.mode]
 
 
 DEFAULT_GUIDANCE = GuidanceSettings()
@@ -85,8 +135,15 @@ class GuidedLoss:
 
     @property
     def loss(self) -> torch.Tensor:
-        """Mean over kept tokens (0 with a gradient path when nothing is kept)."""
+        """Mean over kept tokens (0 with a gradient path when nothing is kept): the logged `loss`,
+        and the objective under --loss-normalization kept."""
         return self.kept_loss_sum / self.kept.clamp(min=1)
+
+    @property
+    def loss_eq3(self) -> torch.Tensor:
+        """Paper eq. 3: the kept tokens' loss summed and divided by all N valid target tokens
+        (the objective under --loss-normalization all, the default)."""
+        return self.kept_loss_sum / self.valid.clamp(min=1)
 
     @property
     def loss_all(self) -> torch.Tensor:
@@ -112,9 +169,13 @@ def selection_size(num_candidates: int | torch.Tensor, topk: float) -> int | tor
 def planned_kept(
     mapped: int | torch.Tensor, valid: int | torch.Tensor, settings: GuidanceSettings
 ) -> int | torch.Tensor:
-    """How many tokens one selection keeps, from the counts alone (no student loss needed);
-    ints or tensors of counts, elementwise."""
-    if settings.mode == "none":
+    """How many tokens one token-unit selection keeps, from the counts alone (no student loss
+    needed); ints or tensors of counts, elementwise. A chunk selection's kept count depends on
+    which chunks win, so it has no plan (ValueError)."""
+    declared = settings.declared
+    if declared.needs_chunks:
+        raise ValueError(f"--guidance {settings.mode} keeps a number of tokens known only after it")
+    if declared.rank_by == "nothing":
         return valid
     if settings.unmapped == "mean":
         return selection_size(valid, settings.topk)
@@ -124,12 +185,20 @@ def planned_kept(
 
 def kept_in_step(counts: torch.Tensor, settings: GuidanceSettings) -> torch.Tensor:
     """Tokens one optimizer step keeps over all ranks, from counts [world, micro_steps, 2] of
-    (mapped, valid): the denominator that makes the step's loss a mean over its kept tokens.
-    A 0-dim int64 tensor on the counts' device."""
+    (mapped, valid). A 0-dim int64 tensor on the counts' device."""
     counts = counts.long()
     if settings.scope == "global":
         counts = counts.sum(dim=0, keepdim=True)  # one selection per micro-step across ranks
     return planned_kept(counts[..., 0], counts[..., 1], settings).sum()
+
+
+def loss_denominator(counts: torch.Tensor, settings: GuidanceSettings) -> torch.Tensor:
+    """What a step's summed kept loss is divided by, from counts [world, micro_steps, 2] of
+    (mapped, valid): N, the step's valid target tokens (eq. 3, `all`), or the tokens it keeps
+    (`kept`). A 0-dim int64 tensor on the counts' device, known before any forward pass."""
+    if settings.normalization == "all":
+        return counts[..., 1].long().sum()
+    return kept_in_step(counts, settings)
 
 
 def top_k_mask(score: torch.Tensor, candidate: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
@@ -157,21 +226,47 @@ def _select(
     settings: GuidanceSettings,
     noise: torch.Tensor | None,
 ) -> torch.Tensor:
+    """Eq. 4 over units (tokens, or chunks reduced to one value each)."""
     mapped = mapped_tokens(teacher_loss, valid)
     if settings.unmapped == "mean":
         candidate = valid
-        # The mapped tokens' mean teacher loss, 0 when none is mapped (float64: the sum does not
+        # The mapped units' mean teacher loss, 0 when none is mapped (float64: the sum does not
         # depend on where the unmapped zeros fall).
         mapped_sum = torch.where(mapped, teacher_loss.double(), 0.0).sum()
         mean = (mapped_sum / mapped.sum().clamp(min=1)).to(teacher_loss.dtype)
         teacher_loss = torch.where(mapped, teacher_loss, mean)
     else:
         candidate = mapped
-    score = noise if settings.mode == "random" else student_loss - teacher_loss
+    score = noise if settings.declared.rank_by == "noise" else student_loss - teacher_loss
     keep = top_k_mask(score, candidate, selection_size(candidate.sum(), settings.topk))
     if settings.unmapped == "include":
         keep |= valid & ~mapped
     return keep
+
+
+def _select_chunks(
+    student_loss: torch.Tensor,
+    teacher_loss: torch.Tensor,
+    valid: torch.Tensor,
+    settings: GuidanceSettings,
+    noise: torch.Tensor | None,
+    chunk_start: torch.Tensor,
+) -> torch.Tensor:
+    """Reduce tokens to chunks, select chunks with `_select`, keep every valid token of a kept
+    chunk."""
+    chunk = chunk_ids(chunk_start)
+    chunk_student, chunk_teacher, has_valid = reduce_to_chunks(
+        chunk, student_loss, teacher_loss, valid, settings.chunk_student_aggregate
+    )
+    chunk_noise = None if noise is None else noise.flatten()
+    keep_chunk = _select(chunk_student, chunk_teacher, has_valid, settings, chunk_noise)
+    return (keep_chunk[chunk] & valid.flatten()).view(valid.shape)
+
+
+def _select_units(student_loss, teacher_loss, valid, settings, noise, chunk_start):
+    if settings.declared.needs_chunks:
+        return _select_chunks(student_loss, teacher_loss, valid, settings, noise, chunk_start)
+    return _select(student_loss, teacher_loss, valid, settings, noise)
 
 
 def select_tokens(
@@ -180,32 +275,50 @@ def select_tokens(
     valid: torch.Tensor,
     settings: GuidanceSettings,
     generator: torch.Generator | None = None,
+    chunk_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The keep mask W of eq. 4 for one micro-batch ([B, T] bool).
 
     `student_loss` is detached here: selection decides which tokens count, it is not trained.
-    With the global scope every rank must call this at the same micro-step with the same shape.
+    `chunk_start` ([B, T] bool, from the data path) marks the first target token of each chunk;
+    chunk modes need it. With the global scope every rank must call this at the same micro-step
+    with the same shape.
     """
-    if settings.mode == "none":
+    declared = settings.declared
+    if declared.rank_by == "nothing":
         return valid
+    if declared.needs_chunks:
+        if chunk_start is None:
+            raise ValueError(f"--guidance {settings.mode} needs the chunk starts of the data path")
+        chunk_start = chunk_start.to(valid.device, non_blocking=True).clone()
+        chunk_start.view(-1)[0] = True  # a micro-batch's first token starts a chunk (piece)
     student_loss = student_loss.detach().float()
     teacher_loss = teacher_loss.float()
     noise = None
-    if settings.mode == "random":
+    if declared.rank_by == "noise":
         # Drawn on the CPU generator (the same noise on any device); copied without waiting.
         noise = torch.rand(student_loss.shape, generator=generator, dtype=torch.float32)
         noise = noise.to(student_loss.device, non_blocking=True)
     rank, world = rank_and_world()
     if settings.scope == "microbatch" or world == 1:
-        return _select(student_loss, teacher_loss, valid, settings, noise)
+        return _select_units(student_loss, teacher_loss, valid, settings, noise, chunk_start)
     # One all_gather of the stacked inputs; every rank then makes the same global selection and
     # keeps its own rows, so the threshold and the tie order are shared.
+    starts = chunk_start.float() if chunk_start is not None else valid.float()
     local = torch.stack(
-        [student_loss, teacher_loss, valid.float(), noise if noise is not None else student_loss]
+        [
+            student_loss,
+            teacher_loss,
+            valid.float(),
+            noise if noise is not None else student_loss,
+            starts,
+        ]
     )
-    gathered = all_gather(local)  # [world, 4, B, T]
-    joined = gathered.transpose(0, 1).reshape(4, -1, local.shape[-1])  # ranks' rows in order
-    keep = _select(joined[0], joined[1], joined[2].bool(), settings, joined[3])
+    gathered = all_gather(local)  # [world, 5, B, T]
+    joined = gathered.transpose(0, 1).reshape(5, -1, local.shape[-1])  # ranks' rows in order
+    keep = _select_units(
+        joined[0], joined[1], joined[2].bool(), settings, joined[3], joined[4].bool()
+    )
     rows = student_loss.shape[0]
     return keep[rank * rows : (rank + 1) * rows]
 
@@ -216,9 +329,10 @@ def guided_loss(
     valid: torch.Tensor,
     settings: GuidanceSettings,
     generator: torch.Generator | None = None,
+    chunk_start: torch.Tensor | None = None,
 ) -> GuidedLoss:
     """Select (eq. 4) and reduce (eq. 3): the student loss summed over kept tokens, with counts."""
-    keep = select_tokens(student_loss, teacher_loss, valid, settings, generator)
+    keep = select_tokens(student_loss, teacher_loss, valid, settings, generator, chunk_start)
     mapped = mapped_tokens(teacher_loss, valid)
     zero = student_loss.new_zeros(())
     return GuidedLoss(

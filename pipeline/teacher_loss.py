@@ -72,17 +72,7 @@ def student_teacher_loss(
             np.asarray(teacher_end) + teacher_shift,
         )
     elif alignment == "chunk":
-        pairs = [
-            equal_chunk_alignment(int(n_s), int(n_t), num_chunks)
-            for n_s, n_t in zip(student_lengths, teacher_lengths, strict=True)
-        ]
-        # the document's first teacher token
-        offset = np.repeat(exclusive_cumsum(teacher_lengths), student_lengths)
-        map_start = np.concatenate([p[0] for p in pairs])
-        map_end = np.concatenate([p[1] for p in pairs])
-        mapped = map_start >= 0
-        map_start = np.where(mapped, map_start + offset, UNMAPPED)
-        map_end = np.where(mapped, map_end + offset, UNMAPPED)
+        map_start, map_end = equal_chunk_alignment(student_lengths, teacher_lengths, num_chunks)
     elif alignment == "identity":
         # Student token i is teacher token i; the student's trailing EOS has no teacher token.
         total = int(student_lengths.sum())

@@ -86,7 +86,13 @@ def _rng_state() -> dict:
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian],
+        "numpy": [
+            kind,
+            torch.from_numpy(keys.astype(np.int64)),
+            position,
+            has_gauss,
+            cached_gaussian,
+        ],
         "python": [version, torch.tensor(python_state, dtype=torch.int64), python_gauss],
     }
 
@@ -96,7 +102,9 @@ def _set_rng_state(state: dict) -> None:
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
+    np.random.set_state(
+        (kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian)
+    )
     version, python_state, python_gauss = state["python"]
     random.setstate((version, tuple(python_state.tolist()), python_gauss))
 
@@ -164,6 +172,16 @@ def save_checkpoint(
     return final
 
 
+# What a run saved before these options existed did: it divided by the kept count and packed the
+# document stream without masks.
+LEGACY_SETTINGS = {
+    "loss_normalization": "kept",
+    "chunk_student_aggregate": "mean",
+    "packing": "stream",
+    "packing_context": 0.5,
+}
+
+
 def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
     """Refuse a checkpoint this run cannot continue exactly; returns its step."""
     saved = json.loads((folder / "checkpoint.json").read_text())
@@ -195,7 +213,14 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
     # Read back through the checks a manifest gets: an edited or foreign config.json is refused
     # by name, and values compare in one form (paths, floats) with the current run's.
     saved_config = folder / "config.json"
-    old = to_dict(from_dict(TrainConfig, json.loads(saved_config.read_text()), str(saved_config)))
+    raw = json.loads(saved_config.read_text())
+    if raw.get("guidance") == "chunk" and "loss_normalization" not in raw:
+        raise ConfigError(
+            f"checkpoint {folder} is a --guidance chunk run from before chunks were selected whole "
+            "(paper Table 2): it cannot continue under today's chunk baseline; start a new --out"
+        )
+    raw = {**LEGACY_SETTINGS, **raw}  # what an option that did not exist yet meant then
+    old = to_dict(from_dict(TrainConfig, raw, str(saved_config)))
     new = to_dict(config)
     changed = setting_differences(old, new, ignore=RESUMABLE_CHANGES)
     if changed:

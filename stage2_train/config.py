@@ -8,8 +8,10 @@ from pathlib import Path
 from pipeline.alignment import DEFAULT_AGGREGATION
 from pipeline.choices import (
     Aggregation,
+    ChunkStudentAggregate,
     ComputeDtype,
     GuidanceMode,
+    LossNormalization,
     Packing,
     SelectionScope,
     UnmappedStrategy,
@@ -17,6 +19,7 @@ from pipeline.choices import (
 from pipeline.config import option, parse_config, to_dict
 from pipeline.errors import ConfigError
 from pipeline.guidance import DEFAULT_GUIDANCE, GuidanceSettings
+from pipeline.guidance_modes import MODES
 from pipeline.io import fingerprint
 
 SECTION = "stage2"
@@ -48,11 +51,25 @@ class TrainConfig:
     )
     guidance: GuidanceMode = option(
         DEFAULT_GUIDANCE.mode,
-        help="token: the method (top-k by excess loss over token-aligned teacher loss); chunk: "
-        "the same with equal-chunk alignment (paper Table 2); random: same kept fraction, "
-        "random tokens (control); none: every token (plain continual pretraining)",
+        help="; ".join(f"{m.name}: {m.summary} (paper: {m.paper})" for m in MODES.values()),
     )
-    num_chunks: int = option(32, help="chunks per document for --guidance chunk")
+    num_chunks: int = option(
+        32,
+        help="equal chunks per document for --guidance chunk and random-chunk (paper Table 2: "
+        "8, 16, 32, 64)",
+    )
+    chunk_student_aggregate: ChunkStudentAggregate = option(
+        DEFAULT_GUIDANCE.chunk_student_aggregate,
+        help="how a chunk's student token losses combine into the chunk's student loss for "
+        "--guidance chunk (the paper does not say; its teacher side uses --aggregate)",
+    )
+    loss_normalization: LossNormalization = option(
+        DEFAULT_GUIDANCE.normalization,
+        help="all: the kept tokens' summed loss over all N target tokens of the step (paper "
+        "eq. 3, an expectation over i in [1, N]); kept: over the number of kept tokens (a mean "
+        "over kept tokens, not the paper's: ~2.4x larger gradients at top-k 40%%, so another "
+        "effective learning rate; not available for chunk modes)",
+    )
     topk: float = option(
         DEFAULT_GUIDANCE.topk, help="fraction of candidate tokens kept (ceil(topk * n))"
     )
@@ -160,7 +177,12 @@ class TrainConfig:
 
     def guidance_settings(self) -> GuidanceSettings:
         return GuidanceSettings(
-            mode=self.guidance, topk=self.topk, unmapped=self.unmapped, scope=self.selection_scope
+            mode=self.guidance,
+            topk=self.topk,
+            unmapped=self.unmapped,
+            scope=self.selection_scope,
+            normalization=self.loss_normalization,
+            chunk_student_aggregate=self.chunk_student_aggregate,
         )
 
     def accumulation_steps(self, world_size: int) -> int:

@@ -5,10 +5,11 @@ Outputs in OUT: config.json, metrics.jsonl (one JSON object per optimizer step),
 checkpoints/step-N/, and final/ (the student via save_pretrained, safetensors, with its tokenizer
 and vocagno.json saying what produced it).
 
-Loss normalization: a step's loss is the mean student loss over all tokens it keeps, across its
-micro-batches and ranks. The number kept is known from the data before any forward pass
-(pipeline.guidance.kept_in_step), so each micro-batch backpropagates its kept-loss sum divided
-by that total (times the world size, which DDP/FSDP gradient averaging divides out again).
+Loss normalization (--loss-normalization, pipeline.guidance.loss_denominator): a step's loss is
+its kept tokens' summed student loss over N, all its valid target tokens across its micro-batches
+and ranks (paper eq. 3; `all`), or over the tokens it keeps (`kept`). Either is known from the
+data before any forward pass, so each micro-batch backpropagates its kept-loss sum divided by
+that total (times the world size, which DDP/FSDP gradient averaging divides out again).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pipeline.cache.manifest import load_manifest
 from pipeline.config import to_dict
 from pipeline.cross_entropy import IGNORE_INDEX, token_loss
 from pipeline.errors import StoppedBySignal
-from pipeline.guidance import guided_loss, kept_in_step, mapped_tokens
+from pipeline.guidance import guided_loss, loss_denominator, mapped_tokens
 from pipeline.io import atomic_write_json, atomic_write_text, staged_folder
 from pipeline.metrics import METRICS_NAME, read_json_lines
 from pipeline.models.hf_tokenizer import save_tokenizer
@@ -140,7 +141,7 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
         cache_dir=config.cache,
         shards=tuple(manifest.shards),
         student_tokenizer=tokenizer.spec,
-        alignment=choose_alignment(config.guidance, tokenizer.fingerprint, manifest.tokenizer),
+        alignment=choose_alignment(settings, tokenizer.fingerprint, manifest.tokenizer),
         num_chunks=config.num_chunks,
         aggregate=config.aggregate,
         packing=config.packing,
@@ -216,9 +217,9 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
             dim=1,
         )  # [micro-batch, (mapped, valid)]
         counts = counts.to(runtime.device, non_blocking=True)
-        kept_total = kept_in_step(runtime.all_gather(counts), settings)
+        denominator = loss_denominator(runtime.all_gather(counts), settings)
         # the float64 quotient rounded once to the loss's float32
-        scale = (runtime.world_size / kept_total.clamp(min=1).double()).float()
+        scale = (runtime.world_size / denominator.clamp(min=1).double()).float()
 
         # forward-backward
         # kept loss, all loss, kept, mapped, valid, stop votes: summed on the device, read once
@@ -235,6 +236,7 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
                     labels != IGNORE_INDEX,
                     settings,
                     generator=selection_generator(config, step, micro, runtime.rank),
+                    chunk_start=batch.get("chunk_start"),
                 )
                 (result.kept_loss_sum * scale).backward()
             totals[:5] += torch.stack(

@@ -15,6 +15,7 @@ from pipeline.guidance import (
     GuidanceSettings,
     guided_loss,
     kept_in_step,
+    loss_denominator,
     planned_kept,
     select_tokens,
     selection_size,
@@ -153,14 +154,24 @@ def test_random_keeps_as_many_as_token_with_seeded_noise():
             assert (first[valid & torch.isnan(teacher)]).all()
 
 
-def test_chunk_selects_exactly_like_token():
+@pytest.mark.parametrize("how", ["include", "exclude", "mean"])
+def test_chunks_of_one_token_select_exactly_like_token_and_random(how):
     torch.manual_seed(1)
     student, teacher = torch.rand(2, 30), torch.rand(2, 30)
-    valid = torch.ones(2, 30, dtype=torch.bool)
-    assert torch.equal(
-        select_tokens(student, teacher, valid, settings(mode="chunk")),
-        select_tokens(student, teacher, valid, settings(mode="token")),
-    )
+    teacher[torch.rand(2, 30) < 0.2] = NAN
+    valid = torch.rand(2, 30) < 0.9
+    every = torch.ones(2, 30, dtype=torch.bool)
+    for chunked, plain in (("chunk", "token"), ("random-chunk", "random")):
+        assert torch.equal(
+            select_tokens(
+                student, teacher, valid, settings(mode=chunked, unmapped=how),
+                torch.Generator().manual_seed(5), chunk_start=every,
+            ),
+            select_tokens(
+                student, teacher, valid, settings(mode=plain, unmapped=how),
+                torch.Generator().manual_seed(5),
+            ),
+        )  # fmt: skip
 
 
 def test_selection_size_is_ceil_without_float_error():
@@ -239,6 +250,9 @@ def test_none_equals_transformers_mean_cross_entropy():
     torch.testing.assert_close(full.loss, unshifted, rtol=1e-6, atol=1e-6)
 
 
+CHUNK_EVERY_3 = (torch.arange(50) % 3 == 0).view(2, 25)  # 50 % 3 != 0: rank 1 starts mid-chunk
+
+
 def _global_worker(rank: int, world: int, init_file: str, queue) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -247,13 +261,14 @@ def _global_worker(rank: int, world: int, init_file: str, queue) -> None:
         teacher = torch.rand(2, 2, 25, generator=generator)
         teacher[torch.rand(2, 2, 25, generator=generator) < 0.25] = NAN
         out = {}
-        for mode in ("token", "random"):
+        for mode in ("token", "random", "chunk", "random-chunk"):
             for how in ("include", "exclude", "mean"):
                 config = settings(mode=mode, unmapped=how, scope="global")
                 noise = torch.Generator().manual_seed(100 + rank)
                 keep = select_tokens(
-                    student[rank], teacher[rank], torch.ones(2, 25, dtype=torch.bool), config, noise
-                )
+                    student[rank], teacher[rank], torch.ones(2, 25, dtype=torch.bool), config,
+                    noise, chunk_start=CHUNK_EVERY_3,
+                )  # fmt: skip
                 # Plain lists: a tensor would be shared through memory that dies with this process.
                 out[mode, how] = keep.tolist()
         queue.put((rank, out))
@@ -283,11 +298,121 @@ def test_global_scope_is_one_selection_over_all_ranks():
     valid = torch.ones(4, 25, dtype=torch.bool)
     for mode, how in results[0]:
         joined = torch.tensor(results[0][mode, how] + results[1][mode, how])
-        if mode == "token":
+        if mode in ("token", "chunk"):
+            # one selection over both ranks' rows; each rank's first token starts a chunk piece
+            starts = torch.cat((CHUNK_EVERY_3, CHUNK_EVERY_3))
+            starts[2, 0] = True
             expected = select_tokens(
-                student.reshape(4, 25), teacher.reshape(4, 25), valid, settings(unmapped=how)
-            )
-            assert torch.equal(joined, expected), how
-        mapped = ~torch.isnan(teacher.reshape(4, 25))
-        counts = torch.stack([mapped.sum(), valid.sum()]).reshape(1, 1, 2)
-        assert int(joined.sum()) == kept_in_step(counts, settings(mode=mode, unmapped=how))
+                student.reshape(4, 25), teacher.reshape(4, 25), valid,
+                settings(mode=mode, unmapped=how), chunk_start=starts,
+            )  # fmt: skip
+            assert torch.equal(joined, expected), (mode, how)
+        if mode in ("token", "random"):
+            mapped = ~torch.isnan(teacher.reshape(4, 25))
+            counts = torch.stack([mapped.sum(), valid.sum()]).reshape(1, 1, 2)
+            assert int(joined.sum()) == kept_in_step(counts, settings(mode=mode, unmapped=how))
+
+
+def test_eq3_divides_the_kept_loss_by_all_target_tokens():
+    """Paper eq. 3: L = -E_{i~[1,N]}[W_i log P_i] = (sum of L_S over kept tokens) / N."""
+    # include keeps tokens 0, 2, 4, 5 (see above): 2.0 + 3.0 + 2.5 + 1.5 = 9.0 over N = 6 tokens
+    result = guided_loss(STUDENT, TEACHER, ALL, settings())
+    assert result.loss_eq3.item() == pytest.approx(9.0 / 6)
+    assert result.loss.item() == pytest.approx(9.0 / 4)  # the kept-count mean (`kept`)
+    # A step of 2 ranks x 2 micro-steps of (mapped, valid): N = 4 + 5 + 4 + 5 = 18 target tokens.
+    counts = torch.tensor([[[3, 4], [5, 5]], [[3, 4], [0, 5]]])
+    assert loss_denominator(counts, settings()) == 18
+    assert loss_denominator(counts, settings(normalization="kept")) == 13  # kept_in_step
+    assert GuidanceSettings().normalization == "all"  # the paper's is the default
+
+
+# Ten tokens in four chunks starting at 0, 3, 5, 8; the last chunk's teacher chunk is unscored.
+CHUNK_STUDENT = torch.tensor([[1.0, 2.0, 3.0, 5.0, 5.0, 0.0, 0.0, 3.0, 1.0, 1.0]])
+CHUNK_TEACHER = torch.tensor([[0.5, 0.5, 0.5, 4.0, 4.0, 0.5, 0.5, 0.5, NAN, NAN]])
+CHUNK_START = torch.tensor([[1, 0, 0, 1, 0, 1, 0, 0, 1, 0]], dtype=torch.bool)
+TEN = torch.ones(1, 10, dtype=torch.bool)
+
+
+def test_chunk_selects_whole_chunks_by_chunk_excess():
+    """Table 2's chunk baseline: chunk excess = mean L_S over the chunk - its teacher loss;
+    k = ceil(0.4 * 3 mapped chunks) = 2 chunks; every token of a kept chunk is kept."""
+    # means 2, 5, 1 -> excess 1.5, 1.0, 0.5: chunks A (0-2) and B (3-4); D (8-9) is unmapped.
+    config = settings(mode="chunk")
+    keep = select_tokens(CHUNK_STUDENT, CHUNK_TEACHER, TEN, config, chunk_start=CHUNK_START)
+    assert kept_positions(keep) == [0, 1, 2, 3, 4, 8, 9]
+    result = guided_loss(CHUNK_STUDENT, CHUNK_TEACHER, TEN, config, chunk_start=CHUNK_START)
+    assert result.loss_eq3.item() == pytest.approx((1 + 2 + 3 + 5 + 5 + 1 + 1) / 10)
+    exclude = settings(mode="chunk", unmapped="exclude")
+    keep = select_tokens(CHUNK_STUDENT, CHUNK_TEACHER, TEN, exclude, chunk_start=CHUNK_START)
+    assert kept_positions(keep) == [0, 1, 2, 3, 4]
+    # mean: D gets the mapped chunks' mean teacher loss 5/3 -> excess -2/3; k = ceil(1.6) = 2
+    mean = settings(mode="chunk", unmapped="mean")
+    keep = select_tokens(CHUNK_STUDENT, CHUNK_TEACHER, TEN, mean, chunk_start=CHUNK_START)
+    assert kept_positions(keep) == [0, 1, 2, 3, 4]
+    # max over the chunk: 3, 5, 3 -> excess 2.5, 1.0, 2.5: A and C tie and win (earlier first)
+    peak = settings(mode="chunk", chunk_student_aggregate="max")
+    keep = select_tokens(CHUNK_STUDENT, CHUNK_TEACHER, TEN, peak, chunk_start=CHUNK_START)
+    assert kept_positions(keep) == [0, 1, 2, 5, 6, 7, 8, 9]
+    # sum: 6, 10, 3 -> excess 5.5, 9.0, 2.5: B and A
+    total = settings(mode="chunk", chunk_student_aggregate="sum")
+    keep = select_tokens(CHUNK_STUDENT, CHUNK_TEACHER, TEN, total, chunk_start=CHUNK_START)
+    assert kept_positions(keep) == [0, 1, 2, 3, 4, 8, 9]
+
+
+def test_chunks_run_across_rows_and_padding_is_never_kept():
+    """Rows of a micro-batch are consecutive windows of one stream: a chunk that a row boundary
+    cuts stays one chunk; the micro-batch's first token starts a chunk even if not marked."""
+    student = CHUNK_STUDENT.view(2, 5)
+    teacher = CHUNK_TEACHER.view(2, 5)
+    start = CHUNK_START.view(2, 5).clone()
+    keep = select_tokens(
+        student, teacher, TEN.view(2, 5), settings(mode="chunk"), chunk_start=start
+    )
+    assert kept_positions(keep) == [0, 1, 2, 3, 4, 8, 9]
+    start[0, 0] = False
+    keep = select_tokens(
+        student, teacher, TEN.view(2, 5), settings(mode="chunk"), chunk_start=start
+    )
+    assert kept_positions(keep) == [0, 1, 2, 3, 4, 8, 9]
+    # Padding in chunk B: B's mean is over its valid token only (5 -> excess 1.0), and the padded
+    # position is never kept.
+    valid = TEN.clone()
+    valid[0, 4] = False
+    keep = select_tokens(CHUNK_STUDENT, CHUNK_TEACHER, valid, settings(mode="chunk"), None, start)
+    assert kept_positions(keep) == [0, 1, 2, 3, 8, 9]
+
+
+def test_random_chunk_keeps_k_whole_chunks_seeded():
+    torch.manual_seed(2)
+    lengths = torch.randint(1, 6, (40,))
+    start = torch.zeros(int(lengths.sum()), dtype=torch.bool)
+    start[torch.cumsum(lengths, 0) - lengths] = True
+    student = torch.rand(1, start.numel())
+    chunk_index = torch.cumsum(start.long(), 0) - 1
+    teacher = torch.rand(40)[chunk_index][None]  # one teacher loss per chunk
+    config = settings(mode="random-chunk", unmapped="exclude")
+    masks = [
+        select_tokens(
+            student, teacher, torch.ones_like(start)[None], config,
+            torch.Generator().manual_seed(seed), chunk_start=start[None],
+        )[0]
+        for seed in (7, 7, 8)
+    ]  # fmt: skip
+    assert torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
+    for mask in masks:
+        per_chunk = torch.zeros(40).index_add_(0, chunk_index, mask.float())
+        assert torch.equal(per_chunk > 0, per_chunk == lengths)  # whole chunks or nothing
+        assert int((per_chunk > 0).sum()) == selection_size(40, 0.4)  # exactly k = 16 chunks
+
+
+def test_chunk_settings_and_inputs_are_checked():
+    with pytest.raises(ValueError, match="loss-normalization kept"):
+        settings(mode="chunk", normalization="kept")
+    with pytest.raises(ValueError, match="normalization"):
+        settings(normalization="mean")
+    with pytest.raises(ValueError, match="chunk student"):
+        settings(chunk_student_aggregate="median")
+    with pytest.raises(ValueError, match="chunk starts"):
+        select_tokens(CHUNK_STUDENT, CHUNK_TEACHER, TEN, settings(mode="chunk"))
+    with pytest.raises(ValueError):
+        planned_kept(3, 4, settings(mode="random-chunk"))

@@ -15,6 +15,9 @@ from stage2_train.config import TrainConfig
 
 MANIFESTS = Path(__file__).resolve().parents[1] / "manifests"
 PAPER = sorted((MANIFESTS / "paper").glob("table1-*.toml"))
+TABLE2 = sorted((MANIFESTS / "paper").glob("table2-*.toml"))
+# Stage 2 settings the paper does not state: every paper manifest that sets one says so.
+NOT_IN_PAPER = ("warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip")
 SECTIONS = {"demo": DemoConfig, "stage1": ScoreConfig, "stage2": TrainConfig, "eval": EvalConfig}
 # Paths and inputs a manifest may leave to the command line.
 PLACEHOLDERS = {
@@ -41,9 +44,43 @@ def test_manifest_tables_are_valid_configs(path):
 def test_there_is_one_manifest_per_table1_run():
     names = {p.stem.removeprefix("table1-") for p in PAPER}
     assert names == {
-        "tinyllama-cpt", "llemma-7b", "mistral-proxmath-7b", "deepseekmath-7b",
-        "deepseekmath-7b-rl", "qwen2.5-math-7b", "qwen2.5-math-7b-instruct",
+        "tinyllama-cpt", "tinyllama-cpt-teacher", "llemma-7b", "mistral-proxmath-7b",
+        "deepseekmath-7b", "deepseekmath-7b-rl", "qwen2.5-math-7b", "qwen2.5-math-7b-instruct",
     }  # fmt: skip
+
+
+def test_tinyllama_cpt_is_also_a_teacher_scoring_with_the_plain_rows_checkpoint():
+    """Table 1's "S + TinyLlama-CPT | Ours": stage 1 scores with the model the plain
+    TinyLlama-CPT row trains, and the same vocabulary makes stage 2's alignment the identity."""
+    plain = load_manifest_section(MANIFESTS / "paper" / "table1-tinyllama-cpt.toml", "stage2")
+    teacher = MANIFESTS / "paper" / "table1-tinyllama-cpt-teacher.toml"
+    assert plain["guidance"] == "none"
+    assert load_manifest_section(teacher, "stage1")["teacher"] == f"{plain['out']}/final"
+    assert load_manifest_section(teacher, "stage2")["guidance"] == "token"
+
+
+def test_table2_has_every_chunk_row_and_its_random_control():
+    rows = {
+        (stage2.guidance, stage2.num_chunks if "chunk" in stage2.guidance else None)
+        for stage2 in (from_dict(TrainConfig, load_manifest_section(p, "stage2")) for p in TABLE2)
+    }
+    chunked = {(mode, n) for mode in ("chunk", "random-chunk") for n in (8, 16, 32, 64)}
+    assert rows == chunked | {("token", None)}
+    for path in TABLE2:
+        stage2 = from_dict(TrainConfig, load_manifest_section(path, "stage2"))
+        assert stage2.max_steps * stage2.global_batch_tokens == pytest.approx(5e9, rel=1e-3)
+        assert (stage2.topk, stage2.aggregate, stage2.unmapped) == (0.4, "max", "include")
+        assert str(stage2.cache).endswith("mistral-proxmath-7b")  # paper 6.1's teacher
+
+
+@pytest.mark.parametrize("path", PAPER + TABLE2, ids=lambda p: p.name)
+def test_paper_manifests_say_which_settings_are_not_from_the_paper(path):
+    lines = path.read_text().splitlines()
+    for name in NOT_IN_PAPER:
+        (line,) = [line for line in lines if line.startswith(f"{name} =")]
+        assert "not from the paper" in line, line
+    stage2 = from_dict(TrainConfig, load_manifest_section(path, "stage2"))
+    assert stage2.loss_normalization == "all"  # eq. 3
 
 
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.name)

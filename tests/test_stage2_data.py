@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.alignment import aggregate_teacher_loss, equal_chunk_alignment
+from pipeline.alignment import aggregate_teacher_loss, chunk_bounds, equal_chunk_alignment
 from pipeline.cache.manifest import load_manifest
 from pipeline.cache.schema import shard_name
 from pipeline.errors import CacheError
+from pipeline.guidance import GuidanceSettings
 from pipeline.tokenizer import load_tokenizer
 from stage2_train.data.documents import annotate, choose_alignment
 from stage2_train.data.loader import batches, make_loader
@@ -102,12 +103,14 @@ def test_same_tokenizer_gives_identity_alignment_rho1(tmp_path):
     documents = [*corpus_documents(4), ("emoji", "x 😀 and 漢字 √2 ≈ 1.41"), ("cjk", "数学 é")]
     build_cache(tmp_path, teacher_tokenizer="tinyllama", documents=documents, docs_per_shard=6)
     manifest = load_manifest(tmp_path)
-    student = load_tokenizer("tinyllama")
-    assert choose_alignment("token", student.fingerprint, manifest.tokenizer) == "identity"
-    assert choose_alignment("chunk", student.fingerprint, manifest.tokenizer) == "chunk"
-    assert choose_alignment("token", load_tokenizer("mistral").fingerprint, manifest.tokenizer) == (
-        "token"
-    )
+
+    def alignment(mode: str, tokenizer: str = "tinyllama") -> str:
+        fingerprint = load_tokenizer(tokenizer).fingerprint
+        return choose_alignment(GuidanceSettings(mode), fingerprint, manifest.tokenizer)
+
+    assert alignment("token") == "identity" and alignment("random") == "identity"
+    assert alignment("chunk") == "chunk" and alignment("random-chunk") == "chunk"
+    assert alignment("token", "mistral") == "token"
     rows = list(read_cache_rows(tmp_path).values())
     docs = annotate_rows(rows, "tinyllama", alignment="identity")
     offset = 0
@@ -134,16 +137,24 @@ def test_chunk_alignment_maps_each_chunk_to_the_teacher_chunk(qwen_cache):
         start, end = equal_chunk_alignment(int(length), len(row["loss"]), 4)
         expected = aggregate_teacher_loss(np.array(row["loss"], np.float32), start, end, "mean")
         np.testing.assert_allclose(docs.teacher_loss[offset : offset + length], expected, rtol=1e-6)
+        # The first token of each of the document's chunks, and no other, starts a chunk.
+        first_tokens = np.unique(chunk_bounds(int(length), 4)[:-1])
+        np.testing.assert_array_equal(
+            np.flatnonzero(docs.chunk_start[offset : offset + length]), first_tokens
+        )
         offset += length
+    # Token alignment: every token is its own selection unit.
+    assert annotate_rows(rows, "tinyllama").chunk_start.all()
 
 
-def test_packing_is_the_document_stream_cut_into_overlapping_windows(qwen_cache):
-    plan = make_plan(qwen_cache)
+@pytest.mark.parametrize("alignment", ["token", "chunk"])
+def test_packing_is_the_document_stream_cut_into_overlapping_windows(qwen_cache, alignment):
+    plan = make_plan(qwen_cache, alignment=alignment)
     stream = iter(ConsumerStream(plan, 0))
     got = [next(stream) for _ in range(8)]
     order = [doc_id for batch in got for _, doc_id in batch["documents"]]
     rows = read_cache_rows(qwen_cache)
-    docs = annotate_rows([rows[d] for d in order], "tinyllama")
+    docs = annotate_rows([rows[d] for d in order], "tinyllama", alignment=alignment, num_chunks=4)
     length, width = plan.seq_len, plan.micro_batch_size * plan.seq_len
     for k, batch in enumerate(got):
         for b in range(plan.micro_batch_size):
@@ -154,6 +165,9 @@ def test_packing_is_the_document_stream_cut_into_overlapping_windows(qwen_cache)
             )
             np.testing.assert_array_equal(
                 batch["teacher_loss"][b], docs.teacher_loss[first + 1 : first + length + 1]
+            )
+            np.testing.assert_array_equal(  # chunk starts travel with their target tokens
+                batch["chunk_start"][b], docs.chunk_start[first + 1 : first + length + 1]
             )
     assert (
         got[0]["input_ids"].dtype == torch.int64 and got[0]["teacher_loss"].dtype == torch.float32

@@ -192,3 +192,30 @@ def test_the_document_mask_is_block_diagonal_and_causal():
         dtype=torch.bool,
     )
     assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("seq_len", [64, 512])
+def test_chunks_of_packed_documents_never_span_two_documents(cache, seq_len):
+    """Under chunk alignment each new piece begins a chunk (a document's first target, token 1,
+    is not where its first chunk begins), chunk starts sit on new targets only, and a whole
+    document keeps exactly its num_chunks chunks."""
+    from pipeline.chunk_selection import chunk_ids
+
+    num_chunks = 4
+    plan = make_plan(cache, seq_len=seq_len, alignment="chunk", num_chunks=num_chunks)
+    for batch in epoch_batches(plan):
+        start, segment = batch["chunk_start"], batch["segment_ids"]
+        fresh = batch["labels"] != IGNORE_INDEX
+        assert not (start & ~fresh).any()
+        chunk = chunk_ids(start).view(start.shape)
+        for piece in segment.unique()[1:]:
+            in_piece = (segment == piece) & fresh
+            first = torch.nonzero(in_piece.flatten())[0]
+            assert start.flatten()[first]  # a piece's first new target opens a chunk
+            # No chunk holds new targets of two pieces.
+            others = fresh & (segment != piece)
+            assert not set(chunk[in_piece].tolist()) & set(chunk[others].tolist())
+        if seq_len == 512:  # no document is split: each keeps its chunks (tiny ones may hold
+            # fewer targets than chunks)
+            per_piece = [int(start[segment == p].sum()) for p in segment.unique()[1:]]
+            assert all(1 <= n <= num_chunks for n in per_piece)

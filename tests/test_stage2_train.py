@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.errors import CacheError, ConfigError
-from stage2_train.checkpoint import MARKER, complete_checkpoints, resume_from
+from stage2_train.checkpoint import MARKER, check_resumable, complete_checkpoints, resume_from
 from stage2_train.config import TrainConfig, parse_train_config
 from stage2_train.train import main
 from stage2_train.trainer import lr_at
@@ -109,13 +109,55 @@ def test_guidance_none_keeps_every_token(cache, tmp_path):
 
 
 def test_chunk_guidance_runs_and_differs_from_token(cache, tmp_path):
-    token, chunk = tmp_path / "token", tmp_path / "chunk"
+    token, chunk, random = tmp_path / "token", tmp_path / "chunk", tmp_path / "random-chunk"
     common = ("--num-workers", "0", "--max-steps", "2")
     assert main(train_args(cache, token, *common)) == 0
     assert main(train_args(cache, chunk, *common, "--guidance", "chunk", "--num-chunks", "4")) == 0
+    assert main(train_args(cache, random, *common, "--guidance", "random-chunk")) == 0
     assert read_metrics(token)[0]["loss_all"] == read_metrics(chunk)[0]["loss_all"]  # same data
     assert read_metrics(token)[0]["loss"] != read_metrics(chunk)[0]["loss"]  # other selection
     assert read_metrics(chunk)[0]["mapped_fraction"] == 1.0  # chunks map every token
+    assert read_metrics(random)[0]["loss"] != read_metrics(chunk)[0]["loss"]
+    saved = json.loads((random / "config.json").read_text())
+    assert saved["guidance"] == "random-chunk" and saved["chunk_student_aggregate"] == "mean"
+
+
+def test_a_run_from_before_eq3_resumes_only_as_what_it_was(cache, uninterrupted, tmp_path):
+    """Runs saved before --loss-normalization divided by the kept count: they continue under
+    `kept` and are refused under the new default, never silently switched."""
+    old = tmp_path / "old"
+    shutil.copytree(uninterrupted, old)
+    _, checkpoint = complete_checkpoints(old)[-1]
+    saved = json.loads((checkpoint / "config.json").read_text())
+    for key in ("loss_normalization", "chunk_student_aggregate"):
+        del saved[key]
+    (checkpoint / "config.json").write_text(json.dumps(saved))
+    meta = json.loads((checkpoint / "checkpoint.json").read_text())
+    args = train_args(cache, old, *RESUME_ARGS)
+    assert check_resumable(checkpoint, parse_train_config([*args, "--loss-normalization", "kept"]),
+                           meta) == 6  # fmt: skip
+    with pytest.raises(ConfigError, match='loss_normalization: "kept" -> "all"'):
+        check_resumable(checkpoint, parse_train_config(args), meta)
+
+
+def test_eq3_normalization_is_the_default_and_kept_is_the_option(cache, tmp_path):
+    """Paper eq. 3 divides the kept loss by all N target tokens; `kept` by the kept count. On the
+    same first step (same init, same data, same selection) the gradients differ by exactly the
+    kept fraction, and the choice is in the run's config."""
+    runs = {}
+    for normalization in ("all", "kept"):
+        out = tmp_path / normalization
+        args = train_args(cache, out, "--num-workers", "0", "--max-steps", "2")
+        if normalization == "kept":
+            args += ["--loss-normalization", "kept"]
+        assert main(args) == 0
+        runs[normalization] = read_metrics(out)[0]
+        saved = json.loads((out / "config.json").read_text())
+        assert saved["loss_normalization"] == normalization
+    assert runs["all"]["kept_fraction"] == runs["kept"]["kept_fraction"] < 0.7
+    assert runs["all"]["grad_norm"] / runs["kept"]["grad_norm"] == pytest.approx(
+        runs["all"]["kept_fraction"], rel=1e-4
+    )
 
 
 def test_resume_refuses_other_settings_other_cache_and_never(cache, uninterrupted, tmp_path):
@@ -247,6 +289,8 @@ def test_schedule_warms_up_then_decays_to_min_lr():
         ({"min_lr": 1.0}, "--min-lr"),
         ({"seq_len": 0}, "--seq-len"),
         ({"guidance": "soft"}, "guidance"),
+        ({"guidance": "chunk", "loss_normalization": "kept"}, "loss-normalization kept"),
+        ({"chunk_student_aggregate": "median"}, "chunk student"),
     ],
 )
 def test_config_validation(change, message):
@@ -376,3 +420,15 @@ def test_resume_under_another_thread_count_warns_that_it_is_not_bit_identical(
             run(train_args(cache, out, *RESUME_ARGS))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_option_choices_are_the_declared_ones():
+    """The Literal of each guidance option is the declaration in pipeline.guidance, once."""
+    import typing
+
+    from pipeline.guidance import CHUNK_STUDENT_AGGREGATES, GUIDANCE_MODES, LOSS_NORMALIZATIONS
+
+    hints = typing.get_type_hints(TrainConfig)
+    assert typing.get_args(hints["guidance"]) == GUIDANCE_MODES
+    assert typing.get_args(hints["loss_normalization"]) == LOSS_NORMALIZATIONS
+    assert typing.get_args(hints["chunk_student_aggregate"]) == CHUNK_STUDENT_AGGREGATES

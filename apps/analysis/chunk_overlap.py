@@ -4,8 +4,13 @@ Both tokenizations of a document are cut into N equal chunks (the chunking basel
 chunk c to teacher chunk c) and each chunk pair is scored by character IoU and IoS (intersection
 over the student chunk). The token-level reference scores each student token against the span of
 the teacher range `align` maps it to. Means are pooled over all chunk pairs (or student tokens)
-of all documents. Documents are tokenized without BOS/EOS: framing tokens carry no characters,
-and leaving them out keeps the chunks a pure function of the text.
+of all documents.
+
+The chunks are the ones `--guidance chunk` trains with (pipeline.alignment.equal_chunk_alignment,
+both sides cut by `chunk_bounds`): the student side is tokenized as stage 2 tokenizes it (BOS per
+the student's policy, EOS appended) and the teacher side as stage 1 caches it (BOS per the
+teacher's policy, no EOS). Framing tokens carry no characters, but they count towards the equal
+split, so leaving them out would measure another chunking than the one trained.
 """
 
 from __future__ import annotations
@@ -89,8 +94,8 @@ def measure_chunk_overlap(
     result = ChunkOverlap(by_chunks={n: _OverlapSums() for n in chunk_counts})
     texts = iter(texts)
     while batch := list(itertools.islice(texts, _BATCH_DOCS)):
-        students = student.encode_batch(batch, add_bos=False)
-        teachers = teacher.encode_batch(batch, add_bos=False)
+        students = student.encode_batch(batch, add_eos=True)  # as stage 2 (documents.annotate)
+        teachers = teacher.encode_batch(batch)  # as stage 1 caches it
         for s, t in zip(students, teachers, strict=True):
             for n, sums in result.by_chunks.items():
                 sums.add(*chunk_alignment_overlap(s.start, s.end, t.start, t.end, n))

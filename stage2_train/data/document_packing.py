@@ -47,7 +47,8 @@ class DocumentStream(DocumentReader):
 
     def __init__(self, plan: DataPlan, consumer: int, position: StreamPosition | None = None):
         super().__init__(plan, consumer, position)
-        # Documents not yet finished: (ids, teacher loss, position tuple, (epoch, doc_id)).
+        # Documents not yet finished: (ids, teacher loss, position tuple, (epoch, doc_id), where
+        # a chunk of the chunk baseline begins).
         self._queue: deque = deque()
         self._done = self.start.token  # targets of the queue's first document already trained
 
@@ -55,14 +56,15 @@ class DocumentStream(DocumentReader):
         while not self._queue:
             docs, positions, epoch = next(reader)
             bounds = np.cumsum(docs.lengths)[:-1]
-            for ids, teacher, position, doc_id in zip(
+            for ids, teacher, position, doc_id, chunk_start in zip(
                 np.split(docs.ids, bounds),
                 np.split(docs.teacher_loss, bounds),
                 positions.tolist(),
                 docs.doc_ids,
+                np.split(docs.chunk_start, bounds),
                 strict=True,
             ):
-                self._queue.append((ids, teacher, position, (epoch, doc_id)))
+                self._queue.append((ids, teacher, position, (epoch, doc_id), chunk_start))
 
     def position(self) -> StreamPosition:
         return StreamPosition(*self._queue[0][2], self._done)
@@ -73,11 +75,12 @@ class DocumentStream(DocumentReader):
         reader = self.documents()
         while True:
             free = np.full(rows, width, dtype=np.int64)
-            pieces = []  # (row, slot, ids, teacher, first input, first new target, last target)
+            # (row, slot, ids, teacher, first input, first new target, last target, chunk starts)
+            pieces = []
             documents = []
             while True:
                 self._fill(reader)
-                ids, teacher, _, name = self._queue[0]
+                ids, teacher, _, name, chunk_start = self._queue[0]
                 done = self._done
                 first = max(0, done - context) if done else 0
                 last = min(ids.size - 1, first + width)  # index of the piece's last target
@@ -87,7 +90,8 @@ class DocumentStream(DocumentReader):
                     break
                 row = int(np.argmin(np.where(fits, free, width + 1)))  # best fit: fullest row
                 if length:
-                    pieces.append((row, width - free[row], ids, teacher, first, done, last))
+                    piece = (row, width - free[row], ids, teacher, first, done, last, chunk_start)
+                    pieces.append(piece)
                     free[row] -= length
                 if done == 0:
                     documents.append(name)
@@ -127,6 +131,13 @@ def _assemble(pieces: list, rows: int, width: int) -> dict:
     teacher_loss[slot] = np.where(fresh, teacher, np.float32(np.nan))
     position_ids[slot] = local
     segment_ids[slot] = np.repeat(np.arange(1, len(pieces) + 1), lengths)
+    # Chunk starts of the targets; and each piece's first new target begins a chunk, since token 0
+    # (where a document's first chunk begins) is never a target here, and a continuation is
+    # selected on its own, as a chunk cut by a micro-batch boundary is (pipeline.chunk_selection).
+    flags = np.concatenate([p[7][p[4] + 1 : p[6] + 1] for p in pieces])
+    fresh_before = np.concatenate(([False], fresh[:-1])) & (local > 0)
+    chunk_start = np.zeros(size, dtype=bool)
+    chunk_start[slot] = fresh & (flags | ~fresh_before)
     shape = (rows, width)
     return {
         "input_ids": torch.from_numpy(input_ids.reshape(shape)),
@@ -134,4 +145,5 @@ def _assemble(pieces: list, rows: int, width: int) -> dict:
         "teacher_loss": torch.from_numpy(teacher_loss.reshape(shape)),
         "position_ids": torch.from_numpy(position_ids.reshape(shape)),
         "segment_ids": torch.from_numpy(segment_ids.reshape(shape)),
+        "chunk_start": torch.from_numpy(chunk_start.reshape(shape)),
     }

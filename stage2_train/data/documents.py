@@ -2,7 +2,8 @@
 its text (pipeline.cache.rows), tokenize `text` with the student tokenizer (BOS per the student's
 policy, EOS appended), and give every student token the teacher loss of the cached teacher tokens
 it is aligned to (pipeline.teacher_loss: one call for the read). NaN marks a student token with no
-teacher loss.
+teacher loss. Under chunk alignment every token also says whether it begins one of its document's
+equal chunks (paper Table 2), so chunk selection can regroup the tokens after packing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.alignment import DEFAULT_AGGREGATION
+from pipeline.alignment import DEFAULT_AGGREGATION, chunk_starts
 from pipeline.cache.manifest import ShardRecord
 from pipeline.cache.rows import check_rows, list_column
 from pipeline.cache.schema import (
@@ -29,6 +30,7 @@ from pipeline.cache.schema import (
 )
 from pipeline.cache.verify import verify_shard
 from pipeline.errors import CacheError
+from pipeline.guidance import GuidanceSettings
 from pipeline.teacher_loss import student_teacher_loss
 from pipeline.tokenizer import TextTokenizer, load_tokenizer
 from stage2_train.data.plan import DataPlan, work_items
@@ -59,16 +61,26 @@ class AnnotatedDocuments:
     teacher_loss: np.ndarray  # float32, NaN = no teacher loss for that token
     lengths: np.ndarray  # int64 student tokens per document
     doc_ids: list[str] = field(default_factory=list)
+    # bool, True where a selection unit begins: a document's equal chunk under chunk alignment,
+    # else every token (a token is its own unit)
+    chunk_start: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk_start is None:
+            self.chunk_start = np.ones(self.ids.shape, dtype=bool)
 
 
-def choose_alignment(guidance: str, student_fingerprint: str, cache_tokenizer: dict) -> str:
-    """chunk for the chunk baseline; identity when the student's tokenizer is the teacher's
-    (same-vocabulary guidance, Rho-1); otherwise token-level lexical alignment.
+def choose_alignment(
+    settings: GuidanceSettings, student_fingerprint: str, cache_tokenizer: dict
+) -> str:
+    """chunk for the modes that declare it (the chunk baseline and its random control); identity
+    when the student's tokenizer is the teacher's (same-vocabulary guidance, Rho-1); otherwise
+    token-level lexical alignment.
 
     With one tokenizer on both sides, offsets cannot tell the byte pieces of one character apart
     (they share a span) and would map each piece to the whole group; positions can.
     """
-    if guidance == "chunk":
+    if settings.declared.alignment == "chunk":
         return "chunk"
     if cache_tokenizer.get("fingerprint") == student_fingerprint:
         return "identity"
@@ -110,7 +122,8 @@ def annotate(
         aggregate=aggregate,
     )
     ids = np.concatenate([e.ids for e in encodings]).astype(np.int32)
-    return AnnotatedDocuments(ids, mapping.teacher_loss, lengths)
+    starts = chunk_starts(lengths, num_chunks) if alignment == "chunk" else None
+    return AnnotatedDocuments(ids, mapping.teacher_loss, lengths, chunk_start=starts)
 
 
 class DocumentReader:

@@ -2,7 +2,8 @@
 B windows of seq_len + 1 tokens with stride seq_len, so window i's last token is window i+1's
 first input and every token after the stream's first is a target exactly once. Windows cut
 documents wherever they fall; attention is not masked at document boundaries (the EOS/BOS between
-documents tells the student where one ends). The teacher loss of a target token travels with it.
+documents tells the student where one ends). The teacher loss of a target token travels with it,
+and so does whether it begins a chunk (`chunk_start`, for the chunk baseline).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ConsumerStream(DocumentReader):
         # negative for a document already partly consumed) and its position tuple.
         self._ids = np.zeros(0, dtype=np.int32)
         self._teacher = np.zeros(0, dtype=np.float32)
+        self._chunk_start = np.zeros(0, dtype=bool)
         self._doc_start = np.zeros(0, dtype=np.int64)
         self._doc_length = np.zeros(0, dtype=np.int64)
         self._doc_position = np.zeros((0, 4), dtype=np.int64)  # epoch, item, read, row
@@ -40,10 +42,12 @@ class ConsumerStream(DocumentReader):
         self._doc_ids.extend((epoch, doc_id) for doc_id in docs.doc_ids)
         self._ids = np.concatenate((self._ids, docs.ids))
         self._teacher = np.concatenate((self._teacher, docs.teacher_loss))
+        self._chunk_start = np.concatenate((self._chunk_start, docs.chunk_start))
 
     def _advance(self, tokens: int) -> None:
         """Drop `tokens` tokens from the front, and the documents that lie wholly before it."""
         self._ids, self._teacher = self._ids[tokens:], self._teacher[tokens:]
+        self._chunk_start = self._chunk_start[tokens:]
         self._doc_start = self._doc_start - tokens
         alive = np.flatnonzero(self._doc_start + self._doc_length > 0)
         first = int(alive[0]) if alive.size else len(self._doc_ids)
@@ -70,6 +74,7 @@ class ConsumerStream(DocumentReader):
                     self._advance(skip)
                     skip = 0
             ids, teacher = self._ids[window], self._teacher[window]
+            chunk_start = self._chunk_start[window]
             new = (self._doc_start >= 0) & (self._doc_start < consumed)
             documents = [self._doc_ids[i] for i in np.flatnonzero(new)]
             self._advance(consumed)
@@ -77,6 +82,7 @@ class ConsumerStream(DocumentReader):
                 "input_ids": torch.from_numpy(ids[:, :-1].astype(np.int64)),
                 "labels": torch.from_numpy(ids[:, 1:].astype(np.int64)),
                 "teacher_loss": torch.from_numpy(np.ascontiguousarray(teacher[:, 1:])),
+                "chunk_start": torch.from_numpy(np.ascontiguousarray(chunk_start[:, 1:])),
                 "documents": documents,
                 "position": asdict(self.position()),
             }

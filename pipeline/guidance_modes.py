@@ -1,0 +1,55 @@
+"""The guidance modes, each declared once (STYLE.md, "A family of losses that keeps growing"):
+what it ranks by, what unit it selects, which alignment the data path must give it, and where
+the paper defines it. The CLI's choices and help, the demo's arms, stage 2's choice of alignment
+and the selection (pipeline.guidance) all read `MODES`; adding a mode is one line here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ModeDeclaration:
+    """What one guidance mode is: the CLI's choices, the demo's arms, the data path's alignment
+    and the selection all read this declaration; nothing branches on a mode's name."""
+
+    name: str
+    rank_by: Literal["excess", "noise", "nothing"]  # nothing: no selection, every token kept
+    unit: Literal["token", "chunk"]  # what the top-k counts and keeps
+    alignment: Literal["token", "chunk"]  # how the data path gives each token its L_T
+    paper: str  # where the paper defines it
+    summary: str
+
+    @property
+    def needs_chunks(self) -> bool:
+        return self.unit == "chunk"
+
+
+MODES: dict[str, ModeDeclaration] = {
+    mode.name: mode
+    for mode in (
+        ModeDeclaration(
+            "token", "excess", "token", "token", "eq. 3-4, Table 1 'Ours'",
+            "the method: top-k tokens by excess loss over token-aligned teacher loss",
+        ),
+        ModeDeclaration(
+            "chunk", "excess", "chunk", "chunk", "Table 2 'Chunking Alignment / Teacher'",
+            "equal chunks per document, chunk c to chunk c; top-k CHUNKS by chunk excess loss",
+        ),
+        ModeDeclaration(
+            "random", "noise", "token", "token", "no row; the token-level control",
+            "as many tokens as token keeps, chosen at random (seeded)",
+        ),
+        ModeDeclaration(
+            "random-chunk", "noise", "chunk", "chunk", "Table 2 'Chunking Alignment / Random'",
+            "as many chunks as chunk keeps, chosen at random (seeded)",
+        ),
+        ModeDeclaration(
+            "none", "nothing", "token", "token", "Table 1 'TinyLlama-CPT'",
+            "every token (plain continual pretraining)",
+        ),
+    )
+}  # fmt: skip
+GUIDANCE_MODES = tuple(MODES)
