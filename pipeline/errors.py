@@ -53,17 +53,21 @@ def exit_code(prog: str, action: Callable[[], int | None]) -> int:
         path = f"{exc.filename}: " if exc.filename is not None else ""
         print(f"{prog}: error: {path}{exc.strerror or exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as exc:
+    except KeyboardInterrupt:
         print(f"{prog}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 128 + getattr(exc, "signum", signal.SIGINT)
+        return 128 + (_terminated or signal.SIGINT)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
 
 
+_terminated = 0  # the signal that turned into a KeyboardInterrupt, for the exit code
+
+
 def _terminate_as_interrupt(signum: int, frame) -> None:
     """SIGTERM (Slurm, Kubernetes, `kill`) unwinds like Ctrl-C: locks released, partial files
-    removed, one line; by default Python would die on the spot."""
-    interrupt = KeyboardInterrupt()
-    interrupt.signum = signum
-    raise interrupt
+    removed, one line; by default Python would die on the spot. The signal is noted apart from
+    the exception, which libraries (Ray's wait) may catch and raise anew."""
+    global _terminated
+    _terminated = signum
+    raise KeyboardInterrupt

@@ -41,16 +41,15 @@ def connect_ray(address: str | None) -> bool:
     return True
 
 
-def describe_cluster(started: bool) -> str:
+def describe_cluster() -> str:
     """Which Ray cluster this job runs on: with --ray-address unset, Ray joins whatever local
     cluster is running, which a user must be able to see."""
     import ray
 
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     resources = ray.cluster_resources()
-    how = "started a local Ray cluster" if started else "joined the Ray cluster"
     return (
-        f"{how} at {ray.get_runtime_context().gcs_address}: {len(nodes)} node(s), "
+        f"Ray cluster at {ray.get_runtime_context().gcs_address}: {len(nodes)} node(s), "
         f"{int(resources.get('CPU', 0))} CPU(s), {int(resources.get('GPU', 0))} GPU(s)"
     )
 
@@ -110,7 +109,7 @@ class WorkerPool:
         import ray
 
         self.started_ray = connect_ray(self.config.ray_address)
-        log.info(describe_cluster(self.started_ray))
+        log.info(describe_cluster())
         workers, cpus, gpus = size_pool(self.config)
         log.info(f"starting {workers} worker(s) with {cpus} CPU(s) and {gpus} GPU(s) each")
         actor = ray.remote(UnitScorer).options(

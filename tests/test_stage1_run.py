@@ -206,7 +206,7 @@ def test_bad_record_stops_the_run_and_the_rerun_it_suggests_goes_ahead(
     # The stopped run left its settings but no shard: following its advice must not hit a wall.
     assert main(args(teacher, bad, out, "--on-bad-record", "skip")) == 0
     # With --ray-address unset Ray joins any local cluster: the log says which one.
-    joined = r"joined the Ray cluster at \S+: 1 node\(s\), \d+ CPU\(s\), 0 GPU\(s\)"
+    joined = r"Ray cluster at \S+: 1 node\(s\), \d+ CPU\(s\), 0 GPU\(s\)"
     assert re.search(joined, capsys.readouterr().err)
     manifest = json.loads((out / "manifest.json").read_text())
     assert "x" in [s["doc_id"] for s in manifest["skipped"]]
