@@ -135,7 +135,7 @@ def bare_forward_rate(model, batches, scored: int, repeats: int, device) -> floa
     @torch.inference_mode()
     def one_pass() -> None:
         for input_ids, mask in batches:
-            model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+            _ = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
 
     one_pass()
     best = float("inf")
