@@ -88,7 +88,7 @@ TEACHERS = {
 }  # fmt: skip
 # Windows, batches and steps per shape: (max_length, stride, batch_tokens, docs per shard).
 STAGE1 = {"gpu": (2048, 1024, 16384, 256), "tiny": (128, 64, 512, 8)}
-DEFAULTS = {"gpu": {"docs": 2048, "steps": 12}, "tiny": {"docs": 16, "steps": 6}}
+DEFAULTS = {"gpu": {"docs": 2048, "steps": 12}, "tiny": {"docs": 8, "steps": 4}}
 # stage-2 student preset, seq_len, micro-batch size, micro-batches per step, loader workers
 STAGE2 = {"gpu": ("tinyllama-1.1b", 2048, 4, 4, 2), "tiny": ("llama-tiny", 64, 2, 2, 0)}
 ARMS = ("none", "token")
