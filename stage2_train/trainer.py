@@ -28,6 +28,7 @@ from pipeline.cache.manifest import load_manifest
 from pipeline.config import to_dict
 from pipeline.cross_entropy import IGNORE_INDEX, token_loss
 from pipeline.errors import StoppedBySignal
+from pipeline.flops import StepRate
 from pipeline.guidance import guided_loss, loss_denominator, mapped_tokens
 from pipeline.io import atomic_write_json, atomic_write_text, staged_folder
 from pipeline.metrics import METRICS_NAME, read_json_lines
@@ -181,6 +182,7 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
         metrics = JsonLines(config.out / METRICS_NAME, start_step)
         writer = SummaryWriter(str(config.out / "tensorboard"), purge_step=start_step + 1)
         parameters = sum(p.numel() for p in unwrapped(model).parameters())
+        step_rate = StepRate(parameters, runtime.device)  # tokens/s and MFU in metrics.jsonl
         print(
             f"stage 2: {parameters / 1e6:.2f}M-parameter student, {runtime.world_size} rank(s) x "
             f"{accumulation} micro-batch(es) of {config.micro_batch_size} x {config.seq_len} "
@@ -280,7 +282,7 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
                 {"step": step, "documents": [d for b in micro_batches for d in b["documents"]]}
             )
         if runtime.is_main:
-            metrics.append(record)
+            metrics.append({**record, **step_rate.fields(config.global_batch_tokens)})
             for key in (*METRIC_KEYS, "lr", "grad_norm"):
                 writer.add_scalar(f"train/{key}", record[key], step)
             rate = step_tokens / max(time.monotonic() - started, 1e-9)

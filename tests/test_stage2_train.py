@@ -77,6 +77,7 @@ def test_metrics_and_final_model(uninterrupted, cache):
         assert 0.4 <= r["kept_fraction"] < 0.6  # top 40% of mapped + the few unmapped (EOS, BOS)
         assert 0.9 < r["mapped_fraction"] <= 1.0
     assert records[0]["lr"] == pytest.approx(1e-3) and records[-1]["lr"] == pytest.approx(1e-4)
+    assert all(r["tokens_per_second"] > 0 and r["mfu"] is None for r in records)  # None on CPU
 
     final = uninterrupted / "final"
     model = AutoModelForCausalLM.from_pretrained(final)

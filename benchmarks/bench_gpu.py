@@ -1,0 +1,360 @@
+"""Both stages at paper scale on one GPU, with no hub: stage 1 (the real job, hf backend) next to a
+bare forward pass for a Qwen2.5-1.5B-like and a 7B-like teacher, and stage 2 (the real trainer)
+for a TinyLlama-1.1B student with --guidance none and token, in one table.
+Targets (issue 12): stage 1 >= 0.95 of the bare forward; stage 2 >= 55% MFU, token within 3%
+of none.
+
+    python benchmarks/bench_gpu.py [--shapes gpu|tiny] [--docs N] [--steps S]
+
+Random-weight models are built from the configs below (shapes, not weights, set the speed) and
+saved as model folders with the shipped tokenizers (qwen2.5 for the teachers, tinyllama for the
+student). `--shapes tiny` (the default without CUDA) runs the same code at a few layers of hidden
+size 64-96 on a CPU in about a minute; tests/test_bench_gpu.py does so.
+
+What each row measures:
+- stage 1: `stage1_score/run.py` in-process on a local Ray (Ray must be installed), one worker;
+  tokens/s is the worker's steady rate of scored tokens from the final progress line.
+- bare forward: the same model loaded the same way, the same windows and padded batches (taken
+  from the cache's token ids) already on the device, `model(...).logits` and nothing else; one
+  warm-up pass, then the best of --repeats passes, synchronized; the same scored-token count.
+- stage 2: `stage2_train/train.py` in-process on the first teacher's cache; tokens/s and MFU are the
+  median of metrics.jsonl's per-step `tokens_per_second` and `mfu` after the first third of steps.
+MFU: 2 N (forward) or 6 N (training) x tokens/s over the device's peak dense bf16 FLOP/s
+(pipeline/flops.py, NVIDIA datasheets); n/a on a CPU. Peak memory: torch.cuda.max_memory_allocated
+in this process (the bare forward, stage 2), or for stage 1, whose worker is a Ray actor, the
+device's used memory polled every 0.1 s above what was used before; on a CPU the process's RSS
+high-water mark (resource.getrusage, so it never goes down) and n/a for stage 1.
+The loss check scores the first documents of the cache again with a plain unpadded forward pass per
+window and compares with the stored (float16) losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+from stage1_runs import timed_stage1, write_corpus_slice  # noqa: E402
+
+from pipeline.flops import device_name, device_peak_flops, mfu  # noqa: E402
+from pipeline.models.hf_tokenizer import save_tokenizer  # noqa: E402
+from pipeline.scoring.batching import plan_batches  # noqa: E402
+from pipeline.scoring.hf import padded_batch  # noqa: E402
+from pipeline.scoring.teacher import load_teacher_model, resolve_teacher  # noqa: E402
+from pipeline.scoring.windows import plan_document_windows  # noqa: E402
+from pipeline.tokenizer import load_tokenizer  # noqa: E402
+
+# Qwen2.5-1.5B and -7B configs (their config.json on the hub: layers, widths, heads, vocabulary,
+# tying); `tiny` keeps the architecture and vocabulary and shrinks the body.
+TEACHERS = {
+    "gpu": {
+        "qwen2.5-1.5b-like": dict(
+            hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+            num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+        "qwen2.5-7b-like": dict(
+            hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+            num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+            tie_word_embeddings=False,
+        ),
+    },
+    "tiny": {
+        "qwen2.5-1.5b-like": dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+        ),
+        "qwen2.5-7b-like": dict(
+            hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=152064, tie_word_embeddings=False,
+        ),
+    },
+}  # fmt: skip
+# Windows, batches and steps per shape: (max_length, stride, batch_tokens, docs per shard).
+STAGE1 = {"gpu": (2048, 1024, 16384, 256), "tiny": (128, 64, 512, 8)}
+DEFAULTS = {"gpu": {"docs": 2048, "steps": 12}, "tiny": {"docs": 8, "steps": 4}}
+# stage-2 student preset, seq_len, micro-batch size, micro-batches per step, loader workers
+STAGE2 = {"gpu": ("tinyllama-1.1b", 2048, 4, 4, 2), "tiny": ("llama-tiny", 64, 2, 2, 0)}
+ARMS = ("none", "token")
+LOSS_CHECK_DOCS = 4
+
+
+@dataclass
+class Row:
+    what: str
+    model: str
+    tokens_per_second: float
+    ratio: float | None
+    mfu: float | None
+    peak_bytes: int | None
+
+
+def build_teacher(folder: Path, shape: dict, device: torch.device, dtype: torch.dtype) -> Path:
+    """A random-weight Qwen2 causal LM of `shape` with the qwen2.5 tokenizer, as a model folder."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**shape, max_position_embeddings=32768, rope_theta=1e6)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built on the device in its dtype: seconds for a 7B
+    try:
+        with device:
+            model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.save_pretrained(folder)
+    save_tokenizer(load_tokenizer("qwen2.5"), folder)
+    del model
+    return folder
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bare_forward_rate(model, batches, scored: int, repeats: int, device) -> float:
+    """Scored tokens/s of `model(...).logits` over `batches` (on the device): warm-up, then best of
+    `repeats` synchronized passes."""
+
+    @torch.inference_mode()
+    def one_pass() -> None:
+        for input_ids, mask in batches:
+            _ = model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+
+    one_pass()
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        one_pass()
+        synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return scored / best
+
+
+def device_batches(token_ids, max_length: int, stride: int, batch_tokens: int, device):
+    """(batches on the device, scored tokens): stage 1's windows and padded batches."""
+    windows = plan_document_windows([len(i) for i in token_ids], max_length, stride)
+    batches = []
+    for rows in plan_batches(windows.length, batch_tokens):
+        ids, mask = padded_batch(token_ids, windows, rows)
+        batches.append((torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)))
+    return batches, int(windows.scored.sum())
+
+
+@torch.inference_mode()
+def direct_losses(model, ids: np.ndarray, max_length: int, stride: int, device) -> np.ndarray:
+    """Per-token losses from one unpadded forward pass per window, full log-softmax; NaN where
+    nothing predicts."""
+    loss = np.full(len(ids), np.nan, dtype=np.float32)
+    windows = plan_document_windows([len(ids)], max_length, stride)
+    for start, score_from, end in zip(windows.start, windows.score_from, windows.end, strict=True):
+        window = torch.as_tensor(ids[start:end], dtype=torch.long, device=device)[None]
+        logprobs = torch.log_softmax(model(input_ids=window).logits[0].float(), dim=-1)
+        positions = torch.arange(score_from - start - 1, end - start - 1, device=device)
+        picked = logprobs[positions, window[0, positions + 1]]
+        loss[score_from:end] = (-picked).cpu().numpy()
+    return loss
+
+
+def cache_rows(cache: Path) -> list[dict]:
+    manifest = json.loads((cache / "manifest.json").read_text())
+    return [
+        row
+        for shard in manifest["shards"]
+        for row in pq.read_table(cache / shard["file"], columns=["token_ids", "loss"]).to_pylist()
+    ]
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+@contextlib.contextmanager
+def polled_device_memory(device: torch.device):
+    """{"peak": bytes} of device memory in use above the level at entry, polled; None on CPU."""
+    result: dict = {"peak": None}
+    if device.type != "cuda":
+        yield result
+        return
+    used = lambda: (lambda free, total: total - free)(*torch.cuda.mem_get_info(device))  # noqa: E731
+    base, done, peak = used(), threading.Event(), [0]
+
+    def poll() -> None:
+        while not done.wait(0.1):
+            peak[0] = max(peak[0], used() - base)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield result
+    finally:
+        done.set()
+        thread.join()
+        result["peak"] = peak[0]
+
+
+def stage1_rows(args, scratch: Path, corpus: Path, device, dtype: str) -> tuple[list[Row], dict]:
+    """Stage 1 and the bare forward per teacher, and each loss check: (rows, {teacher: (max
+    |difference|, tokens, passed)}); the first teacher's cache is left for stage 2."""
+    max_length, stride, batch_tokens, per_shard = STAGE1[args.shapes]
+    peak = device_peak_flops(device)
+    rows, checks = [], {}
+    for name, shape in TEACHERS[args.shapes].items():
+        folder = build_teacher(scratch / name, shape, device, getattr(torch, dtype))
+        out = scratch / f"cache-{name}"
+        command = [
+            "--teacher", str(folder), "--corpus", str(corpus), "--out", str(out),
+            "--id-column", "id", "--docs-per-shard", str(per_shard), "--dtype", dtype,
+            "--max-length", str(max_length), "--stride", str(stride),
+            "--batch-tokens", str(batch_tokens), "--num-workers", "1",
+            "--progress-seconds", "1e9",
+        ]  # fmt: skip
+        with polled_device_memory(device) as polled:
+            _, _, worker_rates = timed_stage1(command)
+        stage1_rate = sum(worker_rates)
+        model = load_teacher_model(resolve_teacher(str(folder)), dtype, str(device))
+        parameters = sum(p.numel() for p in model.parameters())
+        cached = cache_rows(out)
+        token_ids = [np.asarray(r["token_ids"], dtype=np.int64) for r in cached]
+        batches, scored = device_batches(token_ids, max_length, stride, batch_tokens, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        bare_rate = bare_forward_rate(model, batches, scored, args.repeats, device)
+        bare_peak = peak_memory(device)
+        del batches
+        differences = []
+        for row, ids in zip(cached[:LOSS_CHECK_DOCS], token_ids, strict=False):
+            direct = direct_losses(model, ids, max_length, stride, device)
+            stored = np.asarray(row["loss"], dtype=np.float32)
+            differences.append(np.abs(stored - direct)[1:])
+        difference = np.concatenate(differences)
+        # stored float16 (~0.01 near a loss of 12), plus bf16's padded-vs-unpadded rounding
+        tolerance = 0.02 if dtype == "float32" else 0.25
+        checks[name] = (float(difference.max()), difference.size, difference.max() <= tolerance)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        rows += [
+            Row("stage 1 (hf)", name, stage1_rate, stage1_rate / bare_rate,
+                mfu(parameters, stage1_rate, peak, training=False), polled["peak"]),
+            Row("bare forward", name, bare_rate, 1.0,
+                mfu(parameters, bare_rate, peak, training=False), bare_peak),
+        ]  # fmt: skip
+        shutil.rmtree(folder)  # disk: a 7B folder is 15 GB; stage 2 needs only the cache
+    return rows, checks
+
+
+def stage2_rows(args, scratch: Path, device) -> list[Row]:
+    from stage2_train.train import main as train
+
+    student, seq_len, micro, accumulation, workers = STAGE2[args.shapes]
+    cache = scratch / f"cache-{next(iter(TEACHERS[args.shapes]))}"
+    rows, rates = [], {}
+    for arm in ARMS:
+        out = scratch / f"stage2-{arm}"
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        command = [
+            "--cache", str(cache), "--student", student, "--student-tokenizer", "tinyllama",
+            "--out", str(out), "--max-steps", str(args.steps), "--warmup-steps", "1",
+            "--seq-len", str(seq_len), "--micro-batch-size", str(micro),
+            "--global-batch-tokens", str(seq_len * micro * accumulation),
+            "--num-workers", str(workers), "--save-every", "1000000", "--guidance", arm,
+        ]  # fmt: skip
+        log = io.StringIO()
+        with contextlib.redirect_stderr(log):
+            assert train(command) == 0, log.getvalue()
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        steady = records[len(records) // 3 :]
+        rates[arm] = statistics.median(r["tokens_per_second"] for r in steady)
+        utilization = [r["mfu"] for r in steady if r["mfu"] is not None]
+        rows.append(
+            Row(f"stage 2 {arm}", student, rates[arm], rates[arm] / rates[ARMS[0]],
+                statistics.median(utilization) if utilization else None, peak_memory(device))
+        )  # fmt: skip
+    return rows
+
+
+def print_table(rows: list[Row], device) -> None:
+    name = device_name(device)
+    header = (
+        f"{'what':<14} {'model':<18} {'tokens/s':>11} {'ratio':>7} {'MFU':>7} "
+        f"{'peak mem GiB':>12}  device"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(
+            f"{row.what:<14} {row.model:<18} {row.tokens_per_second:>11,.0f} "
+            f"{'' if row.ratio is None else f'{row.ratio:.3f}':>7} "
+            f"{'n/a' if row.mfu is None else f'{row.mfu:.1%}':>7} "
+            f"{'n/a' if row.peak_bytes is None else f'{row.peak_bytes / 2**30:.2f}':>12}  {name}"
+        )
+    print(
+        "ratio: stage 1 / bare forward of the same teacher; stage 2 arm / stage 2 none. "
+        "Targets: stage 1 >= 0.95, stage 2 MFU >= 55%, token >= 0.97."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", choices=("gpu", "tiny"), help="default: gpu with CUDA")
+    parser.add_argument("--docs", type=int, help="documents of the shipped training split")
+    parser.add_argument("--steps", type=int, help="stage-2 optimizer steps per arm")
+    parser.add_argument("--repeats", type=int, default=3, help="timed bare-forward passes")
+    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.shapes = args.shapes or ("gpu" if device.type == "cuda" else "tiny")
+    for key, value in DEFAULTS[args.shapes].items():
+        setattr(args, key, getattr(args, key) or value)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    import ray
+
+    started = time.perf_counter()
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            scratch = Path(tmp)
+            corpus = write_corpus_slice(scratch, args.docs)
+            rows, checks = stage1_rows(args, scratch, corpus, device, dtype)
+            ray.shutdown()
+            rows += stage2_rows(args, scratch, device)
+    finally:
+        ray.shutdown()
+    print(
+        f"shapes {args.shapes}, {args.docs} documents, teachers in {dtype}, "
+        f"{args.steps} stage-2 steps per arm, {time.perf_counter() - started:.0f} s in all"
+    )
+    print_table(rows, device)
+    for name, (largest, tokens, passed) in checks.items():
+        verdict = "passed" if passed else "FAILED"
+        print(
+            f"loss check {name}: max |cached - direct forward| {largest:.4f} over {tokens} "
+            f"tokens of {LOSS_CHECK_DOCS} documents: {verdict}"
+        )
+    return 0 if all(passed for *_, passed in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Model FLOP utilization (MFU): the one place that knows devices' peak FLOP/s.
+
+MFU = model FLOPs per token x tokens/s / the device's peak dense bf16 FLOP/s, with the usual
+approximation of model FLOPs per token: 6 N for a training step (forward 2 N + backward 4 N) and
+2 N for a forward pass, N the number of parameters (the attention's quadratic term is left out, the
+embedding table is counted in). Stage 2's trainer writes it into metrics.jsonl;
+benchmarks/bench_gpu.py prints it for both stages.
+
+Peak figures are NVIDIA's datasheets, dense (no 2:4 sparsity) bf16 tensor-core FLOP/s: H100 SXM
+989.4 TFLOP/s and H100 PCIe 756 (H100 Tensor Core GPU datasheet), H200 989.4 (H200 datasheet,
+same compute as H100 SXM), A100 312 (A100 datasheet, SXM and PCIe). A device not listed has no
+MFU (None), and neither has a CPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Matched in order against torch.cuda.get_device_name(): the first substring found wins.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989.4e12),
+    ("H200", 989.4e12),
+    ("A100", 312e12),
+)
+TRAINING_FLOPS_PER_PARAMETER = 6  # forward + backward, per token
+FORWARD_FLOPS_PER_PARAMETER = 2
+
+
+def peak_flops(device_name: str | None) -> float | None:
+    """Peak dense bf16 FLOP/s of a device by its name, or None when unknown."""
+    if not device_name:
+        return None
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in device_name.lower():
+            return flops
+    return None
+
+
+def device_name(device: torch.device | str) -> str:
+    """The accelerator's name ("NVIDIA H100 80GB HBM3"), or "cpu"."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def device_peak_flops(device: torch.device | str) -> float | None:
+    """Peak dense bf16 FLOP/s of `device`; None on a CPU or a device not in the table."""
+    device = torch.device(device)
+    return peak_flops(device_name(device)) if device.type == "cuda" else None
+
+
+def mfu(
+    parameters: int, tokens_per_second: float, peak: float | None, *, training: bool = True
+) -> float | None:
+    """Model FLOP utilization: (6 or 2) x parameters x tokens/s over `peak`; None without a peak."""
+    if peak is None or peak <= 0:
+        return None
+    per_token = TRAINING_FLOPS_PER_PARAMETER if training else FORWARD_FLOPS_PER_PARAMETER
+    return per_token * parameters * tokens_per_second / peak
+
+
+class StepRate:
+    """Tokens/s and MFU of each logged training step, by wall time since the previous call (or
+    since construction): host arithmetic on numbers the caller already has, never a device sync."""
+
+    def __init__(self, parameters: int, device: torch.device | str):
+        self.parameters = parameters
+        self.peak = device_peak_flops(device)
+        self.last = time.monotonic()
+
+    def fields(self, tokens: int) -> dict:
+        """{"tokens_per_second", "mfu"} for `tokens` processed since the previous call."""
+        now = time.monotonic()
+        rate = tokens / max(now - self.last, 1e-9)
+        self.last = now
+        return {"tokens_per_second": rate, "mfu": mfu(self.parameters, rate, self.peak)}
