@@ -186,7 +186,7 @@ class WorkerPool:
         import ray
 
         self.started_ray = connect_ray(self.config.ray_address)
-        log(describe_cluster(self.started_ray))
+        log.info(describe_cluster(self.started_ray))
         workers, cpus, gpus = size_pool(self.config)
         log.info(f"starting {workers} worker(s) with {cpus} CPU(s) and {gpus} GPU(s) each")
         actor = ray.remote(UnitScorer).options(
