@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -191,6 +192,14 @@ def inspect_guided_arm(
     return dest
 
 
+def _cpu_seconds() -> float:
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def run_demo(config: DemoConfig, manifest: Path) -> Path:
     from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
@@ -199,11 +208,14 @@ def run_demo(config: DemoConfig, manifest: Path) -> Path:
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
 
     def timed(name: str, done: bool, fn, *args):
-        """Run a step; its wall time is kept only from the run that did the work."""
-        start = time.monotonic()
+        """Run a step; its wall time is kept only from the run that did the work, with its CPU
+        time (this process and the subprocesses it waited for: torchrun and its ranks; not the
+        Ray cluster's workers), which a machine shared with other work inflates far less."""
+        start, cpu = time.monotonic(), _cpu_seconds()
         result = fn(*args)
         if not done:
             timings[name] = round(time.monotonic() - start, 1)
+            timings.setdefault("cpu", {})[name] = round(_cpu_seconds() - cpu, 1)
             atomic_write_json(timings_path, timings)
         return result
 
