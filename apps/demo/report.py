@@ -122,7 +122,6 @@ def write_report(
         f"- Cache: {manifest.total_rows:,} documents, {manifest.total_teacher_tokens:,} teacher "
         f"tokens in {len(manifest.shards)} shards, {len(manifest.skipped)} skipped; producer "
         f"`{manifest.producer_fingerprint}`.",
-        "",
         f"- Warm start (shared by every arm): `{config.student}` trained plainly (no teacher) "
         f"for {warm['steps']} steps, {warm['tokens_trained']:,} tokens, on {warm['documents']} "
         "documents of the train split disjoint from the continual-pretraining slice; final "
