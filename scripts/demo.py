@@ -20,19 +20,32 @@ from pipeline.log import configure  # noqa: E402
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "demo.toml"
 
 
+def manifest_argument(argv: list[str]) -> tuple[list[str], Path]:
+    """The manifest given as `--manifest X` or `--manifest=X` (the embedded default if neither),
+    and argv with it in the `--manifest X` form."""
+    for at, arg in enumerate(argv):
+        if arg.startswith("--manifest="):
+            path = arg.split("=", 1)[1]
+            return [*argv[:at], "--manifest", path, *argv[at + 1 :]], Path(path)
+        if arg == "--manifest" and at + 1 < len(argv):
+            return argv, Path(argv[at + 1])
+    if "--manifest" in argv:  # a trailing --manifest: let the parser say what is missing
+        return argv, DEFAULT_MANIFEST
+    return ["--manifest", str(DEFAULT_MANIFEST), *argv], DEFAULT_MANIFEST
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--manifest" not in argv:
-        argv = ["--manifest", str(DEFAULT_MANIFEST), *argv]
     return exit_code("demo", lambda: _demo(argv))
 
 
 def _demo(argv: list[str]) -> None:
+    argv, manifest = manifest_argument(argv)
     config = parse_config(DemoConfig, argv, __doc__, SECTION)
     configure(separated=True)  # Ray's and torchrun's output runs between the demo's lines
     from apps.demo.run import run_demo
 
-    run_demo(config, Path(argv[argv.index("--manifest") + 1]))
+    run_demo(config, manifest)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ from apps.evaluation.answer_accuracy import (
     problem_from_document,
     same_number,
 )
+from apps.evaluation.answer_bits import answer_bits, answer_start
 from apps.evaluation.bits_per_character import bits_per_character
+from apps.evaluation.bootstrap import paired_bootstrap
 from pipeline.scoring.hf import HFScorer
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.tokenizer import load_tokenizer
@@ -72,7 +74,17 @@ def test_eval_command_reports_both_measures(tmp_path, capsys):
     folder = make_tiny_teacher(tmp_path / "m", "tinyllama")
     report_path = tmp_path / "report.json"
     args = ["eval", "--model", str(folder), "--num-docs", "3", "--accuracy-problems", "2"]
-    args += ["--shots", "1", "--max-new-tokens", "4", "--max-length", "256", "--out", str(report_path)]
+    args += ["--answer-problems", "4"]
+    args += [
+        "--shots",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--max-length",
+        "256",
+        "--out",
+        str(report_path),
+    ]
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["bits_per_character"]["documents"] == 3
@@ -80,6 +92,11 @@ def test_eval_command_reports_both_measures(tmp_path, capsys):
     saved = json.loads(report_path.read_text())
     assert len(saved["answer_accuracy"]["outcomes"]) == 2
     assert np.isfinite(saved["bits_per_character"]["bits_per_character"])
+    assert len(saved["bits_per_character"]["per_document_bits"]) == 3
+    answer = saved["answer_bits"]
+    assert answer["problems"] == 4 and len(answer["per_problem_characters"]) == 4
+    # the same problems, in the same order, for both answer metrics
+    assert saved["answer_accuracy"]["outcomes"][0]["question"].startswith("Question:")
 
 
 def test_eval_of_a_missing_model_or_a_checkpoint_is_one_clear_error(tmp_path, capsys):
@@ -122,3 +139,50 @@ def test_generation_stops_per_row_once_the_final_answer_line_is_written():
     batch = torch.tensor([ids + [pad] * (width - len(ids)) for ids in encoded])
     stop = FinalAnswerStop(tokenizer, len(prompt))(batch, None)
     assert stop.tolist() == [True, False, True]
+
+
+def test_answer_bits_are_the_answer_tokens_loss_given_the_question(tmp_path):
+    folder = make_tiny_teacher(tmp_path / "m", "tinyllama")
+    tokenizer = load_tokenizer(str(folder))
+    scorer = HFScorer(
+        resolve_teacher(str(folder)), dtype="float32", max_length=64, stride=32, batch_tokens=512
+    )
+    texts = [TEXTS[0], "Question: 10 - 4?\nAnswer: 10 - 4 = 6\n#### 6"]
+    result = answer_bits(scorer, tokenizer, texts)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    for text, bits, chars in zip(texts, result.bits, result.characters, strict=True):
+        start = answer_start(text)
+        assert text[start:].startswith(" ") and chars == len(text) - start
+        encoding = tokenizer.encode(text)
+        ids = torch.tensor([encoding.ids.tolist()])
+        with torch.inference_mode():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        token_logp = logp.gather(1, ids[0, 1:, None])[:, 0].numpy()
+        in_answer = encoding.end[1:] > start  # tokens covering any answer character
+        assert bits == pytest.approx(-token_logp[in_answer].sum() / math.log(2), rel=1e-4)
+    assert result.unscored_tokens == 0
+    assert result.bits_per_character == pytest.approx(result.bits.sum() / result.characters.sum())
+
+
+def test_paired_bootstrap_recovers_a_known_difference_and_narrows_with_more_problems():
+    rng = np.random.default_rng(1)
+    widths = []
+    for n in (50, 800):
+        base = rng.normal(2.0, 0.5, n)  # problem difficulty, shared by both models
+        a, b = base + 0.1 + rng.normal(0, 0.05, n), base + rng.normal(0, 0.05, n)
+        d = paired_bootstrap(a, b, resamples=2000, seed=0)
+        assert d.low < 0.1 < d.high and d.excludes_zero
+        assert d.difference == pytest.approx(np.mean(a - b))
+        widths.append(d.high - d.low)
+    assert widths[1] < widths[0] / 2
+    same = paired_bootstrap(a, a, resamples=500)
+    assert same.difference == 0 and not same.excludes_zero
+    # weights: a per-character rate over all problems, not a mean of per-problem rates
+    w = np.array([1.0, 3.0])
+    d = paired_bootstrap(np.array([1.0, 2.0]), np.array([0.0, 0.0]), w, resamples=200)
+    assert d.difference == pytest.approx(7 / 4)
+    assert paired_bootstrap(a, b, resamples=300, seed=5) == paired_bootstrap(
+        a, b, resamples=300, seed=5
+    )
+    with pytest.raises(ValueError):
+        paired_bootstrap(np.ones(3), np.ones(4))

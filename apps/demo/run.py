@@ -1,25 +1,27 @@
-"""The demo's steps, each the real thing: stage 1 as a Ray job on a local cluster, stage 2 under
-`torchrun`, then `vocagno eval` of every model and a report. Finished steps are reused on a rerun
-(stage 1 skips finished shards, stage 2 resumes from its checkpoints)."""
+"""The demo's steps: a plain warm start of the student, stage 1 as a Ray job on a local cluster,
+each arm's continual pretraining from the warm start under `torchrun`, then `vocagno eval` of
+every student and a report with the pre-registered comparison. Finished steps are reused on a
+rerun (the warm start and each arm's final model, stage 1's finished shards)."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from apps.demo.config import DemoConfig
+from apps.demo.config import PREREGISTERED, WARM_START_OFFSET, DemoConfig, PreRegistration
 from apps.demo.ray_cluster import local_ray_cluster, submit_and_follow
 from apps.demo.report import write_report
 from apps.evaluation.config import SECTION as EVAL_SECTION
 from apps.evaluation.config import EvalConfig
 from pipeline.config import from_dict, load_manifest_section
-from pipeline.errors import VocagnoError
-from pipeline.io import atomic_path, atomic_write_json, open_binary_stream, staged_folder
+from pipeline.errors import ConfigError, VocagnoError
+from pipeline.io import atomic_path, atomic_write_json, open_binary_stream
 from pipeline.log import get_logger
 from pipeline.shipped import shipped_corpus
 from stage2_train.config import TrainConfig
@@ -27,10 +29,13 @@ from stage2_train.config import TrainConfig
 REPO = Path(__file__).resolve().parents[2]
 
 
-def check_stage_tables(config: DemoConfig, manifest: Path) -> tuple[TrainConfig, dict]:
+def check_stage_tables(
+    config: DemoConfig, manifest: Path
+) -> tuple[TrainConfig, dict, PreRegistration]:
     """Each stage's table checked as that stage will check it, with the options the demo gives
     it on the command line: a bad value stops the demo here, before Ray starts or anything is
-    written, not minutes later in a subprocess. Returns the stage-2 options and the [eval] table.
+    written, not minutes later in a subprocess. Returns the stage-2 options, the [eval] table and
+    the pre-registered comparison.
     """
     from stage1_score.config import ScoreConfig
 
@@ -43,7 +48,7 @@ def check_stage_tables(config: DemoConfig, manifest: Path) -> tuple[TrainConfig,
     from_dict(ScoreConfig, *table("stage1", {"teacher": teacher, "corpus": corpus, "out": cache}))
     given = {
         "cache": cache,
-        "student": config.student,
+        "student": config.student,  # the warm start is this preset, trained
         "student_tokenizer": config.student_tokenizer,
     }
     stage2 = [
@@ -55,36 +60,56 @@ def check_stage_tables(config: DemoConfig, manifest: Path) -> tuple[TrainConfig,
     ]
     settings, where = table(EVAL_SECTION, {})
     from_dict(EvalConfig, {**settings, "model": teacher}, where)
-    return stage2[0], settings
+    prereg = from_dict(PreRegistration, *table(PREREGISTERED, {}))
+    for pair in prereg.pairs():
+        if not set(pair) <= set(config.arms):
+            raise ConfigError(f"{manifest} [{PREREGISTERED}]: comparison {pair} names an arm "
+                              f"not in arms {config.arms}")  # fmt: skip
+    return stage2[0], settings, prereg
 
 
 log = get_logger("demo").info
 
 
-def write_corpus_slice(dest: Path, count: int) -> Path:
-    """The first `count` documents of the shipped training split, as plain JSON lines."""
+def write_corpus_slice(dest: Path, count: int, start: int = 0) -> Path:
+    """Documents [start, start + count) of the shipped training split, as plain JSON lines."""
     if dest.exists():
         return dest
     with open_binary_stream(shipped_corpus("train")) as lines, atomic_path(dest) as tmp:
-        tmp.write_bytes(b"".join(itertools.islice(lines, count)))
+        tmp.write_bytes(b"".join(itertools.islice(lines, start, start + count)))
     return dest
 
 
-def make_student_init(config: DemoConfig, seed: int, seq_len: int) -> Path:
-    """The untrained student both arms start from, saved so it can be evaluated too."""
-    from pipeline.models.hf_tokenizer import save_tokenizer
-    from pipeline.models.student import build_student
-    from pipeline.tokenizer import load_tokenizer
+def warm_start_done(config: DemoConfig) -> bool:
+    return (config.out / "warm-start" / "config.json").exists()
 
-    folder = config.out / "student-init"
-    if (folder / "config.json").exists():
+
+def make_warm_start(config: DemoConfig, stage2: TrainConfig) -> Path:
+    """The student every arm continues from, pretrained once on its own slice and reused."""
+    from apps.demo.warm_start import train_warm_start
+
+    folder = config.out / "warm-start"
+    if warm_start_done(config):
         return folder
-    tokenizer = load_tokenizer(config.student_tokenizer)
-    model = build_student(config.student, tokenizer, seed, seq_len)
-    with staged_folder(folder) as partial:
-        model.save_pretrained(partial, safe_serialization=True)
-        save_tokenizer(tokenizer, partial)
-    return folder
+    corpus = write_corpus_slice(
+        config.out / "corpus" / "warm-start.jsonl", config.warm_start_docs, WARM_START_OFFSET
+    )
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    return train_warm_start(
+        folder,
+        config.student,
+        config.student_tokenizer,
+        texts,
+        seed=stage2.seed,
+        seq_len=stage2.seq_len,
+        batch_sequences=stage2.global_batch_tokens // stage2.seq_len,
+        steps=config.warm_start_steps,
+        lr=config.warm_start_lr,
+        min_lr=config.warm_start_min_lr,
+        warmup_steps=config.warm_start_warmup,
+        weight_decay=stage2.weight_decay,
+        threads=config.nproc_per_node,
+    )
 
 
 def cache_done(config: DemoConfig) -> bool:
@@ -167,19 +192,30 @@ def inspect_guided_arm(
     return dest
 
 
+def _cpu_seconds() -> float:
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def run_demo(config: DemoConfig, manifest: Path) -> Path:
     from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
-    stage2, eval_settings = check_stage_tables(config, manifest)
+    stage2, eval_settings, prereg = check_stage_tables(config, manifest)
     timings_path = config.out / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
 
     def timed(name: str, done: bool, fn, *args):
-        """Run a step; its wall time is kept only from the run that did the work."""
-        start = time.monotonic()
+        """Run a step; its wall time is kept only from the run that did the work, with its CPU
+        time (this process and the subprocesses it waited for: torchrun and its ranks; not the
+        Ray cluster's workers), which a machine shared with other work inflates far less."""
+        start, cpu = time.monotonic(), _cpu_seconds()
         result = fn(*args)
         if not done:
             timings[name] = round(time.monotonic() - start, 1)
+            timings.setdefault("cpu", {})[name] = round(_cpu_seconds() - cpu, 1)
             atomic_write_json(timings_path, timings)
         return result
 
@@ -188,21 +224,25 @@ def run_demo(config: DemoConfig, manifest: Path) -> Path:
     teacher = (
         Path(config.teacher) if config.teacher else timed("teacher", False, prepare_smollm2_teacher)
     )
+    log(
+        f"warm start: {config.student} trained plainly for {config.warm_start_steps} steps on "
+        f"{config.warm_start_docs} documents disjoint from the continual-pretraining slice"
+    )
+    student = timed("warm-start", warm_start_done(config), make_warm_start, config, stage2)
     corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
     log(f"stage 1: scoring {config.train_docs} documents with the teacher")
     cache = timed("stage1", cache_done(config), score_with_ray, config, manifest, teacher, corpus)
-    student = make_student_init(config, stage2.seed, stage2.seq_len)
     arms = {}
     for arm in config.arms:
         log(f"stage 2: training arm --guidance {arm} with torchrun x{config.nproc_per_node}")
         arms[arm] = timed(
             f"stage2-{arm}", arm_done(config, arm), train_arm, config, manifest, cache, student, arm
         )
-    models = {"teacher": teacher, "student-init": student}
-    models.update({f"student-{arm}": out / "final" for arm, out in arms.items()})
+    models = {"warm-start": student}
+    models.update({arm: out / "final" for arm, out in arms.items()})
     evaluated = all(eval_path(config, name).exists() for name in models)
     results = timed("eval", evaluated, evaluate_models, config, eval_settings, models)
     inspect_guided_arm(config, stage2, cache, arms)
-    report = write_report(config, teacher, cache, arms, results, timings)
+    report = write_report(config, manifest, teacher, cache, arms, results, timings, prereg)
     log(f"done: {report}")
     return report

@@ -24,9 +24,14 @@ class BitsPerCharacter:
     characters: int
     tokens: int
     unscored_characters: int  # characters of tokens nothing predicts (no BOS and no EOS)
+    per_document_bits: tuple[float, ...] = ()  # for bootstrapping differences over documents
+    per_document_characters: tuple[int, ...] = ()
 
     def to_json(self) -> dict:
-        return self.__dict__.copy()
+        out = self.__dict__.copy()
+        out["per_document_bits"] = [round(b, 4) for b in self.per_document_bits]
+        out["per_document_characters"] = list(self.per_document_characters)
+        return out
 
 
 def context_prefix(tokenizer: TextTokenizer) -> list[int]:
@@ -43,11 +48,16 @@ def bits_per_character(scorer, tokenizer: TextTokenizer, texts: list[str]) -> Bi
     sequences = [np.concatenate((np.asarray(prefix, dtype=np.int32), e.ids)) for e in encodings]
     losses = [loss[len(prefix) :] for loss in scorer.score(sequences)]
     nats, tokens, unscored_chars = 0.0, 0, 0
-    for encoding, loss in zip(encodings, losses, strict=True):
+    doc_bits, doc_chars = [], []
+    for text, encoding, loss in zip(texts, encodings, losses, strict=True):
         scored = ~np.isnan(loss)
-        nats += float(loss[scored].astype(np.float64).sum())
+        doc_nats = float(loss[scored].astype(np.float64).sum())
+        doc_unscored = int((encoding.end - encoding.start)[~scored].sum())
+        nats += doc_nats
         tokens += int(scored.sum())
-        unscored_chars += int((encoding.end - encoding.start)[~scored].sum())
+        unscored_chars += doc_unscored
+        doc_bits.append(doc_nats / math.log(2))
+        doc_chars.append(len(text) - doc_unscored)
     characters = sum(len(t) for t in texts) - unscored_chars
     bits = nats / math.log(2)
     return BitsPerCharacter(
@@ -57,4 +67,6 @@ def bits_per_character(scorer, tokenizer: TextTokenizer, texts: list[str]) -> Bi
         characters=characters,
         tokens=tokens,
         unscored_characters=unscored_chars,
+        per_document_bits=tuple(doc_bits),
+        per_document_characters=tuple(doc_chars),
     )

@@ -27,6 +27,9 @@ class EvalConfig:
         "over and counted in the report's skipped_records (skip)",
     )
     num_docs: int = option(200, help="held-out documents for bits per character (0: skip)")
+    answer_problems: int = option(
+        0, help="held-out problems for answer bits per character given the question (0: skip)"
+    )
     accuracy_problems: int = option(
         50, help="held-out problems for greedy answer accuracy (0: skip)"
     )
@@ -41,7 +44,7 @@ class EvalConfig:
     out: Path | None = option(None, help="also write the report as JSON here")
 
     def __post_init__(self) -> None:
-        for name in ("num_docs", "accuracy_problems", "shots"):
+        for name in ("num_docs", "answer_problems", "accuracy_problems", "shots"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         for name in ("max_new_tokens", "generation_batch", "batch_tokens"):
@@ -49,5 +52,7 @@ class EvalConfig:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length must be at least 2, not {self.max_length}")
-        if self.num_docs == 0 and self.accuracy_problems == 0:
-            raise ValueError("nothing to do: num_docs and accuracy_problems are both 0")
+        if self.num_docs == 0 and self.answer_problems == 0 and self.accuracy_problems == 0:
+            raise ValueError(
+                "nothing to do: num_docs, answer_problems and accuracy_problems are all 0"
+            )

@@ -1,10 +1,14 @@
-"""`vocagno eval`: load a model once, measure bits per character and answer accuracy."""
+"""`vocagno eval`: load a model once, measure bits per character, answer bits per character given
+the question, and answer accuracy. Both answer metrics use the same held-out problems (those after
+the bits-per-character documents), in the same order, so models can be compared problem by
+problem."""
 
 from __future__ import annotations
 
 import sys
 
 from apps.evaluation.answer_accuracy import answer_accuracy, problem_from_document
+from apps.evaluation.answer_bits import answer_bits
 from apps.evaluation.bits_per_character import bits_per_character
 from apps.evaluation.config import EvalConfig
 from pipeline.config import to_dict
@@ -57,15 +61,19 @@ def evaluate(config: EvalConfig) -> dict:
         texts = [d.text for d in documents]
         print(f"eval: bits per character over {len(texts)} documents", file=sys.stderr)
         report["bits_per_character"] = bits_per_character(scorer, tokenizer, texts).to_json()
+    # Held-out problems come after the documents used for loss, so the two never overlap.
+    count = max(config.answer_problems, config.accuracy_problems)
+    if count:
+        docs, skipped = _documents(data, config.num_docs + count, config.on_bad_record)
+        docs = docs[config.num_docs :]
+    if config.answer_problems:
+        texts = [d.text for d in docs[: config.answer_problems]]
+        print(f"eval: answer bits per character on {len(texts)} problems", file=sys.stderr)
+        report["answer_bits"] = answer_bits(scorer, tokenizer, texts).to_json()
     if config.accuracy_problems:
         shots_data = config.shots_data or str(shipped_corpus("train"))
         shots = [d.text for d in _documents(shots_data, config.shots, config.on_bad_record)[0]]
-        # Held-out problems come after the documents used for loss, so the two never overlap.
-        docs, skipped = _documents(
-            data, config.num_docs + config.accuracy_problems, config.on_bad_record
-        )
-        docs = docs[config.num_docs :]
-        problems = [problem_from_document(d.text) for d in docs]
+        problems = [problem_from_document(d.text) for d in docs[: config.accuracy_problems]]
         print(f"eval: answer accuracy on {len(problems)} problems", file=sys.stderr)
         report["answer_accuracy"] = answer_accuracy(
             scorer.model,

@@ -1,0 +1,102 @@
+"""The warm start every arm continues from: the student pretrained plainly (next-token loss on
+every token, no teacher) on documents disjoint from the continual-pretraining slice.
+
+It stands in for the paper's already-trained TinyLlama, which was pretrained outside the method,
+so it needs no teacher scores: stage 2 reads a stage-1 cache, and scoring these documents with
+the teacher only to ignore the scores would cost more than the training itself. One process,
+the same AdamW settings and cosine schedule as stage 2; packed sequences of `seq_len` tokens."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.io import staged_folder
+from pipeline.log import get_logger
+
+log = get_logger("demo").info
+
+
+def lr_at(step: int, steps: int, warmup: int, lr: float, min_lr: float) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(steps - warmup, 1)
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def pack(ids: np.ndarray, seq_len: int) -> np.ndarray:
+    rows = len(ids) // seq_len
+    if rows < 1:
+        raise ValueError(f"warm-start documents give {len(ids)} tokens, less than one sequence")
+    return ids[: rows * seq_len].reshape(rows, seq_len)
+
+
+def train_warm_start(
+    folder: Path,
+    student: str,
+    tokenizer_spec: str,
+    texts: list[str],
+    *,
+    seed: int,
+    seq_len: int,
+    batch_sequences: int,
+    steps: int,
+    lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    weight_decay: float = 0.1,
+    threads: int = 2,
+) -> Path:
+    from pipeline.models.hf_tokenizer import save_tokenizer
+    from pipeline.models.student import build_student
+    from pipeline.tokenizer import load_tokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = load_tokenizer(tokenizer_spec)
+    model = build_student(student, tokenizer, seed, seq_len).train()
+    encodings = tokenizer.encode_batch(texts, add_eos=True)
+    rows = torch.from_numpy(pack(np.concatenate([e.ids for e in encodings]), seq_len)).long()
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(rows), generator=generator)
+    cursor, history, started = 0, [], time.monotonic()
+    for step in range(steps):
+        if cursor + batch_sequences > len(order):  # next epoch, reshuffled
+            order, cursor = torch.randperm(len(rows), generator=generator), 0
+        batch = rows[order[cursor : cursor + batch_sequences]]
+        cursor += batch_sequences
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps, warmup_steps, lr, min_lr)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        history.append({"step": step + 1, "loss": round(loss.item(), 4)})
+        if (step + 1) % 20 == 0 or step + 1 == steps:
+            log(f"warm start step {step + 1}/{steps}: loss {loss.item():.3f} "
+                f"({time.monotonic() - started:.0f} s)")  # fmt: skip
+    with staged_folder(folder) as partial:
+        model.save_pretrained(partial, safe_serialization=True)
+        save_tokenizer(tokenizer, partial)
+        summary = {
+            "student": student,
+            "documents": len(texts),
+            "tokens_available": int(rows.numel()),
+            "tokens_trained": steps * batch_sequences * seq_len,
+            "steps": steps,
+            "history": history,
+        }
+        (partial / "warm_start.json").write_text(json.dumps(summary, indent=1))
+    return folder
