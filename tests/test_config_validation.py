@@ -21,7 +21,7 @@ from apps.analysis.configs import (
     TrainingCurvesConfig,
     VocabularyOverlapConfig,
 )
-from apps.demo.config import DemoConfig
+from apps.demo.config import DemoConfig, PreRegistration
 from apps.evaluation.config import EvalConfig
 from pipeline.config import (
     _scalar_type,
@@ -43,6 +43,7 @@ CONFIGS = {
     TrainConfig: ("stage2", {"cache": "cache", "student": "s", "out": "run", "max_steps": 200}),
     EvalConfig: ("eval", {"model": "m"}),
     DemoConfig: ("demo", {}),
+    PreRegistration: ("preregistered", {}),
     VocabularyOverlapConfig: ("analyze", {"student_tokenizer": "s", "teacher_tokenizers": ["t"]}),
     ChunkOverlapConfig: (
         "analyze",
@@ -71,6 +72,10 @@ OUT_OF_RANGE = {
     VocabularyOverlapConfig: {"teacher_tokenizers": []},
     ChunkOverlapConfig: {"num_docs": 0, "chunks": [0]},
     TrainingCurvesConfig: {"run_dirs": []},
+    PreRegistration: {
+        "primary": "loss", "secondary": ["loss"], "comparisons": ["token-nothing"],
+        "resamples": 10, "confidence": 1.5,
+    },
 }  # fmt: skip
 # Right values that the generic choice in `_right_value` would make invalid with the defaults.
 RIGHT = {
@@ -78,6 +83,11 @@ RIGHT = {
     (TrainConfig, "warmup_steps"): 50,
     (TrainConfig, "grad_clip"): 2,  # a TOML integer for a float option
     (ScoreConfig, "progress_seconds"): 30,
+    (PreRegistration, "primary"): "answer_accuracy",
+    (PreRegistration, "secondary"): ["answer_bits"],
+    (PreRegistration, "comparisons"): ["random-chunk-none"],
+    (PreRegistration, "resamples"): 2000,
+    (PreRegistration, "confidence"): 0.9,
 }
 
 
