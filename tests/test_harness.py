@@ -8,7 +8,7 @@ import pytest
 
 from apps.evaluation.bits_per_character import bits_per_character
 from apps.evaluation.harness import heldout_task, run_lm_eval
-from apps.evaluation.run import _documents
+from apps.evaluation.run import evaluation_documents
 from pipeline.models.hf_tokenizer import save_tokenizer
 from pipeline.scoring.hf import HFScorer
 from pipeline.scoring.teacher import resolve_teacher
@@ -23,7 +23,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is the `eval` extra; make test in
 def test_lm_eval_scores_heldout_documents_exactly_as_vocagno_eval(tmp_path, tokenizer_name):
     model = make_tiny_teacher(tmp_path / "model", tokenizer_name)
     save_tokenizer(load_tokenizer(tokenizer_name), model)  # as stage 2 saves a student
-    texts = [d.text for d in _documents(str(shipped_corpus("eval")), 3)]
+    texts = [d.text for d in evaluation_documents(str(shipped_corpus("eval")), 3)[0]]
     task = heldout_task(tmp_path / "tasks", texts)
     results = run_lm_eval(
         model, [task], include_path=tmp_path / "tasks", add_bos_token=False, log_samples=True

@@ -26,7 +26,9 @@ from pipeline.shipped import shipped_corpus
 DEFAULT_CONTEXT = 2048
 
 
-def _documents(spec: str, count: int, on_bad_record: str) -> tuple[list[Document], int]:
+def evaluation_documents(
+    spec: str, count: int, on_bad_record: str = "error"
+) -> tuple[list[Document], int]:
     """The first `count` usable documents, and how many bad records were passed over on the way
     (only with on_bad_record="skip"; otherwise the first bad one stops with its file and record)."""
     documents, skipped = [], 0
@@ -57,14 +59,14 @@ def evaluate(config: EvalConfig) -> dict:
     data = config.data or str(shipped_corpus("eval"))
     skipped = 0
     if config.num_docs:
-        documents, skipped = _documents(data, config.num_docs, config.on_bad_record)
+        documents, skipped = evaluation_documents(data, config.num_docs, config.on_bad_record)
         texts = [d.text for d in documents]
         print(f"eval: bits per character over {len(texts)} documents", file=sys.stderr)
         report["bits_per_character"] = bits_per_character(scorer, tokenizer, texts).to_json()
     # Held-out problems come after the documents used for loss, so the two never overlap.
     count = max(config.answer_problems, config.accuracy_problems)
     if count:
-        docs, skipped = _documents(data, config.num_docs + count, config.on_bad_record)
+        docs, skipped = evaluation_documents(data, config.num_docs + count, config.on_bad_record)
         docs = docs[config.num_docs :]
     if config.answer_problems:
         texts = [d.text for d in docs[: config.answer_problems]]
@@ -72,7 +74,7 @@ def evaluate(config: EvalConfig) -> dict:
         report["answer_bits"] = answer_bits(scorer, tokenizer, texts).to_json()
     if config.accuracy_problems:
         shots_data = config.shots_data or str(shipped_corpus("train"))
-        shots = [d.text for d in _documents(shots_data, config.shots, config.on_bad_record)[0]]
+        shots = [d.text for d in evaluation_documents(shots_data, config.shots, config.on_bad_record)[0]]
         problems = [problem_from_document(d.text) for d in docs[: config.accuracy_problems]]
         print(f"eval: answer accuracy on {len(problems)} problems", file=sys.stderr)
         report["answer_accuracy"] = answer_accuracy(
