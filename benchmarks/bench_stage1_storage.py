@@ -100,8 +100,12 @@ def cut_topk(table: pa.Table, k: int) -> pa.Table:
         column = table.column(name).chunk(0)
         items = column.flatten()
         stored = items.type.list_size
-        values = items.values.to_numpy(zero_copy_only=False).reshape(-1, stored)[:, :k].reshape(-1)
-        cut = pa.FixedSizeListArray.from_arrays(pa.array(values), k, mask=items.is_null())
+        kind = items.type.value_type
+        values = items.values.fill_null(0).to_numpy(zero_copy_only=False)  # null entries: 0s
+        values = values.reshape(-1, stored)[:, :k].reshape(-1)
+        cut = pa.FixedSizeListArray.from_arrays(
+            pa.array(values, type=kind), k, mask=items.is_null()
+        )
         table = table.set_column(
             table.schema.get_field_index(name),
             name,

@@ -84,7 +84,7 @@ def _entries(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
     items = batch.column(name).flatten()  # one fixed-size entry per token, nulls kept
     k = items.type.list_size
     values = items.values.slice(items.offset * k, len(items) * k)
-    values = values.to_numpy(zero_copy_only=False).reshape(len(items), k)
+    values = values.fill_null(0).to_numpy(zero_copy_only=False).reshape(len(items), k)
     return values, items.is_null().to_numpy(zero_copy_only=False)
 
 
