@@ -6,11 +6,16 @@ Usage: python benchmarks/bench_stage1_efficiency.py [--teacher DIR] [--docs N] [
 The default teacher is the real SmolLM2-135M-Instruct (prepared offline from PyPI on first use).
 Both sides run alternately `repeats` times in one process; the best time of each is compared, and
 so is each back-to-back pair, so load from other processes on the machine hurts both sides alike.
+
+The optional cache columns run in the same rotation, each as a stage-1 worker of its own:
+`--space-logprob` and `--topk-probs 32` (issue 19's target: >= 0.95 of stage 1 without them),
+reported as the ratio to plain stage 1, best of each and per back-to-back pair.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import statistics
 import sys
@@ -29,6 +34,7 @@ from pipeline.scoring.hf import padded_batch  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.scoring.windows import plan_document_windows  # noqa: E402
 from pipeline.shipped import shipped_corpus  # noqa: E402
+from pipeline.space_mask import space_mask  # noqa: E402
 from stage1_score.units import plan_units  # noqa: E402
 from stage1_score.worker import UnitScorer, WorkerSpec  # noqa: E402
 
@@ -44,6 +50,8 @@ def main() -> int:
     parser.add_argument("--stride", type=int, default=256)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--topk", type=int, default=32, help="K of the --topk-probs side")
+    parser.add_argument("--no-columns", action="store_true", help="skip the optional-column sides")
     args = parser.parse_args()
     configure()  # the teacher's preparation reports its steps
     if args.teacher is None:
@@ -80,6 +88,27 @@ def main() -> int:
         def stage1() -> None:
             worker.score_unit(unit)
 
+        sides = {"stage 1 (score_unit)": stage1, "bare forward": None}
+        if not args.no_columns:
+            head = worker._scorer.vocab_size
+            mask = space_mask(worker._tokenizer, head)[1]
+            from pipeline.cache.schema import topk_id_dtype
+
+            for name, settings in (
+                ("stage 1 --space-logprob", {"space_logprob": mask}),
+                (
+                    f"stage 1 --topk-probs {args.topk}",
+                    {
+                        "topk_probs": args.topk,
+                        "topk_ids": True,
+                        "topk_id_dtype": topk_id_dtype(head),
+                    },
+                ),
+            ):
+                other = UnitScorer(dataclasses.replace(spec, settings=settings))
+                other.describe()  # load before timing
+                sides[name] = lambda other=other: other.score_unit(unit)
+
         @torch.inference_mode()
         def bare_forward() -> None:
             for input_ids, mask in batches:
@@ -89,11 +118,12 @@ def main() -> int:
                     use_cache=False,
                 ).logits
 
-        stage1()  # warm up both paths once
-        bare_forward()
-        times: dict[str, list[float]] = {"stage 1 (score_unit)": [], "bare forward": []}
+        sides["bare forward"] = bare_forward
+        for run in sides.values():  # warm up every path once
+            run()
+        times: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(args.repeats):
-            for name, run in (("stage 1 (score_unit)", stage1), ("bare forward", bare_forward)):
+            for name, run in sides.items():
                 started = time.perf_counter()
                 run()
                 times[name].append(time.perf_counter() - started)
@@ -114,6 +144,13 @@ def main() -> int:
         f"scoring efficiency per back-to-back pair: {', '.join(f'{r:.3f}' for r in pairs)} "
         f"(median {statistics.median(pairs):.3f})"
     )
+    plain = times["stage 1 (score_unit)"]
+    for name in [n for n in times if n.startswith("stage 1 --")]:
+        pairs = [a / b for a, b in zip(plain, times[name], strict=True)]
+        print(
+            f"{name} / stage 1: best {min(plain) / min(times[name]):.3f}, per pair "
+            f"{', '.join(f'{r:.3f}' for r in pairs)} (median {statistics.median(pairs):.3f})"
+        )
     return 0
 
 

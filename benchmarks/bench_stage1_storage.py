@@ -5,6 +5,10 @@ Usage: python benchmarks/bench_stage1_storage.py --cache DIR
 DIR is a stage-1 cache with real teacher losses, best written with --loss-dtype float32 so the
 float16 variants are derived from the same values (e.g. the SmolLM2 run of
 manifests/stage1-example.toml with --loss-dtype float32). Target: <= 5 bytes/token without text.
+
+A cache made with `--topk-probs 128 --space-logprob` also gets the bytes per token of each optional
+column (docs/cache-columns.md) for K = 8, 32 and 128, the smaller K cut from the stored top 128
+(top-k lists are descending, so the first K are the top K; the rest is recomputed).
 """
 
 from __future__ import annotations
@@ -24,16 +28,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.cache.manifest import load_manifest  # noqa: E402
 from pipeline.cache.schema import (  # noqa: E402
     LOSS,
+    OPTIONAL_COLUMNS,
+    SPACE_LOGPROB,
     TEXT,
     TOKEN_END,
     TOKEN_IDS,
     TOKEN_START,
+    TOPK_IDS,
+    TOPK_PROBS,
+    TOPK_REST,
     cache_schema,
     leaf,
     write_options,
     write_shard,
 )
-from pipeline.cache.stats import _text_bytes  # noqa: E402
+from pipeline.cache.stats import _text_bytes, column_bytes  # noqa: E402
 
 
 def variant(loss_dtype: str, **changes) -> dict:
@@ -80,6 +89,59 @@ def measure(table: pa.Table, options: dict, folder: Path) -> tuple[int, int, dic
     return size, _text_bytes(path), encodings
 
 
+def cut_topk(table: pa.Table, k: int) -> pa.Table:
+    """The table with its top-k columns cut to the first `k` entries and the rest recomputed."""
+    import numpy as np
+
+    table = table.combine_chunks()
+    for name in (TOPK_PROBS, TOPK_IDS):
+        if name not in table.column_names:
+            continue
+        column = table.column(name).chunk(0)
+        items = column.flatten()
+        stored = items.type.list_size
+        kind = items.type.value_type
+        values = items.values.fill_null(0).to_numpy(zero_copy_only=False)  # null entries: 0s
+        values = values.reshape(-1, stored)[:, :k].reshape(-1)
+        cut = pa.FixedSizeListArray.from_arrays(
+            pa.array(values, type=kind), k, mask=items.is_null()
+        )
+        table = table.set_column(
+            table.schema.get_field_index(name),
+            name,
+            pa.ListArray.from_arrays(column.offsets, cut),
+        )
+        if name == TOPK_PROBS:
+            probs = values.reshape(-1, k).astype(np.float32)
+            rest = np.clip(1 - probs.sum(1), 0, None).astype(np.float16)
+            rest[items.is_null().to_numpy(zero_copy_only=False)] = np.nan
+            rests = pa.ListArray.from_arrays(column.offsets, pa.array(rest))
+            table = table.set_column(table.schema.get_field_index(TOPK_REST), TOPK_REST, rests)
+    return table
+
+
+def optional_column_bytes(tables: list[pa.Table], tokens: int, folder: Path) -> None:
+    """Bytes per token of each optional column, shipped writer options, for K = 8, 32, 128."""
+    stored = tables[0].schema.field(TOPK_PROBS).type.value_type.list_size
+    print(f"optional columns (shipped writer options; stored top-{stored}):")
+    for k in (8, 32, 128):
+        if k > stored:
+            continue
+        sizes: dict[str, int] = {}
+        for table in tables:
+            path = folder / "probe.parquet"
+            write_shard(path, cut_topk(table, k), {"benchmark": True})
+            for name, size in column_bytes(path).items():
+                sizes[name] = sizes.get(name, 0) + size
+        parts = "  ".join(
+            f"{name}={sizes[name] / tokens:.3f}" for name in OPTIONAL_COLUMNS if name in sizes
+        )
+        topk = sum(sizes.get(n, 0) for n in (TOPK_PROBS, TOPK_IDS, TOPK_REST)) / tokens
+        print(f"  K={k:<4d} top-k total {topk:7.3f} B/token   {parts}")
+    if SPACE_LOGPROB in tables[0].column_names:
+        print(f"  space_logprob alone: {sizes[SPACE_LOGPROB] / tokens:.3f} B/token")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, required=True, help="stage-1 cache to re-encode")
@@ -97,11 +159,13 @@ def main() -> int:
         for loss_dtype in ("float16", "float32"):
             schema = cache_schema(loss_dtype)
             cast = [
-                t.set_column(
+                t.select([n for n in t.column_names if n not in OPTIONAL_COLUMNS])
+                .set_column(
                     t.schema.get_field_index(LOSS),
                     LOSS,
                     pc.cast(t.column(LOSS), schema.field(LOSS).type),
-                ).select(schema.names)
+                )
+                .select(schema.names)
                 for t in tables
             ]
             for name, options in variants(loss_dtype).items():
@@ -114,6 +178,8 @@ def main() -> int:
                 if name.startswith("shipped"):
                     used = {k: "+".join(v) for k, v in sizes[0][2].items()}
                     print(f"    encodings: {used}")
+        if TOPK_PROBS in tables[0].column_names:
+            optional_column_bytes(tables, tokens, Path(scratch))
     text_chars = sum(pc.sum(pc.utf8_length(t.column(TEXT))).as_py() for t in tables)
     print(f"(text: {text_chars / tokens:.2f} characters per teacher token before compression)")
     return 0

@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, topk_id_dtype
 from pipeline.choices import LossDtype, OnBadRecord, ScoringBackend, TextSplit, TorchDtype
 from pipeline.config import option
 from pipeline.corpus import CorpusOptions
 from pipeline.scoring.windows import default_stride, validate_window
 
 SECTION = "stage1"
+MAX_TOPK = 128
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,20 @@ class ScoreConfig:
     loss_dtype: LossDtype = option(
         "float16", help="dtype of the stored loss column (float16 halves its size)"
     )
+    topk_probs: int = option(
+        0,
+        help="store, at every scored teacher token, the K largest next-token probabilities "
+        "(float16, descending), their ids and the mass outside them (1..128; 0: off; hf backend; "
+        "see docs/cache-columns.md)",
+    )
+    topk_ids: bool = option(
+        True, help="with --topk-probs, also store the top-k token ids (--no-topk-ids: only probs)"
+    )
+    space_logprob: bool = option(
+        False,
+        help="store the teacher's log-probability that the next token starts with a space, tab or "
+        "newline or is special, at every scored token (float16; hf backend; docs/cache-columns.md)",
+    )
     batch_tokens: int = option(
         16384, help="hf backend: padded tokens per forward batch (rows x longest window)"
     )
@@ -124,6 +140,13 @@ class ScoreConfig:
             self.windows(None)
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError("vllm_gpu_memory_utilization must be in (0, 1]")
+        if not 0 <= self.topk_probs <= MAX_TOPK:
+            raise ValueError(f"topk_probs must be 0 (off) or 1..{MAX_TOPK}, not {self.topk_probs}")
+        if self.backend == "vllm" and (self.topk_probs or self.space_logprob):
+            raise ValueError(
+                "--topk-probs and --space-logprob need --backend hf: vLLM's prompt log-probs give "
+                "no exact space probability, and top-k from them is not yet wired in"
+            )
         if self.progress_seconds <= 0:
             raise ValueError("progress_seconds must be positive")
         self.corpus_options()  # validates the corpus options
@@ -147,11 +170,32 @@ class ScoreConfig:
         return max_length, stride
 
 
-def result_settings(config: ScoreConfig, max_length: int, stride: int) -> dict:
-    """The settings that decide the cache's contents (besides teacher, tokenizer and corpus)."""
-    return {
+def result_settings(
+    config: ScoreConfig,
+    max_length: int,
+    stride: int,
+    head_size: int | None = None,
+    space_mask: dict | None = None,
+) -> dict:
+    """The settings that decide the cache's contents (besides teacher, tokenizer and corpus).
+
+    The optional columns add keys only when asked for, so a cache without them keeps the identity
+    it always had. `head_size` (the teacher's outputs) picks the top-k id type; `space_mask` is
+    pipeline.space_mask's identity of the mask used."""
+    settings = {
         "max_length": max_length,
         "stride": stride,
         "loss_dtype": config.loss_dtype,
         "docs_per_shard": config.docs_per_shard,
     }
+    if config.topk_probs:
+        settings |= {TOPK_PROBS: config.topk_probs, TOPK_IDS: config.topk_ids}
+        if config.topk_ids:
+            if head_size is None:
+                raise ValueError("the teacher's head size is needed for top-k ids")
+            settings["topk_id_dtype"] = topk_id_dtype(head_size)
+    if config.space_logprob:
+        if space_mask is None:
+            raise ValueError("the space mask's identity is needed for --space-logprob")
+        settings[SPACE_LOGPROB] = space_mask
+    return settings

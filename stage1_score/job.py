@@ -29,6 +29,7 @@ from pipeline.scoring.teacher import (
     teacher_context_length,
     teacher_identity,
 )
+from pipeline.space_mask import space_mask
 from pipeline.versions import software_versions
 from stage1_score.config import ScoreConfig, result_settings
 from stage1_score.output import RUN_RECORD_NAME, OutputLock, finished_shard, prepare_output
@@ -104,10 +105,30 @@ def plan(config: ScoreConfig) -> Plan:
             "bos_token": tokenizer.policy.bos_token,
             "source": "teacher" if config.tokenizer is None else "--tokenizer",
         },
-        "settings": result_settings(config, max_length, stride),
+        "settings": result_settings(
+            config, max_length, stride, *_head(config, teacher_config, tokenizer)
+        ),
         "corpus": corpus.describe(),
     }
     return Plan(config, corpus, teacher, max_length, stride, identity)
+
+
+def head_size(teacher_config, tokenizer) -> int:
+    """Outputs of the teacher's head: its config's vocabulary (padded tables included)."""
+    text_config = (
+        teacher_config.get_text_config()
+        if hasattr(teacher_config, "get_text_config")
+        else teacher_config
+    )
+    return max(getattr(text_config, "vocab_size", None) or 0, tokenizer.vocab_size)
+
+
+def _head(config: ScoreConfig, teacher_config, tokenizer) -> tuple[int, dict | None]:
+    """(head size, space mask identity or None) for the optional columns' settings."""
+    size = head_size(teacher_config, tokenizer)
+    if not config.space_logprob:
+        return size, None
+    return size, space_mask(tokenizer, size)[1]
 
 
 def run(config: ScoreConfig) -> CacheManifest:
@@ -131,6 +152,7 @@ def run(config: ScoreConfig) -> CacheManifest:
                 stride=job.stride,
                 batch_tokens=config.batch_tokens,
                 loss_dtype=config.loss_dtype,
+                settings=job.identity["settings"],
                 out=config.out.resolve(),
                 run_fingerprint=run_fingerprint,
                 threads=threads,

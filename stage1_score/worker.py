@@ -12,10 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.cache.manifest import ShardRecord
-from pipeline.cache.schema import SCHEMA_VERSION, shard_name, write_shard
+from pipeline.cache.schema import (
+    SCHEMA_VERSION,
+    SPACE_LOGPROB,
+    TOPK_IDS,
+    TOPK_PROBS,
+    shard_name,
+    write_shard,
+)
 from pipeline.cache.writer import build_unit_table
 from pipeline.log import configure, get_logger
+from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.teacher import TeacherSource, load_teacher_tokenizer
+from pipeline.space_mask import space_mask
 from stage1_score.output import Sidecar, write_sidecar
 from stage1_score.units import WorkUnit
 
@@ -40,6 +49,7 @@ class WorkerSpec:
     vllm_gpu_memory_utilization: float = 0.85
     vllm_cpu_kvcache_gib: int = 1
     vllm_enforce_eager: bool = False
+    settings: dict | None = None  # the cache's result settings: which optional columns to compute
 
 
 @dataclass(frozen=True)
@@ -49,7 +59,20 @@ class UnitResult:
     worker: int
 
 
-def load_scorer(spec: WorkerSpec):
+def head_extras(spec: WorkerSpec, tokenizer) -> HeadExtras:
+    """The optional columns the settings ask for; the space mask is rebuilt here from the
+    tokenizer and must be the one the driver recorded in the cache's identity."""
+    settings = spec.settings or {}
+    mask = None
+    if settings.get(SPACE_LOGPROB):
+        recorded = settings[SPACE_LOGPROB]
+        mask, identity = space_mask(tokenizer, recorded["size"])
+        if identity != recorded:
+            raise ValueError("the worker's space mask differs from the one the driver recorded")
+    return HeadExtras(settings.get(TOPK_PROBS, 0), settings.get(TOPK_IDS, True), mask)
+
+
+def load_scorer(spec: WorkerSpec, extras: HeadExtras | None = None):
     """The backend named in `spec`; vLLM is imported only when chosen."""
     if spec.backend == "vllm":
         from stage1_score.backends.vllm_backend import VLLMScorer
@@ -73,6 +96,7 @@ def load_scorer(spec: WorkerSpec):
         max_length=spec.max_length,
         stride=spec.stride,
         batch_tokens=spec.batch_tokens,
+        extras=extras,
     )
 
 
@@ -93,7 +117,8 @@ class UnitScorer:
 
         torch.set_num_threads(self.spec.threads)
         self._tokenizer = load_teacher_tokenizer(self.spec.teacher, self.spec.tokenizer)
-        self._scorer = load_scorer(self.spec)
+        self._extras = head_extras(self.spec, self._tokenizer)
+        self._scorer = load_scorer(self.spec, self._extras)
 
     def describe(self) -> dict:
         self._load()
@@ -112,9 +137,21 @@ class UnitScorer:
         total = sum(len(e) for e in encodings)
         scorable = sum(max(len(e) - 1, 0) for e in encodings)  # token 0 has no prediction
         report = _ProgressLog(self.worker, unit.index, scorable, self.spec.progress_seconds)
-        losses = self._scorer.score([e.ids for e in encodings], progress=report)
+        ids = [e.ids for e in encodings]
+        if self._extras.active:
+            columns = self._scorer.score_columns(ids, progress=report)
+            losses = columns.pop("loss")
+        else:
+            columns, losses = {}, self._scorer.score(ids, progress=report)
         table = build_unit_table(
-            unit.doc_ids, unit.texts, unit.text_sha256, encodings, losses, self.spec.loss_dtype
+            unit.doc_ids,
+            unit.texts,
+            unit.text_sha256,
+            encodings,
+            losses,
+            self.spec.loss_dtype,
+            columns,
+            self.spec.settings,
         )
         name = shard_name(unit.index)
         footer = {

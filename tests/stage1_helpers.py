@@ -96,3 +96,20 @@ def windowed_direct_losses(model, ids: np.ndarray, max_length: int, stride: int)
 
 def load_model(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def windowed_direct_logprobs(model, ids: np.ndarray, max_length: int, stride: int) -> np.ndarray:
+    """Row t: log_softmax of a plain forward pass's logits that predict token t, in the windows
+    the windows module describes (the position convention of `loss`); NaN in row 0."""
+    n = len(ids)
+    out = np.full((n, model.config.vocab_size), np.nan, dtype=np.float32)
+    scored_until, start = 1, 0
+    while scored_until < n:
+        start = min(start, max(n - max_length, 0))
+        end = min(start + max_length, n)
+        with torch.inference_mode():
+            window = torch.as_tensor(ids[start:end], dtype=torch.long)[None]
+            logprobs = torch.log_softmax(model(window).logits[0].float(), dim=-1).numpy()
+        out[scored_until:end] = logprobs[scored_until - start - 1 : end - start - 1]
+        scored_until, start = end, start + stride
+    return out

@@ -40,6 +40,10 @@ def test_command_line_wins_over_the_manifest():
         (["--num-workers", "-1"], "num_workers must be 0"),
         (["--text-column", ""], "text_column must not be empty"),
         (["--vllm-gpu-memory-utilization", "1.5"], "vllm_gpu_memory_utilization"),
+        (["--topk-probs", "129"], r"topk_probs must be 0 \(off\) or 1..128, not 129"),
+        (["--topk-probs", "-1"], "topk_probs must be 0"),
+        (["--backend", "vllm", "--topk-probs", "8"], "need --backend hf"),
+        (["--backend", "vllm", "--space-logprob"], "need --backend hf"),
     ],
 )
 def test_bad_values_are_refused(extra, message):
@@ -63,3 +67,18 @@ def test_window_defaults_come_from_the_teacher():
         "loss_dtype": "float16",
         "docs_per_shard": 1000,
     }
+
+
+def test_optional_columns_join_the_identity_only_when_asked_for():
+    config = parse_config(ScoreConfig, REQUIRED, "", SECTION)
+    assert config.topk_probs == 0 and config.topk_ids and not config.space_logprob
+    plain = result_settings(config, 64, 32, 49152, {"sha256": "x"})
+    assert plain == result_settings(config, 64, 32)  # no new keys: old caches keep their identity
+    asked = parse_config(ScoreConfig, [*REQUIRED, "--topk-probs", "8", "--space-logprob"], "", SECTION)
+    settings = result_settings(asked, 64, 32, 49152, {"sha256": "x"})
+    assert settings == plain | {
+        "topk_probs": 8, "topk_ids": True, "topk_id_dtype": "uint16", "space_logprob": {"sha256": "x"}
+    }  # fmt: skip
+    assert result_settings(asked, 64, 32, 151936, {})["topk_id_dtype"] == "int32"
+    no_ids = parse_config(ScoreConfig, [*REQUIRED, "--topk-probs", "8", "--no-topk-ids"], "", SECTION)
+    assert result_settings(no_ids, 64, 32, 151936) == plain | {"topk_probs": 8, "topk_ids": False}

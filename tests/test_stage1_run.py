@@ -31,6 +31,7 @@ from tests.stage1_helpers import (
     load_model,
     make_tiny_teacher,
     shipped_documents,
+    windowed_direct_logprobs,
     windowed_direct_losses,
     write_jsonl_corpus,
 )
@@ -139,6 +140,41 @@ def test_two_workers_build_a_verified_cache_equal_to_the_teacher(built, teacher,
         assert np.isnan(loss[0]) and np.isfinite(loss[1:]).all()
         windowed += len(encoding) > MAX_LENGTH
     assert windowed > NUM_DOCS // 2
+
+
+def test_topk_probs_8_and_space_logprob_are_cached_and_equal_the_teacher(
+    ray_cluster, teacher, corpus, tmp_path
+):
+    from pipeline.cache.stats import cache_stats
+    from pipeline.space_mask import space_mask
+
+    out = tmp_path / "cache"
+    assert main(args(teacher, corpus, out, "--topk-probs", "8", "--space-logprob")) == 0
+    manifest, problems = verify_cache(out)
+    assert problems == []
+    tokenizer = load_tokenizer(str(teacher))
+    mask, identity = space_mask(tokenizer, tokenizer.vocab_size)
+    assert manifest.settings["topk_probs"] == 8 and manifest.settings["topk_id_dtype"] == "uint16"
+    assert manifest.settings["space_logprob"] == identity
+    per_column = cache_stats(out).column_bytes_per_token
+    assert {"topk_probs", "topk_ids", "topk_rest", "space_logprob"} <= set(per_column)
+    model = load_model(teacher)
+    for shard in manifest.shards:
+        for row in pq.read_table(out / shard.file).to_pylist():
+            ids = np.array(row["token_ids"])
+            reference = windowed_direct_logprobs(model, ids, MAX_LENGTH, STRIDE)[1:]
+            assert row["topk_probs"][0] is None and row["topk_ids"][0] is None
+            assert np.isnan(row["topk_rest"][0]) and np.isnan(row["space_logprob"][0])
+            probs = np.array(row["topk_probs"][1:], dtype=np.float32)
+            top = np.array(row["topk_ids"][1:], dtype=np.int64)
+            expected = -np.sort(-np.exp(reference), axis=1)[:, :8]
+            np.testing.assert_allclose(probs, expected, rtol=2e-3, atol=1e-4)  # float16
+            picked = np.exp(np.take_along_axis(reference, top, axis=1))  # ties may reorder ids
+            np.testing.assert_allclose(picked, probs, rtol=2e-3, atol=1e-4)
+            space = np.logaddexp.reduce(reference[:, mask], axis=1)
+            np.testing.assert_allclose(row["space_logprob"][1:], space, atol=2e-3, rtol=0)
+            rest = np.array(row["topk_rest"][1:], dtype=np.float32)
+            np.testing.assert_allclose(rest, 1 - expected.sum(1), atol=2e-3)
 
 
 def test_rerun_is_byte_identical_and_recomputes_only_a_missing_shard(built):

@@ -117,6 +117,8 @@ def run_stats(args: argparse.Namespace) -> int:
         f"bytes            {stats.bytes} ({stats.bytes_per_token:.2f}/token; "
         f"{stats.bytes_per_token_without_text:.2f}/token without the text column)"
     )
+    columns = "  ".join(f"{k}={v:.3f}" for k, v in stats.column_bytes_per_token.items())
+    print(f"bytes/token      {columns}")
     return 0
 
 

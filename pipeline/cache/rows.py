@@ -12,13 +12,27 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.cache.schema import LOSS, TEXT, TEXT_SHA256, TOKEN_END, TOKEN_IDS, TOKEN_START
+from pipeline.cache.schema import (
+    LOSS,
+    OPTIONAL_COLUMNS,
+    SPACE_LOGPROB,
+    TEXT,
+    TEXT_SHA256,
+    TOKEN_END,
+    TOKEN_IDS,
+    TOKEN_START,
+    TOPK_IDS,
+    TOPK_PROBS,
+    TOPK_REST,
+)
 from pipeline.errors import CacheError
 from pipeline.io import sha256_text
 
 # Per-token list columns, in the order their lengths are compared (the first present one is the
 # reference: token_ids in a full read, token_start where a reader skips the ids).
-PER_TOKEN_COLUMNS = (TOKEN_IDS, TOKEN_START, TOKEN_END, LOSS)
+PER_TOKEN_COLUMNS = (TOKEN_IDS, TOKEN_START, TOKEN_END, LOSS, *OPTIONAL_COLUMNS)
+# float16 rounds each of K probabilities by up to 2**-11 of itself: sum(topk) + rest within this.
+MASS_TOLERANCE = 1e-2
 
 
 def list_column(batch: pa.RecordBatch, name: str, dtype=None) -> tuple[np.ndarray, np.ndarray]:
@@ -63,3 +77,63 @@ def check_rows(path: Path, batch: pa.RecordBatch, rows: np.ndarray) -> np.ndarra
             f"is not inside its text of {limit[bad[0]]} characters"
         )
     return lengths.astype(np.int64)
+
+
+def _entries(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list<fixed_size_list<...>[K]> column as ((tokens, K) values, per-token null flags)."""
+    items = batch.column(name).flatten()  # one fixed-size entry per token, nulls kept
+    k = items.type.list_size
+    values = items.values.slice(items.offset * k, len(items) * k)
+    values = values.fill_null(0).to_numpy(zero_copy_only=False).reshape(len(items), k)
+    return values, items.is_null().to_numpy(zero_copy_only=False)
+
+
+def _fail(path: Path, rows: np.ndarray, lengths: np.ndarray, bad: np.ndarray, what: str):
+    row = int(np.searchsorted(np.cumsum(lengths), bad[0], side="right"))
+    token = int(bad[0] - (np.cumsum(lengths)[row] - lengths[row]))
+    raise CacheError(f"shard {path} row {rows[row]} token {token}: {what}")
+
+
+def check_extra_columns(
+    path: Path, batch: pa.RecordBatch, rows: np.ndarray, lengths: np.ndarray
+) -> None:
+    """CacheError unless the optional columns present hold what docs/cache-columns.md says:
+    unscored (NaN loss) exactly where they are null or NaN, top-k probabilities in [0, 1] and
+    descending, distinct non-negative ids, top-k mass plus rest near 1, space log-probs <= 0."""
+    names = set(batch.schema.names)
+    unscored = np.isnan(list_column(batch, LOSS, np.float32)[0])
+    if TOPK_PROBS in names:
+        probs, null = _entries(batch, TOPK_PROBS)
+        probs = probs.astype(np.float32)
+        _check(path, rows, lengths, null != unscored, f"{TOPK_PROBS} null where loss is not NaN")
+        p = probs[~null]
+        bad = ~((p >= 0) & (p <= 1)).all(1) | (np.diff(p, axis=1) > 0).any(1)
+        _check(path, rows, lengths, _at(~null, bad), f"{TOPK_PROBS} not in [0, 1] and descending")
+        rest = list_column(batch, TOPK_REST, np.float32)[0]
+        _check(path, rows, lengths, np.isnan(rest) != unscored, f"{TOPK_REST} NaN where scored")
+        mass = p.sum(1) + rest[~null]
+        bad = ~((rest[~null] >= 0) & (np.abs(mass - 1) <= MASS_TOLERANCE))
+        _check(path, rows, lengths, _at(~null, bad), f"top-k mass + {TOPK_REST} is not 1")
+    if TOPK_IDS in names:
+        ids, null = _entries(batch, TOPK_IDS)
+        _check(path, rows, lengths, null != unscored, f"{TOPK_IDS} null where loss is not NaN")
+        ordered = np.sort(ids[~null].astype(np.int64), axis=1)
+        bad = (ordered[:, :1] < 0).any(1) | (np.diff(ordered, axis=1) == 0).any(1)
+        _check(path, rows, lengths, _at(~null, bad), f"{TOPK_IDS} negative or repeated")
+    if SPACE_LOGPROB in names:
+        space = list_column(batch, SPACE_LOGPROB, np.float32)[0]
+        bad = (np.isnan(space) != unscored) | (space > 0)
+        _check(path, rows, lengths, bad, f"{SPACE_LOGPROB} above 0, or NaN where scored")
+
+
+def _at(where: np.ndarray, bad: np.ndarray) -> np.ndarray:
+    """`bad`, given for the tokens where `where` holds, spread back over all tokens."""
+    full = np.zeros(where.shape, dtype=bool)
+    full[where] = bad
+    return full
+
+
+def _check(path: Path, rows: np.ndarray, lengths: np.ndarray, bad: np.ndarray, what: str) -> None:
+    found = np.flatnonzero(bad)
+    if found.size:
+        _fail(path, rows, lengths, found, what)

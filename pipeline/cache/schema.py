@@ -29,8 +29,36 @@ LOSS = "loss"
 COLUMNS = (DOC_ID, TEXT, TEXT_SHA256, TOKEN_IDS, TOKEN_START, TOKEN_END, LOSS)
 LOSS_DTYPES = {name: pa.type_for_alias(name) for name in LOSS_DTYPE_NAMES}
 
+# Optional per-token columns (docs/cache-columns.md); the manifest's settings say which a cache has.
+TOPK_PROBS = "topk_probs"  # list<fixed_size_list<float16>[K]>, null where unscored
+TOPK_IDS = "topk_ids"  # list<fixed_size_list<uint16 or int32>[K]>, null where unscored
+TOPK_REST = "topk_rest"  # list<float16>: 1 - sum(topk_probs), NaN where unscored
+SPACE_LOGPROB = "space_logprob"  # list<float16>: log P(next token in the space mask), NaN unscored
+OPTIONAL_COLUMNS = (TOPK_PROBS, TOPK_IDS, TOPK_REST, SPACE_LOGPROB)
 
-def cache_schema(loss_dtype: str = "float32") -> pa.Schema:
+
+def topk_id_dtype(vocab_size: int) -> str:
+    """The narrowest Arrow integer type that holds every id of a head of `vocab_size` outputs."""
+    return "uint16" if vocab_size <= 1 << 16 else "int32"
+
+
+def extra_fields(settings: dict) -> list[pa.Field]:
+    """The optional columns a cache made with these result settings holds, in column order."""
+    fields = []
+    k = settings.get(TOPK_PROBS, 0)
+    if k:
+        fields.append(pa.field(TOPK_PROBS, pa.list_(pa.list_(pa.float16(), k)), nullable=False))
+        if settings.get(TOPK_IDS, True):
+            ids = pa.type_for_alias(settings["topk_id_dtype"])
+            fields.append(pa.field(TOPK_IDS, pa.list_(pa.list_(ids, k)), nullable=False))
+        fields.append(pa.field(TOPK_REST, pa.list_(pa.float16()), nullable=False))
+    if settings.get(SPACE_LOGPROB):
+        fields.append(pa.field(SPACE_LOGPROB, pa.list_(pa.float16()), nullable=False))
+    return fields
+
+
+def cache_schema(loss_dtype: str = "float32", settings: dict | None = None) -> pa.Schema:
+    """The shard schema; `settings` (a manifest's result settings) add the optional columns."""
     if loss_dtype not in LOSS_DTYPES:
         raise ValueError(f"loss dtype must be one of {sorted(LOSS_DTYPES)}, not {loss_dtype!r}")
     return pa.schema(
@@ -42,6 +70,7 @@ def cache_schema(loss_dtype: str = "float32") -> pa.Schema:
             pa.field(TOKEN_START, pa.list_(pa.int32()), nullable=False),
             pa.field(TOKEN_END, pa.list_(pa.int32()), nullable=False),
             pa.field(LOSS, pa.list_(LOSS_DTYPES[loss_dtype]), nullable=False),
+            *extra_fields(settings or {}),
         ]
     )
 

@@ -6,7 +6,8 @@ so the whole cache is summarized in one streaming pass with constant memory.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,9 @@ class CacheStats:
     teacher: dict
     tokenizer: dict
     settings: dict
+    # Compressed bytes per teacher token of each column (footer sizes; the file's own framing
+    # and footer are the rest of bytes_per_token).
+    column_bytes_per_token: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -50,6 +54,18 @@ def _text_bytes(path: Path) -> int:
         metadata.row_group(g).column(column).total_compressed_size
         for g in range(metadata.num_row_groups)
     )
+
+
+def column_bytes(path: Path) -> Counter:
+    """Compressed bytes of each top-level column of a shard (its leaves summed), from the footer."""
+    metadata = pq.ParquetFile(path).metadata
+    sizes: Counter = Counter()
+    for g in range(metadata.num_row_groups):
+        group = metadata.row_group(g)
+        for c in range(group.num_columns):
+            chunk = group.column(c)
+            sizes[chunk.path_in_schema.split(".")[0]] += chunk.total_compressed_size
+    return sizes
 
 
 def percentile_from_histogram(counts: np.ndarray, q: float) -> float:
@@ -66,11 +82,12 @@ def cache_stats(cache_dir: str | Path) -> CacheStats:
     manifest = load_manifest(cache_dir)
     counts = np.zeros(int(MAX_LOSS / BIN_WIDTH), dtype=np.int64)
     loss_sum = 0.0
-    tokens = scored = total_bytes = text_bytes = 0
+    tokens = scored = total_bytes = 0
+    per_column: Counter = Counter()
     for record in manifest.shards:
         path = cache_dir / record.file
         total_bytes += record.bytes
-        text_bytes += _text_bytes(path)
+        per_column.update(column_bytes(path))
         for batch in iter_shard_batches(path, [LOSS], batch_size=1024):
             loss, _ = list_column(batch, LOSS, np.float64)
             tokens += loss.size
@@ -79,6 +96,7 @@ def cache_stats(cache_dir: str | Path) -> CacheStats:
             loss_sum += float(finite.sum())
             bins = np.clip((finite / BIN_WIDTH).astype(np.int64), 0, len(counts) - 1)
             counts += np.bincount(bins, minlength=len(counts))
+    text_bytes = per_column[TEXT]
     return CacheStats(
         shards=len(manifest.shards),
         documents=manifest.total_rows,
@@ -96,4 +114,7 @@ def cache_stats(cache_dir: str | Path) -> CacheStats:
         teacher=manifest.teacher,
         tokenizer=manifest.tokenizer,
         settings=manifest.settings,
+        column_bytes_per_token={
+            name: size / tokens if tokens else float("nan") for name, size in per_column.items()
+        },
     )

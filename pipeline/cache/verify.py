@@ -3,7 +3,8 @@
 `verify_shard` is the cheap check every reader runs before reading a shard (size and sha256
 against the manifest). `verify_cache` is the full audit behind `vocagno cache verify`: every
 listed shard present, none unlisted, no leftover temporary files, and inside each shard the
-schema, row and token counts, equal list lengths, text hashes and offsets within the text.
+schema, row and token counts, equal list lengths, text hashes and offsets within the text, and the
+values of the optional columns (top-k, space log-probability) the manifest's settings declare.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.cache.manifest import MANIFEST_NAME, CacheManifest, ShardRecord, load_manifest
-from pipeline.cache.rows import check_rows
+from pipeline.cache.rows import check_extra_columns, check_rows
 from pipeline.cache.schema import COLUMNS, LOSS_DTYPES, cache_schema, iter_shard_batches
 from pipeline.errors import CacheError
 from pipeline.io import sha256_file
@@ -51,12 +52,17 @@ def loss_dtype_of(manifest: CacheManifest) -> str:
     return dtype
 
 
-def _check_schema(path: Path, loss_dtype: str) -> None:
+def _check_schema(path: Path, loss_dtype: str, settings: dict | None = None) -> list[str]:
+    """The shard's column names once every column the settings declare is there with its type."""
     try:
         actual = pq.read_schema(path)
     except Exception as exc:
         raise CacheError(f"shard {path} is not a readable Parquet file: {exc}") from exc
-    for expected in cache_schema(loss_dtype):
+    try:
+        schema = cache_schema(loss_dtype, settings)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CacheError(f"the manifest's settings declare no valid schema ({exc!r})") from None
+    for expected in schema:
         if expected.name not in actual.names:
             raise CacheError(f"shard {path} lacks column {expected.name!r}")
         found = actual.field(expected.name).type
@@ -64,23 +70,36 @@ def _check_schema(path: Path, loss_dtype: str) -> None:
             raise CacheError(
                 f"shard {path}: column {expected.name!r} is {found}, the schema says {expected.type}"
             )
+    return schema.names
 
 
 def _same_type(found: pa.DataType, expected: pa.DataType) -> bool:
     """Equal types; for lists only the value type counts (writers name the item field
-    'item' or 'element')."""
+    'item' or 'element'), nested lists included."""
     if pa.types.is_list(found) and pa.types.is_list(expected):
-        return found.value_type.equals(expected.value_type)
+        return _same_type(found.value_type, expected.value_type)
+    if pa.types.is_fixed_size_list(found) and pa.types.is_fixed_size_list(expected):
+        return found.list_size == expected.list_size and _same_type(
+            found.value_type, expected.value_type
+        )
     return found.equals(expected)
 
 
-def check_shard_contents(cache_dir: str | Path, record: ShardRecord, loss_dtype: str) -> None:
-    """Schema, row count, token count and per-row consistency of one shard."""
+def check_shard_contents(
+    cache_dir: str | Path, record: ShardRecord, loss_dtype: str, settings: dict | None = None
+) -> None:
+    """Schema, row count, token count and per-row consistency of one shard; `settings` (the
+    manifest's) say which optional columns it must hold, whose values are checked too."""
     path = Path(cache_dir) / record.file
-    _check_schema(path, loss_dtype)
+    names = _check_schema(path, loss_dtype, settings)
+    extra = [name for name in names if name not in COLUMNS]
     rows = tokens = 0
-    for batch in iter_shard_batches(path, list(COLUMNS), batch_size=1024):
-        tokens += int(check_rows(path, batch, rows + np.arange(batch.num_rows)).sum())
+    for batch in iter_shard_batches(path, [*COLUMNS, *extra], batch_size=1024):
+        numbers = rows + np.arange(batch.num_rows)
+        lengths = check_rows(path, batch, numbers)
+        if extra:
+            check_extra_columns(path, batch, numbers, lengths)
+        tokens += int(lengths.sum())
         rows += batch.num_rows
     if rows != record.rows:
         raise CacheError(f"shard {path} has {rows} rows but the manifest says {record.rows}")
@@ -119,7 +138,7 @@ def verify_cache(
         problem = None
         try:
             verify_shard(cache_dir, record)
-            check_shard_contents(cache_dir, record, loss_dtype)
+            check_shard_contents(cache_dir, record, loss_dtype, manifest.settings)
         except CacheError as exc:
             problem = str(exc)
             problems.append(problem)

@@ -21,6 +21,7 @@ import torch
 
 from pipeline.cross_entropy import token_loss
 from pipeline.scoring.batching import plan_batches
+from pipeline.scoring.head import ExtrasBuffer, HeadExtras, empty_columns
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
 
@@ -66,6 +67,7 @@ class HFScorer:
         stride: int,
         batch_tokens: int,
         device: str | None = None,
+        extras: HeadExtras | None = None,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_teacher_model(teacher, dtype, str(self.device))
@@ -75,6 +77,7 @@ class HFScorer:
         self.vocab_size = self.head.weight.shape[0]
         self.chunk_rows = max(1, LOGIT_BUDGET // self.vocab_size)
         self.plain_head = self._head_reproduces_logits()
+        self.extras = extras or HeadExtras()
 
     def describe(self) -> dict:
         import transformers
@@ -94,7 +97,6 @@ class HFScorer:
         ours = self.head(self.body(input_ids=probe, use_cache=False).last_hidden_state).float()
         return torch.allclose(full, ours, rtol=1e-3, atol=1e-3)
 
-    @torch.inference_mode()
     def score(
         self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
     ) -> list[np.ndarray]:
@@ -102,20 +104,33 @@ class HFScorer:
 
         `progress` is called with the number of tokens scored after each batch.
         """
-        losses = [np.full(len(ids), np.nan, dtype=np.float32) for ids in token_ids]
-        windows = plan_document_windows(
-            [len(ids) for ids in token_ids], self.max_length, self.stride
-        )
+        return self.score_columns(token_ids, progress)["loss"]
+
+    @torch.inference_mode()
+    def score_columns(
+        self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
+    ) -> dict[str, list[np.ndarray]]:
+        """{"loss": per-document losses} plus the extra columns asked for (pipeline.scoring.head),
+        each a per-document array whose first axis is aligned with `token_ids`."""
+        lengths = [len(ids) for ids in token_ids]
+        columns = {"loss": [np.full(n, np.nan, dtype=np.float32) for n in lengths]}
+        columns |= empty_columns(self.extras, lengths)
+        windows = plan_document_windows(lengths, self.max_length, self.stride)
         for rows in plan_batches(windows.length, self.batch_tokens):
-            batch_loss = self._score_batch(token_ids, windows, rows)
+            batch = self._score_batch(token_ids, windows, rows)
             scored = windows.scored[rows]
-            for loss, row in zip(np.split(batch_loss, np.cumsum(scored)[:-1]), rows, strict=True):
-                losses[windows.doc[row]][windows.score_from[row] : windows.end[row]] = loss
+            bounds = np.cumsum(scored)[:-1]
+            for name, values in batch.items():
+                for part, row in zip(np.split(values, bounds), rows, strict=True):
+                    doc = columns[name][windows.doc[row]]
+                    doc[windows.score_from[row] : windows.end[row]] = part
             if progress is not None:
                 progress(int(scored.sum()))
-        return losses
+        return columns
 
-    def _score_batch(self, token_ids: list[np.ndarray], windows: WindowTable, rows: np.ndarray):
+    def _score_batch(
+        self, token_ids: list[np.ndarray], windows: WindowTable, rows: np.ndarray
+    ) -> dict[str, np.ndarray]:
         input_ids, mask = padded_batch(token_ids, windows, rows)
         ids = torch.from_numpy(input_ids).to(self.device)
         attention_mask = torch.from_numpy(mask).to(self.device)
@@ -136,7 +151,13 @@ class HFScorer:
             hidden = logits[row, position]
             project = torch.nn.Identity()
         out = torch.empty(len(targets), dtype=torch.float32, device=self.device)
+        extras = None
+        if self.extras.active:
+            extras = ExtrasBuffer(self.extras, len(targets), self.vocab_size, self.device)
         for begin in range(0, len(targets), self.chunk_rows):
             chunk = slice(begin, begin + self.chunk_rows)
-            out[chunk] = token_loss(project(hidden[chunk]), targets[chunk])
-        return out.cpu().numpy()
+            logits = project(hidden[chunk])
+            out[chunk] = token_loss(logits, targets[chunk])
+            if extras is not None:
+                extras.fill(chunk, logits)
+        return {"loss": out.cpu().numpy()} | (extras.numpy() if extras is not None else {})
