@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from apps.demo.config import DemoConfig
+from apps.demo.config import DemoConfig, PreRegistration
 from apps.evaluation.config import EvalConfig
 from pipeline.config import from_dict, load_manifest_section
 from stage1_score.config import ScoreConfig
@@ -18,7 +18,13 @@ PAPER = sorted((MANIFESTS / "paper").glob("table1-*.toml"))
 TABLE2 = sorted((MANIFESTS / "paper").glob("table2-*.toml"))
 # Stage 2 settings the paper does not state: every paper manifest that sets one says so.
 NOT_IN_PAPER = ("warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip")
-SECTIONS = {"demo": DemoConfig, "stage1": ScoreConfig, "stage2": TrainConfig, "eval": EvalConfig}
+SECTIONS = {
+    "demo": DemoConfig,
+    "preregistered": PreRegistration,
+    "stage1": ScoreConfig,
+    "stage2": TrainConfig,
+    "eval": EvalConfig,
+}
 # Paths and inputs a manifest may leave to the command line.
 PLACEHOLDERS = {
     "stage1": {"teacher": "t", "corpus": "c", "out": "o"},
