@@ -43,10 +43,10 @@ def exit_code(prog: str, action: Callable[[], int | None]) -> int:
     try:
         return int(action() or 0)
     except VocagnoError as exc:
-        # One line even where a message quotes a library's multi-line text.
         if isinstance(exc, StoppedBySignal):  # asked for, not an error
             print(f"{prog}: {exc}", file=sys.stderr)
             return 128 + exc.signum
+        # One line even where a message quotes a library's multi-line text.
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except OSError as exc:
