@@ -57,24 +57,25 @@ def evaluate(config: EvalConfig) -> dict:
     )
     report: dict = {"model": config.model, "tokenizer": tokenizer.spec, "config": to_dict(config)}
     data = config.data or str(shipped_corpus("eval"))
-    skipped = 0
+    # One read of the held-out data: the documents for bits per character, then the problems,
+    # which come after them so the two never overlap.
+    count = max(config.answer_problems, config.accuracy_problems)
+    documents, skipped = evaluation_documents(
+        data, config.num_docs + count, config.on_bad_record
+    )
+    docs = documents[config.num_docs :]
     if config.num_docs:
-        documents, skipped = evaluation_documents(data, config.num_docs, config.on_bad_record)
-        texts = [d.text for d in documents]
+        texts = [d.text for d in documents[: config.num_docs]]
         print(f"eval: bits per character over {len(texts)} documents", file=sys.stderr)
         report["bits_per_character"] = bits_per_character(scorer, tokenizer, texts).to_json()
-    # Held-out problems come after the documents used for loss, so the two never overlap.
-    count = max(config.answer_problems, config.accuracy_problems)
-    if count:
-        docs, skipped = evaluation_documents(data, config.num_docs + count, config.on_bad_record)
-        docs = docs[config.num_docs :]
     if config.answer_problems:
         texts = [d.text for d in docs[: config.answer_problems]]
         print(f"eval: answer bits per character on {len(texts)} problems", file=sys.stderr)
         report["answer_bits"] = answer_bits(scorer, tokenizer, texts).to_json()
     if config.accuracy_problems:
         shots_data = config.shots_data or str(shipped_corpus("train"))
-        shots = [d.text for d in evaluation_documents(shots_data, config.shots, config.on_bad_record)[0]]
+        shot_documents, _ = evaluation_documents(shots_data, config.shots, config.on_bad_record)
+        shots = [d.text for d in shot_documents]
         problems = [problem_from_document(d.text) for d in docs[: config.accuracy_problems]]
         print(f"eval: answer accuracy on {len(problems)} problems", file=sys.stderr)
         report["answer_accuracy"] = answer_accuracy(
