@@ -8,7 +8,8 @@ the real data path: the shipped corpus with a seeded top-K cache scored "by" the
 tokenizer (so KLD's identity alignment applies; the cost does not depend on the values) and
 seeded space log-probabilities for ALM. Every term takes the student's log normalizer from the
 cross-entropy (pipeline.distillation.log_normalizer); the extra work is a topk (uld), a gather
-(kld) or a log-sum-exp over the space mask (alm) per token. Modes run in turn, best of --repeats each; wall
+(kld) or, for alm, the space mask's mass in the cross-entropy's own pass over the vocabulary
+(pipeline.cross_entropy.token_loss_and_subset_logprob) and the chunk sums. Modes run in turn, best of --repeats each; wall
 and CPU time are both shown (CPU time is steadier on a shared machine).
 
     python benchmarks/bench_stage2_distillation.py [--preset llama-small] [--topk-probs 32]
@@ -21,14 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the cache builder
 
 from timing import interleaved_best_times, print_header, print_load_average  # noqa: E402
 
-from pipeline.cross_entropy import token_loss  # noqa: E402
+from pipeline.distillation import student_token_loss  # noqa: E402
 from pipeline.distillation.alm import AlmDistillation  # noqa: E402
 from pipeline.distillation.kld import TopkKLDistillation  # noqa: E402
 from pipeline.distillation.uld import UniversalLogitDistillation  # noqa: E402
@@ -52,7 +52,7 @@ def distillations(tokenizer) -> dict:
             temperature=100.0,
             merge_threshold=0.1,
             mode="merge_by_space_prob+append_space",
-            space_ids=np.flatnonzero(space_mask(tokenizer)[0]),
+            space_mask=space_mask(tokenizer)[0],
         ),
     }
 
@@ -61,7 +61,7 @@ def training_step(model, optimizer, batch, mode: str, term) -> None:
     """The trainer's objective for one micro-batch: eq. 3's loss, plus weight x the term's mean."""
     logits = student_logits(model, batch, torch.device("cpu"))
     guided = "none" if term is not None else mode  # a distillation trains every token
-    student_loss = token_loss(logits, batch["labels"])
+    student_loss, subset_logprob = student_token_loss(logits, batch["labels"], term)
     result = guided_loss(
         student_loss,
         batch["teacher_loss"],
@@ -73,7 +73,7 @@ def training_step(model, optimizer, batch, mode: str, term) -> None:
     if term is not None:
         extras = {name: batch[name] for name in term.extra_names}
         units = term.units(batch["labels"], extras).clamp(min=1)
-        total = term.loss_sum(logits, student_loss, batch["labels"], extras)
+        total = term.loss_sum(logits, student_loss, batch["labels"], extras, subset_logprob)
         objective = objective + term.weight * total / units
     objective.backward()
     optimizer.step()

@@ -27,8 +27,8 @@ from torch import nn
 
 from pipeline.cache.manifest import load_manifest
 from pipeline.config import to_dict
-from pipeline.cross_entropy import IGNORE_INDEX, token_loss
-from pipeline.distillation import Distillation
+from pipeline.cross_entropy import IGNORE_INDEX
+from pipeline.distillation import Distillation, student_token_loss
 from pipeline.errors import StoppedBySignal
 from pipeline.flops import StepRate
 from pipeline.guidance import guided_loss, loss_denominator, mapped_tokens
@@ -230,7 +230,7 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
             with gradient_sync(model, micro == accumulation - 1):
                 with compute:
                     logits = student_logits(model, batch, runtime.device)
-                student_loss = token_loss(logits, labels)
+                student_loss, subset_logprob = student_token_loss(logits, labels, distillation)
                 result = guided_loss(
                     student_loss,
                     teacher,
@@ -242,7 +242,9 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
                 objective = result.kept_loss_sum * scale
                 if distillation is not None:
                     extras = extras_of(batch, distillation, runtime.device)
-                    term = distillation.loss_sum(logits, student_loss, labels, extras)
+                    term = distillation.loss_sum(
+                        logits, student_loss, labels, extras, subset_logprob
+                    )
                     objective = objective + distillation.weight * term * distill_scale
                     totals[6] += term.detach().double()
                     totals[7] += units[micro]

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pipeline.cache.manifest import load_manifest
-from pipeline.cross_entropy import IGNORE_INDEX, token_loss
-from pipeline.distillation import AlignedRead, fill_value
+from pipeline.cross_entropy import IGNORE_INDEX
+from pipeline.distillation import AlignedRead, fill_value, student_token_loss
 from pipeline.distillation.alm import INDEX, TEACHER, AlmDistillation
 from pipeline.errors import CacheError
 from pipeline.models.student import build_student
@@ -33,6 +33,7 @@ BOS, EOS = "<s>", "</s>"
 THRESHOLD, TEMPERATURE = 0.1, 100.0
 VOCAB = 12
 SPACE_IDS = np.array([0, 3, 7, 8])  # the student's space mask S (as ids)
+SPACE_MASK = np.isin(np.arange(VOCAB - 2), SPACE_IDS)  # as the mask, shorter than the head
 
 
 def spans(text: str, pieces: list) -> tuple[np.ndarray, np.ndarray]:
@@ -224,14 +225,15 @@ MODES = ["merge_by_space_prob+append_space", "merge_by_space_prob", "append_spac
 @pytest.mark.parametrize("width,context", [(7, (1, 0)), (8, (1, 2)), (30, (0, 0))])
 def test_alm_loss_equals_a_plain_loop_over_chunks(mode, width, context):
     read, docs = make_read()
-    alm = AlmDistillation(1.0, TEMPERATURE, THRESHOLD, mode, space_ids=SPACE_IDS)
+    alm = AlmDistillation(1.0, TEMPERATURE, THRESHOLD, mode, space_mask=SPACE_MASK)
     labels, extras = stream_batch(read, alm.extras(read), width, context)
     logits = torch.randn(*labels.shape, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
     merge, append = "merge" in mode, "append" in mode
     expected, count = reference_alm(docs, logits, labels, merge, append)
     assert count >= 2 and int(alm.units(labels, extras)) == count
     logits.requires_grad_()
-    got = alm.loss_sum(logits, token_loss(logits, labels), labels, extras)
+    student_loss, space = student_token_loss(logits, labels, alm)
+    got = alm.loss_sum(logits, student_loss, labels, extras, space)
     assert abs(float(got.detach()) - expected) <= 1e-5 * max(1.0, abs(expected))
     got.backward()
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
@@ -244,7 +246,7 @@ def test_the_hand_made_chunks_merge_split_bytes_and_leave_out_first_and_last():
     # BOS h é é | llo | " w" ö ö rld (merged: p(space after " wö") = 0.05) | "," " ok" | " then" EOS
     assert student == [[0, 1, 2, 3], [4], [5, 6, 7, 8], [9, 10], [11, 12]]
     assert [c["kept"] for c in chunks] == [False, True, True, True, False]
-    alm = AlmDistillation(1.0, TEMPERATURE, THRESHOLD, MODES[0], space_ids=SPACE_IDS)
+    alm = AlmDistillation(1.0, TEMPERATURE, THRESHOLD, MODES[0], space_mask=SPACE_MASK)
     extras = alm.extras(read)
     first = slice(0, docs[0]["s_end"].size)
     assert extras[INDEX][first].tolist() == [-1] * 4 + [0, 0, 1, 2, 3, 0, 1, -1, -1]
@@ -323,8 +325,8 @@ def test_alm_decreases_on_a_repeated_batch(caches):
     terms = []
     for _ in range(6):
         logits = student_logits(model, batch, torch.device("cpu"))
-        student_loss = token_loss(logits, batch["labels"])
-        term = alm.loss_sum(logits, student_loss, batch["labels"], extras) / units
+        student_loss, space = student_token_loss(logits, batch["labels"], alm)
+        term = alm.loss_sum(logits, student_loss, batch["labels"], extras, space) / units
         term.backward()
         optimizer.step()
         optimizer.zero_grad()

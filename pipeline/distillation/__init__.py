@@ -18,6 +18,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pipeline.cross_entropy import IGNORE_INDEX, token_loss, token_loss_and_subset_logprob
+
 
 @dataclass(frozen=True)
 class AlignedRead:
@@ -47,6 +49,9 @@ class Distillation(Protocol):
     cache_columns: tuple[str, ...]  # list columns read beside the loss path's columns
     extra_names: tuple[str, ...]  # the keys `extras` returns (each a key of the micro-batch)
     weight: float  # the term's weight beside the cross-entropy (its mean over units is logged)
+    # bool [V] or None: the vocabulary subset whose log-probability `loss_sum` reads at every slot
+    # (`subset_logprob`), computed in the cross-entropy's own pass over the vocabulary
+    vocabulary_subset: np.ndarray | None
 
     def extras(self, read: AlignedRead) -> dict[str, np.ndarray]:
         """Per student token (first axis = read.student_ids.size), target-aligned."""
@@ -61,12 +66,14 @@ class Distillation(Protocol):
         student_loss: torch.Tensor,
         labels: torch.Tensor,
         extras: dict[str, torch.Tensor],
+        subset_logprob: torch.Tensor | None,
     ) -> torch.Tensor:
         """The distillation term summed over this micro-batch's units (0-dim, with gradient),
         before `weight`; the trainer divides the step's sum by the step's units (all ranks).
         `student_loss` is the trainer's per-token cross-entropy (with its gradient): with the
         label's logit it gives the normalizer log Z, so a term need not make another pass over
-        the vocabulary for it."""
+        the vocabulary for it; `subset_logprob` is log p(vocabulary_subset) per slot (None
+        without a subset). Both come from `student_token_loss`."""
 
 
 def fill_value(dtype: np.dtype):
@@ -79,14 +86,24 @@ def fill_value(dtype: np.dtype):
     return -1
 
 
+def student_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, distillation: Distillation | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The trainer's per-token cross-entropy and, when the distillation reads one, its vocabulary
+    subset's log-probability at every slot, from one pass over the vocabulary."""
+    subset = None if distillation is None else distillation.vocabulary_subset
+    if subset is None:
+        return token_loss(logits, labels), None
+    subset = torch.from_numpy(subset).to(logits.device, non_blocking=True)
+    return token_loss_and_subset_logprob(logits, labels, subset)
+
+
 def log_normalizer(
     logits: torch.Tensor, student_loss: torch.Tensor, labels: torch.Tensor
 ) -> torch.Tensor:
     """log Z = logsumexp(logits) at every target slot [...], from the trainer's cross-entropy
     (-log p(label) = log Z - logit[label]) instead of another pass over the vocabulary; its
     gradient is the softmax's, through the cross-entropy. Finite but meaningless elsewhere."""
-    from pipeline.cross_entropy import IGNORE_INDEX
-
     target = labels != IGNORE_INDEX
     picked = logits.float().gather(-1, torch.where(target, labels, 0).unsqueeze(-1)).squeeze(-1)
     return student_loss + picked

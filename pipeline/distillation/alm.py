@@ -11,7 +11,8 @@ The data path (pipeline.distillation.alm_chunks) gives every student token, targ
 index within its (merged) chunk and, at the chunk's last token, the teacher's chunk
 log-probability. Here the student's side: the sum of its own log-probabilities over the chunk's
 tokens (a difference of a per-row cumulative sum) plus, with `append_space`, log Σ_{v∈S} p(v)
-after the chunk's last token, S the student tokenizer's space mask (pipeline.space_mask): the
+after the chunk's last token, S the student tokenizer's space mask (pipeline.space_mask), which
+the trainer computes in the cross-entropy's pass over the vocabulary (`vocabulary_subset`): the
 distribution after reading the token at target slot s is the one at slot s + 1 of the same row.
 A chunk counts (a unit of the mean) only when all of its tokens are targets of this micro-batch
 in one unbroken run of its row, and, with `append_space`, when slot s + 1 is in the row too; so a
@@ -28,7 +29,7 @@ import torch
 
 from pipeline.cache.schema import SPACE_LOGPROB
 from pipeline.cross_entropy import IGNORE_INDEX
-from pipeline.distillation import AlignedRead, log_normalizer
+from pipeline.distillation import AlignedRead
 from pipeline.distillation.alm_chunks import teacher_chunks
 
 INDEX = "alm_chunk_index"  # int32 per token: its index within its chunk, -1 outside a kept one
@@ -72,14 +73,15 @@ def closing_slots(labels: torch.Tensor, index: torch.Tensor, teacher: torch.Tens
     return closes
 
 
-def student_chunk_logprobs(logits: torch.Tensor, student_loss: torch.Tensor, labels: torch.Tensor,
-                           index: torch.Tensor, space_ids: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def student_chunk_logprobs(student_loss: torch.Tensor, labels: torch.Tensor, index: torch.Tensor,
+                           space_logprob: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """[B, W] float64: at a chunk's last slot s, the student's chunk log-probability: its
-    log-probabilities of slots s - index[s] .. s, plus (space_ids given) its space log-probability
-    after slot s's token, at slot s + 1 (0 past the row). Meaningless elsewhere.
+    log-probabilities of slots s - index[s] .. s, plus (space_logprob given) its space
+    log-probability after slot s's token, at slot s + 1 (0 past the row). Meaningless elsewhere.
 
-    The log-probabilities are -student_loss, the trainer's cross-entropy, and the normalizer at a
-    target slot is student_loss + the label's logit: no second log-sum-exp over the vocabulary.
+    The log-probabilities are -student_loss, the trainer's cross-entropy, and the space
+    log-probability comes from the same pass over the vocabulary
+    (pipeline.distillation.student_token_loss).
     """
     target = labels != IGNORE_INDEX
     token = torch.where(target, -student_loss, 0.0).double()
@@ -88,10 +90,8 @@ def student_chunk_logprobs(logits: torch.Tensor, student_loss: torch.Tensor, lab
     slot = torch.arange(width, device=labels.device).expand_as(index)
     begin = (slot - index.long()).clamp(0, width)
     chunk = running[..., 1:] - running.gather(-1, begin)
-    if space_ids is not None:
-        log_z = log_normalizer(logits, student_loss, labels)  # a closing chunk's next slot
-        space = torch.logsumexp(logits.float().index_select(-1, space_ids), dim=-1) - log_z
-        chunk = chunk + torch.nn.functional.pad(space[..., 1:], (0, 1)).double()
+    if space_logprob is not None:  # a closing chunk's next slot
+        chunk = chunk + torch.nn.functional.pad(space_logprob[..., 1:], (0, 1)).double()
     return chunk
 
 
@@ -103,10 +103,14 @@ class AlmDistillation:
     temperature: float
     merge_threshold: float
     mode: str
-    # the student tokenizer's space mask S as ids (append_space only)
-    space_ids: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # the student tokenizer's space mask S, bool [V] (append_space only)
+    space_mask: np.ndarray | None = field(default=None, compare=False, repr=False)
     name: str = "alm"
     extra_names: tuple[str, ...] = (INDEX, TEACHER)
+
+    @property
+    def vocabulary_subset(self) -> np.ndarray | None:
+        return self.space_mask if mode_parts(self.mode)[1] else None
 
     @property
     def cache_columns(self) -> tuple[str, ...]:
@@ -137,14 +141,11 @@ class AlmDistillation:
         student_loss: torch.Tensor,
         labels: torch.Tensor,
         extras: dict[str, torch.Tensor],
+        subset_logprob: torch.Tensor | None,
     ) -> torch.Tensor:
-        append = mode_parts(self.mode)[1]
         index, teacher = extras[INDEX], extras[TEACHER]
-        closes = closing_slots(labels, index, teacher, append)
-        space_ids = None
-        if append:
-            space_ids = torch.from_numpy(self.space_ids).to(logits.device, non_blocking=True)
-        student = student_chunk_logprobs(logits, student_loss, labels, index, space_ids)
+        closes = closing_slots(labels, index, teacher, mode_parts(self.mode)[1])
+        student = student_chunk_logprobs(student_loss, labels, index, subset_logprob)
         # Unused slots get a harmless -1 on both sides, so no NaN reaches the gradient.
         student = torch.where(closes, student, -1.0)
         teacher = torch.where(closes, teacher.double(), -1.0)
@@ -159,14 +160,14 @@ def alm_distillation(config) -> AlmDistillation:
     from pipeline.space_mask import space_mask
     from pipeline.tokenizer import load_tokenizer
 
-    space_ids = None
+    mask = None
     if mode_parts(config.alm_mode)[1]:
         tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
-        space_ids = np.flatnonzero(space_mask(tokenizer)[0])
+        mask = space_mask(tokenizer)[0]
     return AlmDistillation(
         weight=config.alm_weight,
         temperature=config.alm_temperature,
         merge_threshold=config.alm_merge_threshold,
         mode=config.alm_mode,
-        space_ids=space_ids,
+        space_mask=mask,
     )

@@ -65,6 +65,8 @@ class PairedTopkTerm:
     top-k, their units the paired targets, their loss a per-token term summed over those units;
     each defines `per_token` and its cache columns (ids only when it lists them)."""
 
+    vocabulary_subset = None  # (a class attribute, not a field) neither reads a subset's mass
+
     def extras(self, read: AlignedRead) -> dict[str, np.ndarray]:
         return paired_topk(read, with_ids=TOPK_IDS in self.cache_columns)
 
@@ -77,6 +79,7 @@ class PairedTopkTerm:
         student_loss: torch.Tensor,
         labels: torch.Tensor,
         extras: dict[str, torch.Tensor],
+        subset_logprob: None,
     ) -> torch.Tensor:
         where = paired(labels, extras)  # paired tokens are targets: log Z from the CE is valid
         probs, rest = teacher_side(extras, where)
