@@ -26,6 +26,16 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return per_token.view(labels.shape)
 
 
+def token_log_probs_and_loss(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(logits) in fp32 [..., V] and `token_loss` of `labels` (every one a target)
+    read from it, bit for bit what token_loss gives (F.cross_entropy is the NLL of the same
+    log_softmax): for a caller that reads more of the distribution than the label's term."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return log_probs, -log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
 class _LossAndSubsetLogprob(torch.autograd.Function):
     """One pass over fp32 logits [N, V] for both the cross-entropy and log Σ_{v∈S} p(v): the
     shifted exponentials e = exp(z - max z) give the normalizer (their sum) and the subset's mass

@@ -1,5 +1,6 @@
-"""The one-pass cross-entropy and subset log-probability (ALM's student space probability) against
-the two separate computations it replaces, in value and gradient."""
+"""The cross-entropy's variants against the one definition: stage 1's loss read from a log-softmax
+(bit for bit), and the one-pass cross-entropy and subset log-probability (ALM's student space
+probability) against the two separate computations it replaces, in value and gradient."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.cross_entropy import IGNORE_INDEX, token_loss, token_loss_and_subset_logprob
+from pipeline.cross_entropy import (
+    IGNORE_INDEX,
+    token_log_probs_and_loss,
+    token_loss,
+    token_loss_and_subset_logprob,
+)
 
 
 def separately(logits, labels, subset):
@@ -51,3 +57,12 @@ def test_a_subset_far_below_the_largest_logit_reads_as_the_bound_without_nan():
     (loss.sum() + space.sum()).backward()
     assert -95 < float(space.detach()) < -87  # exactly: -200 + log 2 - logsumexp: about -204.3
     assert torch.isfinite(logits.grad).all()
+
+
+def test_the_loss_read_from_the_log_softmax_is_token_loss_bit_for_bit():
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 9, 300, generator=generator) * 6).to(torch.bfloat16)
+    labels = torch.randint(0, 300, (5, 9), generator=generator)
+    log_probs, loss = token_log_probs_and_loss(logits, labels)
+    assert torch.equal(loss, token_loss(logits, labels))
+    torch.testing.assert_close(log_probs.exp().sum(-1), torch.ones(5, 9))

@@ -76,6 +76,15 @@ def test_space_logprob_equals_logsumexp_of_a_plain_forward_over_the_mask(teacher
         assert np.isnan(space[0]) and (space[1:] <= 0).all()
 
 
+def test_the_columns_leave_the_loss_bit_for_bit_as_without_them(teachers):
+    tokenizer = load_tokenizer(str(teachers["smollm2"]))
+    mask, _ = space_mask(tokenizer, tokenizer.vocab_size)
+    plain = score(teachers["smollm2"], HeadExtras())[2]["loss"]
+    both = score(teachers["smollm2"], HeadExtras(topk=8, space_mask=mask))[2]["loss"]
+    for without, with_columns in zip(plain, both, strict=True):
+        np.testing.assert_array_equal(with_columns, without)
+
+
 def test_topk_columns_equal_softmax_of_a_plain_forward(teachers):
     _, ids, columns = score(teachers["smollm2"], HeadExtras(topk=8))
     model = load_model(teachers["smollm2"])

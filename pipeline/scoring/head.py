@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, TOPK_REST
+from pipeline.cross_entropy import token_log_probs_and_loss
 
 MAX_TOPK = 128
 
@@ -68,22 +69,27 @@ class ExtrasBuffer:
                 raise ValueError(
                     f"space mask of {len(extras.space_mask)} ids for a head of {vocab_size}"
                 )
-            self.space = torch.from_numpy(np.flatnonzero(extras.space_mask)).to(device)
+            self.space = torch.from_numpy(extras.space_mask.astype(np.float32)).to(device)
             self.out[SPACE_LOGPROB] = torch.empty(rows, dtype=torch.float32, device=device)
 
-    def fill(self, chunk: slice, logits: torch.Tensor) -> None:
-        logits = logits.float()
-        log_z = torch.logsumexp(logits, dim=-1)
+    def fill(self, chunk: slice, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The chunk's extras from its logits; returns its loss against `targets`, bit for bit
+        token_loss's, read from the same log-softmax (so no view adds a log-sum-exp)."""
+        log_probs, loss = token_log_probs_and_loss(logits, targets)
         if self.extras.topk:
-            values, ids = torch.topk(logits, self.extras.topk, dim=-1, sorted=True)
-            probs = torch.exp(values - log_z[:, None])
+            values, ids = torch.topk(log_probs, self.extras.topk, dim=-1, sorted=True)
+            probs = values.exp()
             self.out[TOPK_PROBS][chunk] = probs
             self.out[TOPK_REST][chunk] = (1.0 - probs.sum(dim=-1)).clamp_(min=0.0)
             if self.extras.topk_ids:
                 self.out[TOPK_IDS][chunk] = ids
         if self.space is not None:
-            space = torch.logsumexp(logits.index_select(-1, self.space), dim=-1)
-            self.out[SPACE_LOGPROB][chunk] = (space - log_z).clamp_(max=0.0)
+            # the mask's mass as one product with its indicator; a mass under fp32's smallest
+            # normal (log p < -87.3) reads as that bound (docs/cache-columns.md)
+            mass = log_probs.exp_() @ self.space
+            tiny = torch.finfo(mass.dtype).tiny
+            self.out[SPACE_LOGPROB][chunk] = mass.clamp_(tiny, 1.0).log_()
+        return loss
 
     def numpy(self) -> dict[str, np.ndarray]:
         return {name: value.cpu().numpy() for name, value in self.out.items()}

@@ -157,7 +157,8 @@ class HFScorer:
         for begin in range(0, len(targets), self.chunk_rows):
             chunk = slice(begin, begin + self.chunk_rows)
             logits = project(hidden[chunk])
-            out[chunk] = token_loss(logits, targets[chunk])
-            if extras is not None:
-                extras.fill(chunk, logits)
+            if extras is None:
+                out[chunk] = token_loss(logits, targets[chunk])
+            else:
+                out[chunk] = extras.fill(chunk, logits, targets[chunk])
         return {"loss": out.cpu().numpy()} | (extras.numpy() if extras is not None else {})
