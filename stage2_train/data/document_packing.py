@@ -19,21 +19,23 @@ its own full context, so a student token should see its own document's context a
 Exact resume: a micro-batch is a function of the documents from its first one on, so the stream
 position is the first document not yet finished plus `token`, the number of its targets already
 trained (non-zero only inside a split document). Packing is per document (a Python loop over
-documents, never over tokens); the rows are assembled with vectorized index arithmetic.
+documents, on Python integers, never over tokens); a read's documents stay in its flat arrays,
+and the rows are assembled with vectorized index arithmetic, one gather per read and column.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from pipeline.cross_entropy import IGNORE_INDEX
 from pipeline.distillation import fill_value
-from stage2_train.data.documents import DocumentReader
+from stage2_train.data.documents import AnnotatedDocuments, DocumentReader
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import StreamPosition
 
@@ -45,124 +47,156 @@ def split_context(plan: DataPlan) -> int:
     return min(plan.seq_len - 1, int(plan.seq_len * plan.packing_context))
 
 
+@dataclass
+class _Read:
+    """One read's annotated documents, kept whole: pieces index into its flat arrays."""
+
+    docs: AnnotatedDocuments
+    positions: list[list[int]]  # per document: (epoch, item, read, row)
+    names: list[tuple[int, str]]  # per document: (epoch, doc_id)
+    begin: list[int]  # per document: the index of its first token in the flat arrays
+    lengths: list[int]  # per document: its tokens
+
+
 class DocumentStream(DocumentReader):
     """One consumer's endless stream of document-packed micro-batches, from a saved position."""
 
     def __init__(self, plan: DataPlan, consumer: int, position: StreamPosition | None = None):
         super().__init__(plan, consumer, position)
-        # Documents not yet finished: (ids, teacher loss, position tuple, (epoch, doc_id), where
-        # a chunk of the chunk baseline begins, the distillation's extras).
-        self._queue: deque = deque()
-        self._done = self.start.token  # targets of the queue's first document already trained
+        self._read: _Read | None = None  # the read holding the first document not yet finished
+        self._doc = 0  # that document's index in the read
+        self._done = self.start.token  # its targets already trained
 
-    def _fill(self, reader: Iterator) -> None:
-        while not self._queue:
+    def _current(self, reader: Iterator) -> _Read:
+        """The read of the first document not yet finished, reading the next one when needed."""
+        while self._read is None or self._doc == len(self._read.lengths):
             docs, positions, epoch = next(reader)
-            bounds = np.cumsum(docs.lengths)[:-1]
-            extras = {name: np.split(values, bounds) for name, values in docs.extras.items()}
-            for index, (ids, teacher, position, doc_id, chunk_start) in enumerate(
-                zip(
-                    np.split(docs.ids, bounds),
-                    np.split(docs.teacher_loss, bounds),
-                    positions.tolist(),
-                    docs.doc_ids,
-                    np.split(docs.chunk_start, bounds),
-                    strict=True,
-                )
-            ):
-                doc_extras = {name: pieces[index] for name, pieces in extras.items()}
-                self._queue.append(
-                    (ids, teacher, position, (epoch, doc_id), chunk_start, doc_extras)
-                )
+            lengths = docs.lengths.tolist()
+            self._read = _Read(
+                docs,
+                positions.tolist(),
+                [(epoch, doc_id) for doc_id in docs.doc_ids],
+                np.concatenate(([0], np.cumsum(lengths[:-1], dtype=np.int64))).tolist(),
+                lengths,
+            )
+            self._doc = 0
+        return self._read
 
     def position(self) -> StreamPosition:
-        return StreamPosition(*self._queue[0][2], self._done)
+        return StreamPosition(*self._read.positions[self._doc], self._done)
 
     def __iter__(self) -> Iterator[dict]:
         rows, width = self.plan.micro_batch_size, self.plan.seq_len
         context = split_context(self.plan)
         reader = self.documents()
         while True:
-            free = np.full(rows, width, dtype=np.int64)
-            # (row, slot, ids, teacher, first input, first new target, last target, chunk starts,
-            # extras)
-            pieces = []
+            free = [width] * rows
+            pieces: list[_Piece] = []
             documents = []
             while True:
-                self._fill(reader)
-                ids, teacher, _, name, chunk_start, extras = self._queue[0]
-                done = self._done
+                read = self._current(reader)
+                doc, done = self._doc, self._done
+                size = read.lengths[doc]
                 first = max(0, done - context) if done else 0
-                last = min(ids.size - 1, first + width)  # index of the piece's last target
+                last = min(size - 1, first + width)  # index of the piece's last target
                 length = last - first
-                fits = free >= length
-                if not fits.any():
+                # best fit: the fullest row with room for it (the first such row on a tie)
+                fit = min(((room, row) for row, room in enumerate(free) if room >= length),
+                          default=None)  # fmt: skip
+                if fit is None:
                     break
-                row = int(np.argmin(np.where(fits, free, width + 1)))  # best fit: fullest row
+                room, row = fit
                 if length:
-                    piece = (
-                        row, width - free[row], ids, teacher, first, done, last, chunk_start, extras
-                    )  # fmt: skip
-                    pieces.append(piece)
-                    free[row] -= length
+                    begin = read.begin[doc]
+                    pieces.append(_Piece(row, width - room, read, begin, first, done, last))
+                    free[row] = room - length
                 if done == 0:
-                    documents.append(name)
-                if last >= ids.size - 1:
-                    self._queue.popleft()
-                    self._done = 0
+                    documents.append(read.names[doc])
+                if last >= size - 1:
+                    self._doc, self._done = doc + 1, 0
                 else:
                     self._done = last
             batch = _assemble(pieces, rows, width)
             batch["documents"] = documents
-            batch["position"] = asdict(self.position())
+            batch["position"] = vars(self.position()).copy()
             yield batch
 
 
-def _assemble(pieces: list, rows: int, width: int) -> dict:
-    """The micro-batch's tensors from its pieces (index arithmetic over all tokens at once)."""
-    lengths = np.array([p[6] - p[4] for p in pieces], dtype=np.int64)
-    total = int(lengths.sum())
-    offset = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    local = np.arange(total, dtype=np.int64) - offset  # index inside the piece
-    slot = np.repeat([p[0] * width + p[1] for p in pieces], lengths) + local
-    inputs = np.concatenate([p[2][p[4] : p[6]] for p in pieces])
-    targets = np.concatenate([p[2][p[4] + 1 : p[6] + 1] for p in pieces])
-    teacher = np.concatenate([p[3][p[4] + 1 : p[6] + 1] for p in pieces])
-    # A target at document index <= done was trained before: it is context here, not a target.
-    fresh = np.repeat([p[4] for p in pieces], lengths) + 1 + local > np.repeat(
-        [p[5] for p in pieces], lengths
-    )
-    size = rows * width
+class _Piece(NamedTuple):
+    """A document's span in a micro-batch: inputs t[first..last-1], targets t[first+1..last], of
+    which those at document index <= done were trained before (context here)."""
+
+    row: int
+    slot: int  # where in the row it begins
+    read: _Read
+    begin: int  # the document's first token in the read's flat arrays
+    first: int
+    done: int
+    last: int
+
+
+def _assemble(pieces: list[_Piece], rows: int, width: int) -> dict:
+    """The micro-batch's tensors from its pieces: index arithmetic over all tokens at once, one
+    gather per column from each read the pieces come from."""
+    size, shape = rows * width, (rows, width)
     input_ids = np.full(size, PAD_ID, dtype=np.int64)
     labels = np.full(size, IGNORE_INDEX, dtype=np.int64)
     teacher_loss = np.full(size, np.nan, dtype=np.float32)
     position_ids = np.zeros(size, dtype=np.int64)
     segment_ids = np.zeros(size, dtype=np.int64)
-    input_ids[slot] = inputs
-    labels[slot] = np.where(fresh, targets, IGNORE_INDEX)
-    teacher_loss[slot] = np.where(fresh, teacher, np.float32(np.nan))
-    position_ids[slot] = local
-    segment_ids[slot] = np.repeat(np.arange(1, len(pieces) + 1), lengths)
-    # Chunk starts of the targets; and each piece's first new target begins a chunk, since token 0
-    # (where a document's first chunk begins) is never a target here, and a continuation is
-    # selected on its own, as a chunk cut by a micro-batch boundary is (pipeline.chunk_selection).
-    flags = np.concatenate([p[7][p[4] + 1 : p[6] + 1] for p in pieces])
-    fresh_before = np.concatenate(([False], fresh[:-1])) & (local > 0)
     chunk_start = np.zeros(size, dtype=bool)
-    chunk_start[slot] = fresh & (flags | ~fresh_before)
-    shape = (rows, width)
-    batch = {
+    extras = {}
+    if pieces:
+        lengths = [p.last - p.first for p in pieces]
+        offsets = list(itertools.accumulate(lengths, initial=0))  # each piece's first token
+        # Per piece, minus its first token's index t0, so that for token t of the micro-batch:
+        # slot, index in the piece, index of its input in the read, and > 0 where its target is
+        # new (document index first + 1 + local > done: not trained before; else context).
+        per_piece = [
+            (p.row * width + p.slot - t0, -t0, p.begin + p.first - t0, p.first + 1 - p.done - t0, i)
+            for i, (p, t0) in enumerate(zip(pieces, offsets[:-1], strict=True), start=1)
+        ]
+        token = np.arange(offsets[-1], dtype=np.int64)
+        per_token = np.repeat(np.array(per_piece, dtype=np.int64), lengths, axis=0)
+        slot, local, source, fresh = (per_token[:, column] + token for column in range(4))
+        fresh = fresh > 0
+        target = source + 1  # the index of each slot's target in its read
+        # Consecutive pieces of one read are one token range: gather per read, not per piece.
+        runs = [i for i, p in enumerate(pieces) if i == 0 or p.read is not pieces[i - 1].read]
+        bounds = [offsets[i] for i in runs] + [offsets[-1]]
+
+        def take(values_of, index: np.ndarray) -> np.ndarray:
+            if len(runs) == 1:
+                return values_of(pieces[0].read.docs)[index]
+            return np.concatenate([
+                values_of(pieces[i].read.docs)[index[a:b]]
+                for i, a, b in zip(runs, bounds[:-1], bounds[1:], strict=True)
+            ])  # fmt: skip
+
+        input_ids[slot] = take(lambda d: d.ids, source)
+        labels[slot] = np.where(fresh, take(lambda d: d.ids, target), IGNORE_INDEX)
+        teacher_loss[slot] = np.where(
+            fresh, take(lambda d: d.teacher_loss, target), np.float32(np.nan)
+        )
+        position_ids[slot] = local
+        segment_ids[slot] = per_token[:, 4]
+        # Chunk starts of the targets; and each piece's first new target begins a chunk, since
+        # token 0 (where a document's first chunk begins) is never a target here, and a
+        # continuation is selected on its own, as a chunk cut by a micro-batch boundary is
+        # (pipeline.chunk_selection).
+        fresh_before = np.concatenate(([False], fresh[:-1])) & (local > 0)
+        chunk_start[slot] = fresh & (take(lambda d: d.chunk_start, target) | ~fresh_before)
+        for name in pieces[0].read.docs.extras:
+            values = take(lambda d, name=name: d.extras[name], target)
+            blank = fill_value(values.dtype)
+            extra = np.full((size, *values.shape[1:]), blank, dtype=values.dtype)
+            extra[slot] = np.where(fresh.reshape(-1, *[1] * (values.ndim - 1)), values, blank)
+            extras[name] = torch.from_numpy(extra.reshape(*shape, *values.shape[1:]))
+    return {
         "input_ids": torch.from_numpy(input_ids.reshape(shape)),
         "labels": torch.from_numpy(labels.reshape(shape)),
         "teacher_loss": torch.from_numpy(teacher_loss.reshape(shape)),
         "position_ids": torch.from_numpy(position_ids.reshape(shape)),
         "segment_ids": torch.from_numpy(segment_ids.reshape(shape)),
         "chunk_start": torch.from_numpy(chunk_start.reshape(shape)),
-    }
-    for name in pieces[0][8] if pieces else ():
-        values = np.concatenate([p[8][name][p[4] + 1 : p[6] + 1] for p in pieces])
-        blank = fill_value(values.dtype)
-        extra = np.full((size, *values.shape[1:]), blank, dtype=values.dtype)
-        extra[slot] = np.where(fresh.reshape(-1, *[1] * (values.ndim - 1)), values, blank)
-        batch[name] = torch.from_numpy(extra.reshape(*shape, *values.shape[1:]))
-    return batch
+    } | extras
