@@ -10,7 +10,8 @@ delivered tokens are its targets); the bare tokenizer encodes the same texts in
 the same read-sized batches with the same framing. Tokenizers run on one thread (one worker =
 one core). The trainer's rate is one optimizer step of the --preset student on this machine.
 Data path and tokenizer are timed in turn, best of --repeats, so they see the same machine load;
-rates are shown by wall time and by CPU time (the steadier one on a machine others share).
+rates are shown by wall time and by CPU time (the steadier one on a machine others share), and
+the ratio also as the median over the back-to-back pairs (robust to a lucky or unlucky round).
 
     python benchmarks/bench_stage2_data.py [--docs 2000] [--teacher qwen2.5] [--student tinyllama]
 """
@@ -23,6 +24,7 @@ os.environ["RAYON_NUM_THREADS"] = "1"  # before tokenizers starts its thread poo
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import argparse  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -32,7 +34,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the cache builder
 
-from timing import interleaved_best_times, print_header, print_load_average  # noqa: E402
+from timing import (  # noqa: E402
+    interleaved_best_times,
+    interleaved_times,
+    print_header,
+    print_load_average,
+)
 
 from pipeline.choices import PACKINGS  # noqa: E402
 from pipeline.cross_entropy import IGNORE_INDEX  # noqa: E402
@@ -104,13 +111,20 @@ def main() -> None:
         )
         # Until every document was read once (and a little of the next epoch's first read).
         streamed = stream_tokens(plan)
-        wall, cpu = interleaved_best_times(
+        times = interleaved_times(
             args.repeats,
             {
                 "data path": (stream_tokens, plan),
                 "tokenize": (tokenize_reads, student, texts),
             },
         )
+        wall = {name: min(t.wall for t in took) for name, took in times.items()}
+        cpu = {name: min(t.cpu for t in took) for name, took in times.items()}
+        # each round's two timings ran back to back: their ratio is steadier than the best-ofs
+        pairs = [
+            (streamed / data.cpu) / (total / bare.cpu)
+            for data, bare in zip(times["data path"], times["tokenize"], strict=True)
+        ]
     # The trainer last: a worker process runs no torch compute, and torch's OpenMP threads, once
     # started, keep spinning and would slow the single-threaded tokenizer timings.
     model = build_student(args.preset, student, seed=0, seq_len=args.seq_len)
@@ -147,7 +161,9 @@ def main() -> None:
     print()
     print(
         f"data path / tokenization = {data[0] / base[0]:.2f} by wall time, "
-        f"{data[1] / base[1]:.2f} by CPU time (target >= 0.8); one worker feeds "
+        f"{data[1] / base[1]:.2f} by CPU time (target >= 0.8); median of the {args.repeats} "
+        f"back-to-back pairs by CPU time {statistics.median(pairs):.2f} (range "
+        f"{min(pairs):.2f}-{max(pairs):.2f}); one worker feeds "
         f"{data[0] / train[0]:,.0f}x what one rank's trainer consumes"
     )
     print_load_average()

@@ -30,18 +30,28 @@ def measure(into: Elapsed | None = None) -> Iterator[Elapsed]:
     elapsed.wall += time.perf_counter() - wall_begin
 
 
+def interleaved_times(
+    repeats: int, tasks: dict[str, tuple[Callable[..., Any], ...]]
+) -> dict[str, list[Elapsed]]:
+    """Every timing of each task `name: (fn, *args)`, running them in turn so that each round's
+    timings saw about the same load."""
+    times: dict[str, list[Elapsed]] = {name: [] for name in tasks}
+    for _ in range(repeats):
+        for name, (fn, *args) in tasks.items():
+            with measure() as took:
+                fn(*args)
+            times[name].append(took)
+    return times
+
+
 def interleaved_best_times(
     repeats: int, tasks: dict[str, tuple[Callable[..., Any], ...]]
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Best (wall, CPU) time of each task `name: (fn, *args)`, running them in turn so all see
     the same load."""
-    wall, cpu = dict.fromkeys(tasks, float("inf")), dict.fromkeys(tasks, float("inf"))
-    for _ in range(repeats):
-        for name, (fn, *args) in tasks.items():
-            with measure() as took:
-                fn(*args)
-            cpu[name] = min(cpu[name], took.cpu)
-            wall[name] = min(wall[name], took.wall)
+    times = interleaved_times(repeats, tasks)
+    wall = {name: min(t.wall for t in took) for name, took in times.items()}
+    cpu = {name: min(t.cpu for t in took) for name, took in times.items()}
     return wall, cpu
 
 
