@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the
 
 from timing import interleaved_best_times, print_header, print_load_average  # noqa: E402
 
-from pipeline.distillation import student_token_loss  # noqa: E402
+from pipeline.distillation import student_token_loss, vocabulary_subset_on  # noqa: E402
 from pipeline.distillation.alm import AlmDistillation  # noqa: E402
 from pipeline.distillation.kld import TopkKLDistillation  # noqa: E402
 from pipeline.distillation.uld import UniversalLogitDistillation  # noqa: E402
@@ -61,7 +61,8 @@ def training_step(model, optimizer, batch, mode: str, term) -> None:
     """The trainer's objective for one micro-batch: eq. 3's loss, plus weight x the term's mean."""
     logits = student_logits(model, batch, torch.device("cpu"))
     guided = "none" if term is not None else mode  # a distillation trains every token
-    student_loss, subset_logprob = student_token_loss(logits, batch["labels"], term)
+    subset = vocabulary_subset_on(term, torch.device("cpu"))  # the trainer makes it once per run
+    student_loss, subset_logprob = student_token_loss(logits, batch["labels"], subset)
     result = guided_loss(
         student_loss,
         batch["teacher_loss"],

@@ -73,12 +73,15 @@ class _LossAndSubsetLogprob(torch.autograd.Function):
 def token_loss_and_subset_logprob(
     logits: torch.Tensor, labels: torch.Tensor, subset: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_loss` and, at every position, the log-probability of the vocabulary subset S
-    (`subset`: bool [V'], V' <= V, ids from V' on outside S), log Σ_{v∈S} softmax(logits)[v], both in fp32 from one pass over the
-    vocabulary (pipeline.distillation: ALM's space probability). A subset whose summed exp(logit -
-    max logit) is under fp32's smallest normal (S's logits all about 87 nats below the largest)
-    reads as that bound."""
+    """`token_loss` and, at every position, the log-probability of the vocabulary subset S,
+    log Σ_{v∈S} softmax(logits)[v], both in fp32 from one pass over the vocabulary
+    (pipeline.distillation: ALM's space probability). `subset` is S's indicator [V'] (bool or
+    float), V' <= V; ids from V' on are outside S. A subset whose summed exp(logit - max logit)
+    is under fp32's smallest normal (S's logits all about 87 nats below the largest) reads as
+    that bound."""
     flat = logits.float().flatten(0, -2)
-    subset = F.pad(subset.to(flat.dtype), (0, flat.shape[-1] - subset.numel()))
+    subset = subset.to(flat.dtype)
+    if subset.numel() < flat.shape[-1]:
+        subset = F.pad(subset, (0, flat.shape[-1] - subset.numel()))
     loss, subset_logprob = _LossAndSubsetLogprob.apply(flat, labels.flatten(), subset)
     return loss.view(labels.shape), subset_logprob.view(labels.shape)

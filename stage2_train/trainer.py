@@ -28,7 +28,7 @@ from torch import nn
 from pipeline.cache.manifest import load_manifest
 from pipeline.config import to_dict
 from pipeline.cross_entropy import IGNORE_INDEX
-from pipeline.distillation import Distillation, student_token_loss
+from pipeline.distillation import Distillation, student_token_loss, vocabulary_subset_on
 from pipeline.errors import StoppedBySignal
 from pipeline.flops import StepRate
 from pipeline.guidance import guided_loss, loss_denominator, mapped_tokens
@@ -177,6 +177,7 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
             + (f"resuming at step {start_step}" if start_step else "starting at step 0"),
             file=sys.stderr,
         )
+    subset = vocabulary_subset_on(distillation, runtime.device)  # e.g. ALM's student space mask
     if config.record_documents:
         documents = JsonLines(config.out / "documents" / f"rank-{runtime.rank}.jsonl", start_step)
     stream = batches(
@@ -230,7 +231,7 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
             with gradient_sync(model, micro == accumulation - 1):
                 with compute:
                     logits = student_logits(model, batch, runtime.device)
-                student_loss, subset_logprob = student_token_loss(logits, labels, distillation)
+                student_loss, subset_logprob = student_token_loss(logits, labels, subset)
                 result = guided_loss(
                     student_loss,
                     teacher,

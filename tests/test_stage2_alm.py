@@ -15,7 +15,12 @@ import torch
 
 from pipeline.cache.manifest import load_manifest
 from pipeline.cross_entropy import IGNORE_INDEX
-from pipeline.distillation import AlignedRead, fill_value, student_token_loss
+from pipeline.distillation import (
+    AlignedRead,
+    fill_value,
+    student_token_loss,
+    vocabulary_subset_on,
+)
 from pipeline.distillation.alm import INDEX, TEACHER, AlmDistillation
 from pipeline.errors import CacheError
 from pipeline.models.student import build_student
@@ -32,6 +37,7 @@ from tests.stage2_runs import train_args
 BOS, EOS = "<s>", "</s>"
 THRESHOLD, TEMPERATURE = 0.1, 100.0
 VOCAB = 12
+DEVICE = torch.device("cpu")
 SPACE_IDS = np.array([0, 3, 7, 8])  # the student's space mask S (as ids)
 SPACE_MASK = np.isin(np.arange(VOCAB - 2), SPACE_IDS)  # as the mask, shorter than the head
 
@@ -232,7 +238,7 @@ def test_alm_loss_equals_a_plain_loop_over_chunks(mode, width, context):
     expected, count = reference_alm(docs, logits, labels, merge, append)
     assert count >= 2 and int(alm.units(labels, extras)) == count
     logits.requires_grad_()
-    student_loss, space = student_token_loss(logits, labels, alm)
+    student_loss, space = student_token_loss(logits, labels, vocabulary_subset_on(alm, DEVICE))
     got = alm.loss_sum(logits, student_loss, labels, extras, space)
     assert abs(float(got.detach()) - expected) <= 1e-5 * max(1.0, abs(expected))
     got.backward()
@@ -322,10 +328,11 @@ def test_alm_decreases_on_a_repeated_batch(caches):
     assert units > 10
     model = build_student("llama-tiny", load_tokenizer("tinyllama"), seed=0, seq_len=64)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    subset = vocabulary_subset_on(alm, DEVICE)
     terms = []
     for _ in range(6):
         logits = student_logits(model, batch, torch.device("cpu"))
-        student_loss, space = student_token_loss(logits, batch["labels"], alm)
+        student_loss, space = student_token_loss(logits, batch["labels"], subset)
         term = alm.loss_sum(logits, student_loss, batch["labels"], extras, space) / units
         term.backward()
         optimizer.step()

@@ -86,15 +86,25 @@ def fill_value(dtype: np.dtype):
     return -1
 
 
-def student_token_loss(
-    logits: torch.Tensor, labels: torch.Tensor, distillation: Distillation | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The trainer's per-token cross-entropy and, when the distillation reads one, its vocabulary
-    subset's log-probability at every slot, from one pass over the vocabulary."""
+def vocabulary_subset_on(
+    distillation: Distillation | None, device: torch.device
+) -> torch.Tensor | None:
+    """The distillation's vocabulary subset as a float32 indicator on `device` (None: it reads
+    none), made once per run rather than copied to the device at every micro-batch."""
     subset = None if distillation is None else distillation.vocabulary_subset
     if subset is None:
+        return None
+    return torch.from_numpy(subset.astype(np.float32)).to(device)
+
+
+def student_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, subset: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The trainer's per-token cross-entropy and, given the distillation's vocabulary subset
+    (`vocabulary_subset_on`), the subset's log-probability at every slot, from one pass over the
+    vocabulary."""
+    if subset is None:
         return token_loss(logits, labels), None
-    subset = torch.from_numpy(subset).to(logits.device, non_blocking=True)
     return token_loss_and_subset_logprob(logits, labels, subset)
 
 
