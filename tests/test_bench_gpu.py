@@ -37,11 +37,12 @@ def test_tiny_teacher_bare_forward_and_direct_losses(tmp_path):
 @pytest.mark.slow
 def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_check(capsys):
     assert (
-        bench_gpu.main(["--shapes", "tiny", "--docs", "8", "--steps", "3", "--repeats", "1"]) == 0
+        bench_gpu.main(["--shapes", "tiny", "--docs", "16", "--steps", "3", "--repeats", "1"]) == 0
     )
     out = capsys.readouterr().out
     for what, model in [
         ("stage 1 (hf)", "qwen2.5-1.5b-like"),
+        ("stage 1 +space", "qwen2.5-1.5b-like"),
         ("bare forward", "qwen2.5-1.5b-like"),
         ("stage 1 (hf)", "qwen2.5-7b-like"),
         ("bare forward", "qwen2.5-7b-like"),
