@@ -35,6 +35,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the cache builder
 
 from timing import (  # noqa: E402
+    best_times,
     interleaved_best_times,
     interleaved_times,
     print_header,
@@ -118,8 +119,7 @@ def main() -> None:
                 "tokenize": (tokenize_reads, student, texts),
             },
         )
-        wall = {name: min(t.wall for t in took) for name, took in times.items()}
-        cpu = {name: min(t.cpu for t in took) for name, took in times.items()}
+        wall, cpu = best_times(times)
         # each round's two timings ran back to back: their ratio is steadier than the best-ofs
         pairs = [
             (streamed / data.cpu) / (total / bare.cpu)

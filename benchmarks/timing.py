@@ -49,7 +49,11 @@ def interleaved_best_times(
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Best (wall, CPU) time of each task `name: (fn, *args)`, running them in turn so all see
     the same load."""
-    times = interleaved_times(repeats, tasks)
+    return best_times(interleaved_times(repeats, tasks))
+
+
+def best_times(times: dict[str, list[Elapsed]]) -> tuple[dict[str, float], dict[str, float]]:
+    """The best (wall, CPU) time of each task's timings."""
     wall = {name: min(t.wall for t in took) for name, took in times.items()}
     cpu = {name: min(t.cpu for t in took) for name, took in times.items()}
     return wall, cpu
