@@ -28,6 +28,7 @@ Three repairs make the offsets honest (docs/alignment.md shows the real spans be
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import tomllib
@@ -64,6 +65,31 @@ class Encoding:
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
+
+
+@dataclass(frozen=True)
+class Encodings:
+    """Several documents' tokens, concatenated in order; document i has `lengths[i]` tokens."""
+
+    ids: np.ndarray  # int32
+    start: np.ndarray  # int32
+    end: np.ndarray  # int32
+    lengths: np.ndarray  # int64
+
+    def split(self) -> list[Encoding]:
+        """One Encoding per document (views of these arrays)."""
+        if self.lengths.size == 0:
+            return []
+        cuts = np.cumsum(self.lengths)[:-1]
+        return [
+            Encoding(ids, start, end)
+            for ids, start, end in zip(
+                np.split(self.ids, cuts),
+                np.split(self.start, cuts),
+                np.split(self.end, cuts),
+                strict=True,
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -127,35 +153,40 @@ class TextTokenizer:
     def encode_batch(
         self, texts: list[str], *, add_bos: bool | None = None, add_eos: bool = False
     ) -> list[Encoding]:
-        """Tokenize with offsets. `add_bos=None` follows the family's policy."""
+        """Tokenize with offsets, one Encoding per text. `add_bos=None` follows the family's
+        policy."""
+        return self.encode_concatenated(texts, add_bos=add_bos, add_eos=add_eos).split()
+
+    def encode_concatenated(
+        self, texts: list[str], *, add_bos: bool | None = None, add_eos: bool = False
+    ) -> Encodings:
+        """Tokenize with offsets, the documents' tokens concatenated (what a reader of many
+        documents wants: no per-document arrays, the repairs and the framing done once for the
+        batch)."""
         use_bos = self.policy.add_bos if add_bos is None else add_bos
         if use_bos and self.bos_id is None:
             raise TokenizerError(f"tokenizer {self.spec!r} has no BOS token")
         if add_eos and self.eos_id is None:
             raise TokenizerError(f"tokenizer {self.spec!r} has no EOS token")
-        out = []
-        for text, enc in zip(
-            texts, self.backend.encode_batch(texts, add_special_tokens=False), strict=True
-        ):
-            ids = np.asarray(enc.ids, dtype=np.int32)
-            offsets = np.asarray(enc.offsets, dtype=np.int32).reshape(-1, 2)
-            start, end = offsets[:, 0].copy(), offsets[:, 1].copy()
-            if self.dummy_prefix_id is not None:
-                _zero_dummy_prefix(ids, start, end, self.dummy_prefix_id)
-            _cover_dropped_characters(start, end, len(text))
-            if use_bos:
-                ids = np.concatenate(([self.bos_id], ids)).astype(np.int32)
-                start = np.concatenate(([0], start)).astype(np.int32)
-                end = np.concatenate(([0], end)).astype(np.int32)
-            if add_eos:
-                n = len(text)
-                ids = np.concatenate((ids, [self.eos_id])).astype(np.int32)
-                start = np.concatenate((start, [n])).astype(np.int32)
-                end = np.concatenate((end, [n])).astype(np.int32)
-            out.append(
-                Encoding(ids=ids, start=np.ascontiguousarray(start), end=np.ascontiguousarray(end))
-            )
-        return out
+        encoded = self.backend.encode_batch(texts, add_special_tokens=False)
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        text_lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        chain = itertools.chain.from_iterable
+        ids = np.fromiter(chain(e.ids for e in encoded), dtype=np.int32, count=int(lengths.sum()))
+        offsets = np.fromiter(
+            chain(chain(e.offsets for e in encoded)), dtype=np.int32, count=2 * ids.size
+        ).reshape(-1, 2)
+        start, end = offsets[:, 0].copy(), offsets[:, 1].copy()
+        document = np.repeat(np.arange(len(texts)), lengths)
+        if self.dummy_prefix_id is not None:
+            _zero_dummy_prefix(ids, start, end, document, self.dummy_prefix_id)
+        _cover_dropped_characters(start, end, document, text_lengths)
+        return _framed(
+            Encodings(ids, start, end, lengths),
+            text_lengths,
+            self.bos_id if use_bos else None,
+            self.eos_id if add_eos else None,
+        )
 
     def vocab(self) -> dict[str, int]:
         return self.backend.get_vocab(with_added_tokens=True)
@@ -186,30 +217,67 @@ def _dummy_prefix(normalizer: dict, pre_tokenizer: dict) -> str | None:
     return None
 
 
-def _zero_dummy_prefix(ids: np.ndarray, start: np.ndarray, end: np.ndarray, prefix_id: int) -> None:
+def _zero_dummy_prefix(
+    ids: np.ndarray, start: np.ndarray, end: np.ndarray, document: np.ndarray, prefix_id: int
+) -> None:
     """Give a lone dummy-prefix token ("▁" before "1" in "1") its true, zero-width span.
 
-    The library reports it with the span of the character after it, which the next token also
-    starts at; a real space token never shares its start with the token after it.
+    The library reports it with the span of the character after it, which the next token of the
+    same document also starts at; a real space token never shares its start with the token after
+    it.
     """
-    dummy = np.flatnonzero((ids[:-1] == prefix_id) & (start[1:] == start[:-1]))
+    dummy = np.flatnonzero(
+        (ids[:-1] == prefix_id) & (start[1:] == start[:-1]) & (document[1:] == document[:-1])
+    )
     end[dummy] = start[dummy]
 
 
-def _cover_dropped_characters(start: np.ndarray, end: np.ndarray, text_length: int) -> None:
+def _cover_dropped_characters(
+    start: np.ndarray, end: np.ndarray, document: np.ndarray, text_lengths: np.ndarray
+) -> None:
     """Extend spans over characters no token reports, so every character has a token.
 
-    A gap after a token joins that token (NFC's dropped combining mark belongs to its base
-    character); a gap before the first token joins the first token. Spans stay in text order.
+    Per document: a gap after a token joins that token (NFC's dropped combining mark belongs to
+    its base character); a gap before the first token joins the first token. Spans stay in text
+    order.
     """
     wide = np.flatnonzero(end > start)
     if wide.size == 0:
         return
-    reach = np.maximum.accumulate(end[wide])
-    next_start = np.append(start[wide[1:]], text_length)
+    owner = document[wide]
+    # The running maximum of the ends within each document: offset by the document's number
+    # times a bound on any end, so that one running maximum restarts at every document.
+    bound = np.int64(text_lengths.max()) + 1
+    shift = owner * bound
+    reach = np.maximum.accumulate(end[wide] + shift) - shift
+    last = np.append(owner[1:] != owner[:-1], True)  # the last wide token of its document
+    next_start = np.where(last, text_lengths[owner], np.append(start[wide[1:]], 0))
     gap = next_start > reach
     end[wide[gap]] = next_start[gap]
-    start[wide[0]] = 0
+    first = np.insert(owner[1:] != owner[:-1], 0, True)
+    start[wide[first]] = 0
+
+
+def _framed(raw: Encodings, text_lengths: np.ndarray, bos_id: int | None, eos_id: int | None
+            ) -> Encodings:  # fmt: skip
+    """The documents with a BOS (span (0, 0)) before and an EOS (span (len, len)) after each."""
+    if bos_id is None and eos_id is None:
+        return raw
+    before, after = int(bos_id is not None), int(eos_id is not None)
+    lengths = raw.lengths + before + after
+    ends = np.cumsum(lengths)
+    ids = np.empty(int(ends[-1]) if ends.size else 0, dtype=np.int32)
+    start, end = np.empty_like(ids), np.empty_like(ids)
+    # raw token j of document d moves right by the framing tokens of documents 0..d-1 (and d's BOS)
+    shift = np.arange(raw.lengths.size) * (before + after) + before
+    place = np.arange(raw.ids.size) + np.repeat(shift, raw.lengths)
+    ids[place], start[place], end[place] = raw.ids, raw.start, raw.end
+    if before:
+        first = ends - lengths
+        ids[first], start[first], end[first] = bos_id, 0, 0
+    if after:
+        ids[ends - 1], start[ends - 1], end[ends - 1] = eos_id, text_lengths, text_lengths
+    return Encodings(ids, start, end, lengths)
 
 
 @functools.cache

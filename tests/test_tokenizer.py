@@ -205,11 +205,27 @@ def test_fingerprint_is_stable_across_loads_and_differs_between_tokenizers():
         assert load_tokenizer(name).fingerprint == first[name]
 
 
-def test_encode_batch_equals_encode():
-    tok = load_tokenizer("deepseek")
-    texts = [TEXT, "", "  x", "日本語"]
-    for one, batched in zip([tok.encode(t) for t in texts], tok.encode_batch(texts), strict=True):
-        assert same_encoding(one, batched)
+# Documents whose repairs sit at their edges: a lone dummy prefix ("1" is "▁" "1" in SentencePiece),
+# characters a normalizer drops at the start or end, empty documents between others.
+EDGES = [TEXT, "", "1", "1", "  x", "\u0301a", "a\u0301", "", "日本語", "e\u0301", "1 ", " "]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("framing", [{}, {"add_bos": False}, {"add_eos": True}])
+def test_a_batch_is_its_documents_encoded_one_by_one(name, framing):
+    """The batch call repairs and frames every document at once: nothing may cross from one
+    document into the next."""
+    tok = load_tokenizer(name)
+    batched = tok.encode_concatenated(EDGES, **framing)
+    alone = [tok.encode(text, **framing) for text in EDGES]
+    assert batched.lengths.tolist() == [len(e) for e in alone]
+    for name_, values in (("ids", batched.ids), ("start", batched.start), ("end", batched.end)):
+        expected = np.concatenate([getattr(e, name_) for e in alone])
+        np.testing.assert_array_equal(values, expected, err_msg=name_)
+        assert values.dtype == np.int32
+    for one, split in zip(alone, tok.encode_batch(EDGES, **framing), strict=True):
+        assert same_encoding(one, split)
+    assert tok.encode_batch([]) == [] and tok.encode_concatenated([]).ids.size == 0
 
 
 @pytest.mark.parametrize("name", SHIPPED)
