@@ -48,7 +48,7 @@ from bench_stage2_step import training_step  # noqa: E402
 from timing import Elapsed, measure, print_header, print_load_average  # noqa: E402
 
 from pipeline.cache.manifest import load_manifest  # noqa: E402
-from pipeline.cache.schema import DOC_ID, LOSS, TEXT  # noqa: E402
+from pipeline.cache.schema import LOSS  # noqa: E402
 from pipeline.distillation.topk import PROBS  # noqa: E402
 from pipeline.distillation.uld import UniversalLogitDistillation  # noqa: E402
 from pipeline.guidance import GuidanceSettings  # noqa: E402
@@ -72,8 +72,8 @@ class OnlineTeacherStream(ConsumerStream):
         self.scorer, self.teacher_tokenizer = scorer, teacher_tokenizer
         self.teacher = Elapsed()  # tokenizing and scoring, summed over reads
 
-    def _annotate_rows(self, batch):
-        texts = batch.column(TEXT).to_pylist()
+    def _annotate_rows(self, rows):
+        texts = rows.texts
         with measure(self.teacher):
             encodings = self.teacher_tokenizer.encode_batch(texts)
             columns = self.scorer.score_columns([e.ids for e in encodings])
@@ -90,7 +90,7 @@ class OnlineTeacherStream(ConsumerStream):
             distillation=self.plan.distillation,
             teacher_columns=flat,
         )
-        docs.doc_ids = batch.column(DOC_ID).to_pylist()
+        docs.doc_ids = rows.doc_ids
         return docs
 
 

@@ -125,7 +125,7 @@ def test_a_cache_table_with_the_columns_passes_the_row_checks_and_tampering_is_n
     assert first[0] is None and len(first[1]) == 8  # token 0: a null entry
     batch = table.to_batches()[0]
     rows = np.arange(batch.num_rows)
-    check_extra_columns("s", batch, rows, check_rows("s", batch, rows))
+    check_extra_columns("s", batch, rows, check_rows("s", batch, rows).lengths)
 
     def tampered(name, edit):
         values = columns[name][0].copy()
@@ -135,7 +135,7 @@ def test_a_cache_table_with_the_columns_passes_the_row_checks_and_tampering_is_n
             encodings, losses, "float16", columns | {name: [values, *columns[name][1:]]}, settings,
         ).to_batches()[0]  # fmt: skip
         with pytest.raises(CacheError, match=r"row 0 token 3") as error:
-            check_extra_columns("s", changed, rows, check_rows("s", changed, rows))
+            check_extra_columns("s", changed, rows, check_rows("s", changed, rows).lengths)
         return str(error.value)
 
     def swap(v):

@@ -15,6 +15,7 @@ import torch
 
 from pipeline.alignment import aggregate_teacher_loss, chunk_bounds, equal_chunk_alignment
 from pipeline.cache.manifest import load_manifest
+from pipeline.cache.rows import rows_index
 from pipeline.cache.schema import shard_name
 from pipeline.errors import CacheError, ConfigError
 from pipeline.guidance import GuidanceSettings
@@ -95,6 +96,16 @@ def test_teacher_losses_land_on_the_right_student_tokens(qwen_cache, how, studen
     assert offset == docs.ids.size
     mapped = ~np.isnan(docs.teacher_loss)
     assert mapped.mean() > 0.9  # offsets really align: almost every content token is guided
+
+
+def test_rows_index_takes_rows_in_the_given_order():
+    """The reader shuffles a read's rows with numpy: per-token values of rows of these lengths,
+    taken in the read's order."""
+    lengths = np.array([2, 0, 3])
+    values = np.array([10, 11, 30, 31, 32])
+    assert values[rows_index(lengths, np.array([2, 0, 1]))].tolist() == [30, 31, 32, 10, 11]
+    assert values[rows_index(lengths, np.array([1, 0]))].tolist() == [10, 11]
+    assert rows_index(lengths, np.array([], dtype=np.int64)).size == 0
 
 
 def test_same_tokenizer_gives_identity_alignment_rho1(tmp_path):

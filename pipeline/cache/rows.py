@@ -6,6 +6,7 @@ statistics, so a shard the verifier accepts is exactly a shard the trainer accep
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +46,20 @@ def list_column(batch: pa.RecordBatch, name: str, dtype=None) -> tuple[np.ndarra
     return values, lengths
 
 
-def check_rows(path: Path, batch: pa.RecordBatch, rows: np.ndarray) -> np.ndarray:
+@dataclass(frozen=True)
+class CheckedRows:
+    """What check_rows read of a batch, for a reader to use rather than read again."""
+
+    texts: list[str]
+    token_start: np.ndarray  # as stored (int32), rows concatenated
+    token_end: np.ndarray
+    lengths: np.ndarray  # int64, tokens per row
+
+
+def check_rows(path: Path, batch: pa.RecordBatch, rows: np.ndarray) -> CheckedRows:
     """CacheError unless every row's text matches its text_sha256, its per-token columns have
     equal lengths, and its token spans lie inside its text. `rows` are the batch rows' numbers in the
-    shard (for the message). Returns the token count of each row."""
+    shard (for the message)."""
     # The text first: a text that changed explains any span that no longer fits it.
     texts = batch.column(TEXT).to_pylist()
     hashes = batch.column(TEXT_SHA256).to_pylist()
@@ -65,8 +76,8 @@ def check_rows(path: Path, batch: pa.RecordBatch, rows: np.ndarray) -> np.ndarra
                 f"shard {path} row {rows[bad[0]]}: {name} has {other[bad[0]]} values "
                 f"for {lengths[bad[0]]} tokens"
             )
-    start, _ = list_column(batch, TOKEN_START, np.int64)
-    end, _ = list_column(batch, TOKEN_END, np.int64)
+    start, _ = list_column(batch, TOKEN_START)
+    end, _ = list_column(batch, TOKEN_END)
     chars = pc.utf8_length(batch.column(TEXT)).to_numpy(zero_copy_only=False)
     limit = np.repeat(chars, lengths)
     bad = np.flatnonzero((start < 0) | (start > end) | (end > limit))
@@ -76,7 +87,17 @@ def check_rows(path: Path, batch: pa.RecordBatch, rows: np.ndarray) -> np.ndarra
             f"shard {path} row {rows[row]}: token span ({start[bad[0]]}, {end[bad[0]]}) "
             f"is not inside its text of {limit[bad[0]]} characters"
         )
-    return lengths.astype(np.int64)
+    return CheckedRows(texts, start, end, lengths.astype(np.int64))
+
+
+def rows_index(lengths: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Flat indices that take the values of `rows`, in that order, from the per-token values of
+    consecutive rows of these `lengths` (a reordering of rows without Arrow's take)."""
+    first = np.cumsum(lengths) - lengths
+    counts = lengths[rows]
+    return np.arange(int(counts.sum())) + np.repeat(
+        first[rows] - (np.cumsum(counts) - counts), counts
+    )
 
 
 def _entries(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarray]:

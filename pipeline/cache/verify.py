@@ -104,7 +104,7 @@ def check_shard_contents(
     rows = tokens = 0
     for batch in iter_shard_batches(path, [*COLUMNS, *extra], batch_size=1024):
         numbers = rows + np.arange(batch.num_rows)
-        lengths = check_rows(path, batch, numbers)
+        lengths = check_rows(path, batch, numbers).lengths
         if extra:
             check_extra_columns(path, batch, numbers, lengths)
         tokens += int(lengths.sum())

@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from pipeline.alignment import DEFAULT_AGGREGATION, chunk_starts
 from pipeline.cache.manifest import ShardRecord
-from pipeline.cache.rows import check_rows, list_column, token_values
+from pipeline.cache.rows import CheckedRows, check_rows, list_column, rows_index, token_values
 from pipeline.cache.schema import (
     DOC_ID,
     LOSS,
@@ -133,13 +133,10 @@ def annotate(
 
     Teacher arrays are the cached columns of these documents, flattened in order.
     """
-    encodings = tokenizer.encode_batch(texts, add_eos=True)
-    lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(encodings))
-    if not encodings:
-        empty = np.zeros(0, dtype=np.int32)
-        return AnnotatedDocuments(empty, np.zeros(0, dtype=np.float32), lengths)
-    student_start = np.concatenate([e.start for e in encodings])
-    student_end = np.concatenate([e.end for e in encodings])
+    student = tokenizer.encode_concatenated(texts, add_eos=True)
+    lengths, student_start, student_end = student.lengths, student.start, student.end
+    if not texts:
+        return AnnotatedDocuments(student.ids, np.zeros(0, dtype=np.float32), lengths)
     text_lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
     mapping = student_teacher_loss(
         student_start,
@@ -154,7 +151,7 @@ def annotate(
         num_chunks=num_chunks,
         aggregate=aggregate,
     )
-    ids = np.concatenate([e.ids for e in encodings]).astype(np.int32)
+    ids = student.ids
     starts = chunk_starts(lengths, num_chunks) if alignment == "chunk" else None
     extras = {}
     if distillation is not None:
@@ -229,10 +226,11 @@ class DocumentReader:
             rows = np.arange(skip, mine.size)
             if rows.size == 0:
                 continue
-            taken = mine[order][skip:]
-            chosen = batch.take(pa.array(taken))
-            check_rows(path, chosen, first_row + taken)
-            docs = self._annotate_rows(chosen)
+            own = batch if mine.size == batch.num_rows else batch.take(pa.array(mine))
+            # Checked and read in file order, then put in the read's shuffled order with numpy.
+            docs = self._annotate_rows(
+                ReadRows.of(own, check_rows(path, own, first_row + mine), order[skip:], columns)
+            )
             positions = np.empty((rows.size, 4), dtype=np.int64)
             positions[:] = (epoch, item, read, 0)
             positions[:, 3] = rows
@@ -242,25 +240,55 @@ class DocumentReader:
                 f"shard {path} has {rows_seen} rows but the manifest says {record.rows}"
             )
 
-    def _annotate_rows(self, batch: pa.RecordBatch) -> AnnotatedDocuments:
-        """The checked rows of one read, annotated (a benchmark overrides this to score live)."""
-        start, lengths = list_column(batch, TOKEN_START, np.int64)
-        end, _ = list_column(batch, TOKEN_END, np.int64)
-        loss, _ = list_column(batch, LOSS, np.float32)
+    def _annotate_rows(self, rows: ReadRows) -> AnnotatedDocuments:
+        """One read's rows, annotated (a benchmark overrides this to score live)."""
         docs = annotate(
             self.tokenizer,
-            batch.column(TEXT).to_pylist(),
-            start,
-            end,
-            loss,
-            lengths,
+            rows.texts,
+            rows.columns[TOKEN_START],
+            rows.columns[TOKEN_END],
+            rows.columns[LOSS],
+            rows.lengths,
             alignment=self.plan.alignment,
             num_chunks=self.plan.num_chunks,
             aggregate=self.plan.aggregate,
             distillation=self.plan.distillation,
-            teacher_columns={
-                name: token_values(batch, name) for name in self.plan.distillation_columns
-            },
+            teacher_columns={name: rows.columns[name] for name in self.plan.distillation_columns},
         )
-        docs.doc_ids = batch.column(DOC_ID).to_pylist()
+        docs.doc_ids = rows.doc_ids
         return docs
+
+
+@dataclass(frozen=True)
+class ReadRows:
+    """The rows of one read a consumer trains on, in stream order: texts, document ids, tokens per
+    row, and the per-token cache columns (pipeline.cache.rows.token_values), rows concatenated."""
+
+    texts: list[str]
+    doc_ids: list[str]
+    lengths: np.ndarray
+    columns: dict[str, np.ndarray]
+
+    @classmethod
+    def of(
+        cls, batch: pa.RecordBatch, checked: CheckedRows, order: np.ndarray, names: list[str]
+    ) -> ReadRows:
+        """The `batch` rows in `order`, from what check_rows read and the other `names`."""
+        index = rows_index(checked.lengths, order)
+        read = {
+            TOKEN_START: checked.token_start,
+            TOKEN_END: checked.token_end,
+            LOSS: list_column(batch, LOSS, np.float32)[0],
+        }
+        columns = {
+            name: (read[name] if name in read else token_values(batch, name))[index]
+            for name in names
+            if name not in (DOC_ID, TEXT, TEXT_SHA256)
+        }
+        doc_ids = batch.column(DOC_ID).to_pylist()
+        return cls(
+            [checked.texts[i] for i in order.tolist()],
+            [doc_ids[i] for i in order.tolist()],
+            checked.lengths[order],
+            columns,
+        )
