@@ -103,13 +103,14 @@ def aggregate_teacher_loss(
     """
     if how not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, not {how!r}")
-    loss = np.asarray(teacher_loss, dtype=np.float64)
+    # max picks one of the float32 values, so float32 is exact; sums accumulate in float64
+    loss = np.asarray(teacher_loss, dtype=np.float32 if how == "max" else np.float64)
     map_start = np.asarray(map_start, dtype=np.int64)
     map_end = np.asarray(map_end, dtype=np.int64)
     mapped = map_start >= 0
-    out = np.full(map_start.shape, np.nan, dtype=np.float64)
+    out = np.full(map_start.shape, np.nan, dtype=np.float32)
     if loss.size == 0 or not mapped.any():
-        return out.astype(np.float32)
+        return out
     # reduceat over interleaved (first, stop) bounds reduces loss[first:stop] at the even slots;
     # one padding element lets `stop` equal len(loss). Each range is reduced on its own (no prefix
     # sums), so one huge or infinite loss cannot leak into other tokens' values.
@@ -117,16 +118,18 @@ def aggregate_teacher_loss(
     bounds = np.empty(2 * first.size, dtype=np.int64)
     bounds[0::2], bounds[1::2] = first, map_end[mapped] + 1
     scored = ~np.isnan(loss)
-    count = np.add.reduceat(np.append(scored, False).astype(np.int64), bounds)[0::2]
     if how == "max":
         values = np.append(np.where(scored, loss, -np.inf), -np.inf)
         result = np.maximum.reduceat(values, bounds)[0::2]
+        any_scored = np.logical_or.reduceat(np.append(scored, False), bounds)[0::2]
     else:
+        count = np.add.reduceat(np.append(scored, False).astype(np.int64), bounds)[0::2]
         result = np.add.reduceat(np.append(np.where(scored, loss, 0.0), 0.0), bounds)[0::2]
         if how == "mean":
             result = result / np.maximum(count, 1)
-    out[mapped] = np.where(count > 0, result, np.nan)
-    return out.astype(np.float32)
+        any_scored = count > 0
+    out[mapped] = np.where(any_scored, result, np.nan)
+    return out
 
 
 def chunk_bounds(length: int, num_chunks: int) -> np.ndarray:

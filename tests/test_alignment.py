@@ -19,6 +19,7 @@ from pipeline.alignment import (
     equal_chunk_alignment,
     token_alignment_overlap,
 )
+from pipeline.teacher_loss import student_teacher_loss
 from pipeline.tokenizer import load_tokenizer
 
 SHIPPED = ("tinyllama", "mistral", "qwen2.5", "deepseek", "smollm2")
@@ -378,6 +379,24 @@ def test_an_infinite_loss_stays_in_its_own_range():
     for how in ("mean", "sum"):
         got = aggregate_teacher_loss(loss, np.array([0, 1, 2, 3]), np.array([0, 1, 2, 3]), how)
         assert got.tolist() == [1.0, np.inf, 2.0, 3.0]
+
+
+def test_offsets_past_two_billion_characters_are_not_wrapped():
+    """A read's documents are aligned in one call, offsets shifted past each other: beyond 2**31
+    characters they must stay exact (the shift is int32 only where it fits)."""
+    big = 2**31 + 5
+    got = student_teacher_loss(
+        np.array([0, big - 5, 0]),
+        np.array([3, big, 4]),
+        np.array([2, 1]),
+        np.array([0, 2, big - 5, 0]),
+        np.array([2, 3, big, 4]),
+        np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32),
+        np.array([3, 1]),
+        np.array([big, 4]),
+    )
+    assert got.map_start.tolist() == [0, 2, 3] and got.map_end.tolist() == [1, 2, 3]
+    assert got.teacher_loss.tolist() == [2.0, 3.0, 4.0]
 
 
 def test_aggregation_rejects_unknown_function():
