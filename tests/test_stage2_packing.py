@@ -19,6 +19,7 @@ from pipeline.models.student import build_student
 from pipeline.tokenizer import load_tokenizer
 from stage2_train.attention import document_mask, student_logits
 from stage2_train.config import parse_train_config
+from stage2_train.data import document_packing
 from stage2_train.data.document_packing import DocumentStream, split_context
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import StreamPosition
@@ -135,6 +136,25 @@ def test_a_resumed_document_stream_continues_exactly(cache, seq_len):
             assert want["position"] == got["position"]
     if seq_len == 48:
         assert any(batch["position"]["token"] for batch in reference)  # resumed mid-document
+
+
+def test_micro_batches_do_not_depend_on_how_many_are_assembled_together(cache, monkeypatch):
+    """The stream builds several micro-batches' tensors in one pass; each must be what it would
+    be built alone (pieces from two reads, split documents, the segment numbering)."""
+    plan = make_plan(cache, seq_len=48)
+    together = list(itertools.islice(DocumentStream(plan, 0), 20))
+    monkeypatch.setattr(document_packing, "ASSEMBLY_GROUP", 1)
+    alone = list(itertools.islice(DocumentStream(plan, 0), 20))
+    assert document_packing.ASSEMBLY_GROUP == 1 and len(together) == len(alone) == 20
+    for want, got in zip(alone, together, strict=True):
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value.nan_to_num(), got[key].nan_to_num()), key
+                assert torch.equal(value.isnan() if value.is_floating_point() else value,
+                                   got[key].isnan() if value.is_floating_point() else got[key])  # fmt: skip
+            else:
+                assert value == got[key], key
 
 
 def test_the_packing_is_an_option_recorded_in_the_config(tmp_path):

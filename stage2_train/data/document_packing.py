@@ -39,6 +39,9 @@ from stage2_train.data.documents import AnnotatedDocuments, DocumentReader
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import StreamPosition
 
+# Micro-batches planned, then assembled together: the assembly's fixed cost (some 40 numpy
+# calls) is paid once for them. It changes no micro-batch (a test compares with groups of one).
+ASSEMBLY_GROUP = 8
 PAD_ID = 0  # input id of a padding slot (masked out: it attends to padding only, and is no target)
 
 
@@ -87,39 +90,55 @@ class DocumentStream(DocumentReader):
 
     def __iter__(self) -> Iterator[dict]:
         rows, width = self.plan.micro_batch_size, self.plan.seq_len
-        context = split_context(self.plan)
         reader = self.documents()
         while True:
-            free = [width] * rows
-            pieces: list[_Piece] = []
-            documents = []
-            while True:
-                read = self._current(reader)
-                doc, done = self._doc, self._done
-                size = read.lengths[doc]
-                first = max(0, done - context) if done else 0
-                last = min(size - 1, first + width)  # index of the piece's last target
-                length = last - first
-                # best fit: the fullest row with room for it (the first such row on a tie)
-                fit = min(((room, row) for row, room in enumerate(free) if room >= length),
-                          default=None)  # fmt: skip
-                if fit is None:
-                    break
-                room, row = fit
-                if length:
-                    begin = read.begin[doc]
-                    pieces.append(_Piece(row, width - room, read, begin, first, done, last))
-                    free[row] = room - length
-                if done == 0:
-                    documents.append(read.names[doc])
-                if last >= size - 1:
-                    self._doc, self._done = doc + 1, 0
-                else:
-                    self._done = last
-            batch = _assemble(pieces, rows, width)
-            batch["documents"] = documents
-            batch["position"] = vars(self.position()).copy()
-            yield batch
+            # Plan ASSEMBLY_GROUP micro-batches, build their tensors in one pass (the fixed cost
+            # of the index arithmetic is shared), and hand them out one by one.
+            planned = [self._plan(reader, member * rows) for member in range(ASSEMBLY_GROUP)]
+            pieces = [piece for batch_pieces, _, _ in planned for piece in batch_pieces]
+            tensors = _assemble(pieces, ASSEMBLY_GROUP * rows, width)
+            members = {name: tensor.unbind(0) for name, tensor in tensors.items()}
+            for member, (_, documents, position) in enumerate(planned):
+                batch = {name: views[member] for name, views in members.items()}
+                batch["documents"] = documents
+                batch["position"] = position
+                yield batch
+
+    def _plan(self, reader: Iterator, first_row: int) -> tuple[list[_Piece], list, dict]:
+        """The next micro-batch's pieces (in rows first_row...), the documents it begins and the
+        stream position after it."""
+        rows, width = self.plan.micro_batch_size, self.plan.seq_len
+        context = split_context(self.plan)
+        free = [width] * rows
+        pieces: list[_Piece] = []
+        documents = []
+        while True:
+            read = self._current(reader)
+            doc, done = self._doc, self._done
+            size = read.lengths[doc]
+            first = max(0, done - context) if done else 0
+            last = min(size - 1, first + width)  # index of the piece's last target
+            length = last - first
+            # best fit: the fullest row with room for it (the first such row on a tie)
+            row, room = -1, width + 1
+            for candidate, space in enumerate(free):
+                if length <= space < room:
+                    row, room = candidate, space
+            if row < 0:
+                return pieces, documents, vars(self.position()).copy()
+            if length:
+                begin = read.begin[doc]
+                segment = len(pieces) + 1
+                pieces.append(
+                    _Piece(first_row + row, width - room, segment, read, begin, first, done, last)
+                )
+                free[row] = room - length
+            if done == 0:
+                documents.append(read.names[doc])
+            if last >= size - 1:
+                self._doc, self._done = doc + 1, 0
+            else:
+                self._done = last
 
 
 class _Piece(NamedTuple):
@@ -128,6 +147,7 @@ class _Piece(NamedTuple):
 
     row: int
     slot: int  # where in the row it begins
+    segment: int  # its number in the micro-batch, from 1
     read: _Read
     begin: int  # the document's first token in the read's flat arrays
     first: int
@@ -136,9 +156,10 @@ class _Piece(NamedTuple):
 
 
 def _assemble(pieces: list[_Piece], rows: int, width: int) -> dict:
-    """The micro-batch's tensors from its pieces: index arithmetic over all tokens at once, one
-    gather per column from each read the pieces come from."""
-    size, shape = rows * width, (rows, width)
+    """The tensors of ASSEMBLY_GROUP micro-batches, (ASSEMBLY_GROUP, rows / ASSEMBLY_GROUP,
+    width, ...), from their pieces: index arithmetic over all tokens at once, one gather per
+    column from each read the pieces come from."""
+    size, shape = rows * width, (ASSEMBLY_GROUP, rows // ASSEMBLY_GROUP, width)
     input_ids = np.full(size, PAD_ID, dtype=np.int64)
     labels = np.full(size, IGNORE_INDEX, dtype=np.int64)
     teacher_loss = np.full(size, np.nan, dtype=np.float32)
@@ -153,8 +174,14 @@ def _assemble(pieces: list[_Piece], rows: int, width: int) -> dict:
         # slot, index in the piece, index of its input in the read, and > 0 where its target is
         # new (document index first + 1 + local > done: not trained before; else context).
         per_piece = [
-            (p.row * width + p.slot - t0, -t0, p.begin + p.first - t0, p.first + 1 - p.done - t0, i)
-            for i, (p, t0) in enumerate(zip(pieces, offsets[:-1], strict=True), start=1)
+            (
+                p.row * width + p.slot - t0,
+                -t0,
+                p.begin + p.first - t0,
+                p.first + 1 - p.done - t0,
+                p.segment,
+            )
+            for p, t0 in zip(pieces, offsets[:-1], strict=True)
         ]
         token = np.arange(offsets[-1], dtype=np.int64)
         per_token = np.repeat(np.array(per_piece, dtype=np.int64), lengths, axis=0)
