@@ -157,16 +157,23 @@ def read_shard_metadata(path: Path) -> dict:
 
 
 def iter_shard_batches(
-    path: str | Path, columns: list[str] | None = None, batch_size: int = 256
+    path: str | Path,
+    columns: list[str] | None = None,
+    batch_size: int = 256,
+    *,
+    use_threads: bool = True,
 ) -> Iterator[pa.RecordBatch]:
     """Stream a shard (a local path or a URI) in record batches; every failure to decode becomes a
-    CacheError naming it."""
+    CacheError naming it. `use_threads=False` decodes on the calling thread (a reader that has
+    one core: Arrow's thread pool would only add hand-offs)."""
     try:
         parquet = open_parquet(path)
         missing = set(columns or COLUMNS) - set(parquet.schema_arrow.names)
         if missing:
             raise CacheError(f"shard {path} lacks columns {sorted(missing)}")
-        yield from parquet.iter_batches(batch_size=batch_size, columns=columns)
+        yield from parquet.iter_batches(
+            batch_size=batch_size, columns=columns, use_threads=use_threads
+        )
     except CacheError:
         raise
     except Exception as exc:

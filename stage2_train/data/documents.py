@@ -216,7 +216,9 @@ class DocumentReader:
         parts = plan.parts_per_shard
         rows_seen = 0
         columns = READ_COLUMNS + list(plan.distillation_columns)
-        for read, batch in enumerate(iter_shard_batches(path, columns, READ_ROWS)):
+        # one data-loader worker is one core: decode on it
+        batches = iter_shard_batches(path, columns, READ_ROWS, use_threads=False)
+        for read, batch in enumerate(batches):
             first_row, rows_seen = rows_seen, rows_seen + batch.num_rows
             if resume is not None and read < resume.read:
                 continue
