@@ -5,10 +5,11 @@ which the trainer consumes tokens.
 
 A cache of the shipped GSM-style corpus (teacher tokenizer --teacher, random teacher losses: the
 data path's cost does not depend on their values) is streamed by one consumer exactly as a
-worker does (stage2_train.data.streams.consumer_stream, --packing documents by default; the
-delivered tokens are its targets); the bare tokenizer encodes the same texts in
-the same read-sized batches with the same framing. Tokenizers run on one thread (one worker =
-one core). The trainer's rate is one optimizer step of the --preset student on this machine.
+worker does (stage2_train.data.streams.consumer_stream, --packing documents by default), and
+one epoch of it is timed in steady state (steady_epoch; the delivered tokens are its targets);
+the bare tokenizer encodes the same texts in the same read-sized batches with the same framing,
+by the call the data path makes (TextTokenizer.encode_concatenated). Tokenizers run on one
+thread (one worker = one core). The trainer's rate is one optimizer step of the --preset student on this machine.
 Data path and tokenizer are timed in turn, best of --repeats, so they see the same machine load;
 rates are shown by wall time and by CPU time (the steadier one on a machine others share), and
 the ratio also as the median over the back-to-back pairs (robust to a lucky or unlucky round).
@@ -27,6 +28,7 @@ import argparse  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -35,9 +37,10 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the cache builder
 
 from timing import (  # noqa: E402
+    Elapsed,
     best_times,
     interleaved_best_times,
-    interleaved_times,
+    measure,
     print_header,
     print_load_average,
 )
@@ -52,23 +55,31 @@ from stage2_train.data.streams import consumer_stream  # noqa: E402
 from tests.cache_fixtures import build_cache, corpus_documents  # noqa: E402
 
 
-def stream_tokens(plan: DataPlan) -> int:
-    """Student targets delivered by one consumer until it has read every document once (padding
-    and re-read context are no targets: they count as cost, not as delivered tokens)."""
-    tokens = 0
+def steady_epoch(plan: DataPlan) -> tuple[int, Elapsed]:
+    """Student targets one consumer delivers in one epoch, and the time they took, in steady
+    state: from the first micro-batch whose position reaches the epoch's second work item to the
+    first that reaches the next epoch's. Both ends have read ahead alike, so neither the start-up
+    nor the read a finite run leaves half used (tokenized, not yet delivered; a real run trains on
+    it) is charged. Padding and re-read context are no targets: they count as cost, not as
+    delivered tokens."""
+    tokens, begin = 0, None
     for batch in consumer_stream(plan, 0):
+        reached = (batch["position"]["epoch"], batch["position"]["item"])
+        if begin is None:
+            if reached >= (0, 1):
+                begin = time.perf_counter(), time.process_time()
+            continue
         tokens += int(np.count_nonzero(batch["labels"].numpy() != IGNORE_INDEX))  # no torch op
-        if batch["position"]["epoch"] >= 1:
-            return tokens
+        if reached >= (1, 1):
+            return tokens, Elapsed(time.perf_counter() - begin[0], time.process_time() - begin[1])
     raise AssertionError("unreachable: streams are endless")
 
 
 def tokenize_reads(tokenizer, texts: list[str]) -> int:
     tokens = 0
     for first in range(0, len(texts), READ_ROWS):
-        tokens += sum(
-            len(e) for e in tokenizer.encode_batch(texts[first : first + READ_ROWS], add_eos=True)
-        )
+        read = tokenizer.encode_concatenated(texts[first : first + READ_ROWS], add_eos=True)
+        tokens += read.ids.size
     return tokens
 
 
@@ -110,15 +121,17 @@ def main() -> None:
             micro_batch_size=args.micro_batch_size,
             packing=args.packing,
         )
-        # Until every document was read once (and a little of the next epoch's first read).
-        streamed = stream_tokens(plan)
-        times = interleaved_times(
-            args.repeats,
-            {
-                "data path": (stream_tokens, plan),
-                "tokenize": (tokenize_reads, student, texts),
-            },
-        )
+        times = {"data path": [], "tokenize": []}
+        streamed = 0
+        for _ in range(args.repeats):  # in turn, so that both see the same machine load
+            streamed, took = steady_epoch(plan)
+            times["data path"].append(took)
+            # New string objects, as the data path's are: Python keeps a string's UTF-8 form,
+            # which the tokenizer reads, so strings tokenized before would skip that work.
+            fresh = [text.encode().decode() for text in texts]
+            with measure() as took:
+                tokenize_reads(student, fresh)
+            times["tokenize"].append(took)
         wall, cpu = best_times(times)
         # each round's two timings ran back to back: their ratio is steadier than the best-ofs
         pairs = [
