@@ -88,12 +88,12 @@ def cover_dropped_characters(
     bound = np.int64(text_lengths.max()) + 1
     shift = owner * bound
     reach = np.maximum.accumulate(end[wide] + shift) - shift
-    last = np.append(owner[1:] != owner[:-1], True)  # the last wide token of its document
+    turn = owner[1:] != owner[:-1]  # the next wide token is another document's
+    last = np.append(turn, True)  # the last wide token of its document
     next_start = np.where(last, text_lengths[owner], np.append(start[wide[1:]], 0))
     gap = next_start > reach
     end[wide[gap]] = next_start[gap]
-    first = np.insert(owner[1:] != owner[:-1], 0, True)
-    start[wide[first]] = 0
+    start[wide[np.insert(turn, 0, True)]] = 0  # the first wide token of its document
 
 
 def framed(raw: Encodings, text_lengths: np.ndarray, bos_id: int | None, eos_id: int | None

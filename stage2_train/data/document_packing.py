@@ -96,7 +96,7 @@ class DocumentStream(DocumentReader):
             # of the index arithmetic is shared), and hand them out one by one.
             planned = [self._plan(reader, member * rows) for member in range(ASSEMBLY_GROUP)]
             pieces = [piece for batch_pieces, _, _ in planned for piece in batch_pieces]
-            tensors = _assemble(pieces, ASSEMBLY_GROUP * rows, width)
+            tensors = _assemble(pieces, ASSEMBLY_GROUP, rows, width)
             members = {name: tensor.unbind(0) for name, tensor in tensors.items()}
             for member, (_, documents, position) in enumerate(planned):
                 batch = {name: views[member] for name, views in members.items()}
@@ -155,11 +155,12 @@ class _Piece(NamedTuple):
     last: int
 
 
-def _assemble(pieces: list[_Piece], rows: int, width: int) -> dict:
-    """The tensors of ASSEMBLY_GROUP micro-batches, (ASSEMBLY_GROUP, rows / ASSEMBLY_GROUP,
-    width, ...), from their pieces: index arithmetic over all tokens at once, one gather per
-    column from each read the pieces come from."""
-    size, shape = rows * width, (ASSEMBLY_GROUP, rows // ASSEMBLY_GROUP, width)
+def _assemble(pieces: list[_Piece], batches: int, rows: int, width: int) -> dict:
+    """The tensors of `batches` micro-batches, shaped (batches, rows, width, ...), from their
+    pieces (a piece's row counts across the micro-batches): index arithmetic over all tokens at
+    once, one gather per column from each read the pieces come from."""
+    shape = (batches, rows, width)
+    size = batches * rows * width
     input_ids = np.full(size, PAD_ID, dtype=np.int64)
     labels = np.full(size, IGNORE_INDEX, dtype=np.int64)
     teacher_loss = np.full(size, np.nan, dtype=np.float32)

@@ -277,13 +277,13 @@ class ReadRows:
     ) -> ReadRows:
         """The `batch` rows in `order`, from what check_rows read and the other `names`."""
         index = rows_index(checked.lengths, order)
-        read = {
+        known = {
             TOKEN_START: checked.token_start,
             TOKEN_END: checked.token_end,
             LOSS: list_column(batch, LOSS, np.float32)[0],
         }
         columns = {
-            name: (read[name] if name in read else token_values(batch, name))[index]
+            name: (known[name] if name in known else token_values(batch, name))[index]
             for name in names
             if name not in (DOC_ID, TEXT, TEXT_SHA256)
         }
