@@ -6,6 +6,10 @@ it, are in test_object_storage_runs.py (slow)."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +24,8 @@ from pipeline.storage import Store
 from pipeline.storage.lease import LeaseLock
 from tests.cache_fixtures import build_cache
 from tests.object_store import download_all, moto_s3, upload_folder
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("moto.server")
 LOCK = ".stage1.lock"
@@ -143,3 +149,34 @@ def test_a_corpus_in_a_bucket_reads_as_the_same_corpus_locally(bucket, tmp_path)
     assert [d.text for d in remote] == [d.text for d in local]
     assert remote.fraction_read() == 1.0
     assert set(download_all(f"{bucket}/corpus")) == {"a.jsonl"}
+
+
+def test_a_killed_readers_copies_are_removed_by_the_next_reader(tmp_path):
+    """A killed process cannot remove its shard copies; the next reader on the host does, and
+    keeps the folders of processes that still run and names that are not its own."""
+    script = (
+        "import sys, time\n"
+        "from pipeline.cache.shard_cache import ShardCache\n"
+        "cache = ShardCache(sys.argv[1], sys.argv[2], 1 << 20, 1)\n"
+        "(cache.folder / 'shard-00000.parquet').write_bytes(b'copy')\n"
+        "print(cache.folder, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    reader = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "cache"), str(tmp_path / "copies")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    orphan = Path(reader.stdout.readline().strip())
+    reader.kill()
+    reader.wait()
+    assert (orphan / "shard-00000.parquet").exists()  # SIGKILL ran no clean-up
+    prefix = f"vocagno-shards-{socket.gethostname()}-"
+    alive = tmp_path / "copies" / f"{prefix}{os.getpid()}-abc"
+    other = tmp_path / "copies" / f"{prefix}1234567-99-abc"  # host "<this>-1234567", not ours
+    alive.mkdir()
+    other.mkdir()
+    cache = ShardCache(str(tmp_path / "cache"), tmp_path / "copies", 1 << 20, 1)
+    assert not orphan.exists()
+    assert alive.exists() and other.exists() and cache.folder.exists()

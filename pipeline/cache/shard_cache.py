@@ -14,6 +14,7 @@ import hashlib
 import multiprocessing.util
 import os
 import shutil
+import socket
 import tempfile
 import threading
 from collections import OrderedDict
@@ -27,6 +28,37 @@ from pipeline.storage.store import Store
 _CHUNK = 1 << 20
 
 
+def _host_prefix() -> str:
+    # The host as well: a --shard-cache on a filesystem that several nodes share holds folders of
+    # processes this node cannot see.
+    return f"vocagno-shards-{socket.gethostname()}-"
+
+
+def remove_orphaned_copies(parent: Path) -> list[Path]:
+    """Delete the copy folders that processes of this host left under `parent` when they were
+    killed (a normal exit removes its own); returns them. A folder whose process still runs, or
+    whose process id was reused, is kept."""
+    removed = []
+    prefix = _host_prefix()
+    for folder in parent.glob(f"{prefix}*"):
+        # {prefix}{pid}-{mkdtemp's suffix, which has no "-"}; anything else is not ours
+        rest = folder.name[len(prefix) :].split("-")
+        if len(rest) == 2 and rest[0].isdigit() and not _running(int(rest[0])):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class ShardCache:
     """Verified local copies of one remote cache's shards, bounded in bytes, fetched ahead."""
 
@@ -34,8 +66,9 @@ class ShardCache:
         self.store = Store(location)
         parent = Path(folder) if folder else Path(tempfile.gettempdir())
         parent.mkdir(parents=True, exist_ok=True)
+        remove_orphaned_copies(parent)
         # One folder per process: data-loader workers never delete each other's copies.
-        self.folder = Path(tempfile.mkdtemp(prefix="vocagno-shards-", dir=parent))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{_host_prefix()}{os.getpid()}-", dir=parent))
         # Removed when the process exits, data-loader workers included (they skip atexit).
         multiprocessing.util.Finalize(None, shutil.rmtree, (str(self.folder), True), exitpriority=0)
         self.max_bytes = max_bytes
