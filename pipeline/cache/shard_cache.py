@@ -5,7 +5,8 @@ on the way in (a corrupted object is named and refused before a row of it is use
 locally like any cached shard. The shards a reader will need next are fetched ahead on background
 threads, so the training loop does not wait on the store. The folder holds at most `max_bytes`:
 the least recently used copies are deleted first, never the one being read (one shard larger than
-the bound is still kept while it is read).
+the bound is still kept while it is read). A killed process cannot delete its folder; the next
+reader on the host does (remove_orphaned_copies).
 """
 
 from __future__ import annotations
