@@ -7,9 +7,10 @@ A cache of the shipped GSM-style corpus (teacher tokenizer --teacher, random tea
 data path's cost does not depend on their values) is streamed by one consumer exactly as a
 worker does (stage2_train.data.streams.consumer_stream, --packing documents by default), and
 one epoch of it is timed in steady state (steady_epoch; the delivered tokens are its targets);
-the bare tokenizer encodes the same texts in the same read-sized batches with the same framing,
-by the call the data path makes (TextTokenizer.encode_concatenated). Tokenizers run on one
-thread (one worker = one core). The trainer's rate is one optimizer step of the --preset student on this machine.
+the bare tokenizer encodes the same texts, as new string objects each round like the data
+path's, in the same read-sized batches with the same framing, by the call the data path makes
+(TextTokenizer.encode_concatenated). Tokenizers run on one thread (one worker = one core). The
+trainer's rate is one optimizer step of the --preset student on this machine.
 Data path and tokenizer are timed in turn, best of --repeats, so they see the same machine load;
 rates are shown by wall time and by CPU time (the steadier one on a machine others share), and
 the ratio also as the median over the back-to-back pairs (robust to a lucky or unlucky round).

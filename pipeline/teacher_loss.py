@@ -66,8 +66,8 @@ def student_teacher_loss(
         base = exclusive_cumsum(text_lengths + 1)
         # int32 offsets halve the merges' memory traffic; only a read of 2**31 characters
         # needs int64.
-        wide = base.size and base[-1] + text_lengths[-1] >= np.iinfo(np.int32).max
-        offset = np.int64 if wide else np.int32
+        large = base.size and base[-1] + text_lengths[-1] >= np.iinfo(np.int32).max
+        offset = np.int64 if large else np.int32
         student_shift = np.repeat(base.astype(offset), student_lengths)
         teacher_shift = np.repeat(base.astype(offset), teacher_lengths)
         map_start, map_end = align(
