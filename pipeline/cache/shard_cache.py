@@ -35,19 +35,16 @@ def _host_prefix() -> str:
     return f"vocagno-shards-{socket.gethostname()}-"
 
 
-def remove_orphaned_copies(parent: Path) -> list[Path]:
+def remove_orphaned_copies(parent: Path) -> None:
     """Delete the copy folders that processes of this host left under `parent` when they were
-    killed (a normal exit removes its own); returns them. A folder whose process still runs, or
-    whose process id was reused, is kept."""
-    removed = []
+    killed (a normal exit removes its own). A folder whose process still runs, or whose process
+    id was reused, is kept."""
     prefix = _host_prefix()
     for folder in parent.glob(f"{prefix}*"):
         # {prefix}{pid}-{mkdtemp's suffix, which has no "-"}; anything else is not ours
         rest = folder.name[len(prefix) :].split("-")
         if len(rest) == 2 and rest[0].isdigit() and not _running(int(rest[0])):
             shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
 
 
 def _running(pid: int) -> bool:

@@ -288,9 +288,10 @@ class ReadRows:
             if name not in (DOC_ID, TEXT, TEXT_SHA256)
         }
         doc_ids = batch.column(DOC_ID).to_pylist()
+        rows = order.tolist()
         return cls(
-            [checked.texts[i] for i in order.tolist()],
-            [doc_ids[i] for i in order.tolist()],
+            [checked.texts[i] for i in rows],
+            [doc_ids[i] for i in rows],
             checked.lengths[order],
             columns,
         )
