@@ -83,8 +83,29 @@ def test_stage2_aligns_awkward_texts_by_characters(awkward_cache, student):
         )
         assert np.isfinite(docs.teacher_loss[offset : offset + length]).any(), row["doc_id"]
         offset += length
-    batches = first_batches(make_plan(awkward_cache, student_tokenizer=student, seq_len=16), 4)
-    assert batches  # the packed stream yields sequences from them
+
+    # The packed stream carries the same losses: rebuild it from the documents each micro-batch
+    # lists (a document is listed where its first token is consumed) with the oracle's losses.
+    plan = make_plan(awkward_cache, student_tokenizer=student, seq_len=16)
+    batches = first_batches(plan, 5)  # the fifth lists any document the fourth's labels reach
+    by_id = {row["doc_id"]: row for row in rows}
+    listed = [doc_id for batch in batches for _, doc_id in batch["documents"]]
+    assert {doc_id for batch in batches[:4] for _, doc_id in batch["documents"]} == set(by_id)
+    encodings = [tokenizer.encode(by_id[doc_id]["text"], add_eos=True) for doc_id in listed]
+    stream_ids = np.concatenate([enc.ids for enc in encodings])
+    stream_loss = np.concatenate(
+        [overlap_oracle(enc, by_id[d], "max") for enc, d in zip(encodings, listed, strict=True)]
+    )
+    width = plan.micro_batch_size * plan.seq_len
+    for k, batch in enumerate(batches[:4]):
+        for b in range(plan.micro_batch_size):
+            first = k * width + b * plan.seq_len
+            targets = slice(first + 1, first + plan.seq_len + 1)
+            np.testing.assert_array_equal(
+                batch["input_ids"][b], stream_ids[first : first + plan.seq_len]
+            )
+            np.testing.assert_array_equal(batch["labels"][b], stream_ids[targets])
+            np.testing.assert_allclose(batch["teacher_loss"][b], stream_loss[targets], rtol=1e-6)
 
 
 def one_line(capsys, prefix: str) -> str:

@@ -3,6 +3,7 @@ shapes (fast), and its whole main at tiny shapes on the CPU (slow: a local Ray a
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -16,9 +17,10 @@ import bench_gpu  # noqa: E402
 
 from pipeline.scoring.teacher import load_teacher_model, resolve_teacher  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from tests.stage1_helpers import direct_losses, windowed_direct_losses  # noqa: E402
 
 
-def test_tiny_teacher_bare_forward_and_direct_losses(tmp_path):
+def test_tiny_teacher_bare_forward_and_direct_losses(tmp_path, monkeypatch):
     cpu = torch.device("cpu")
     shape = bench_gpu.TEACHERS["tiny"]["qwen2.5-1.5b-like"]
     folder = bench_gpu.build_teacher(tmp_path / "teacher", shape, cpu, torch.float32)
@@ -27,11 +29,52 @@ def test_tiny_teacher_bare_forward_and_direct_losses(tmp_path):
     ids = [np.arange(1, n, dtype=np.int64) * 7 for n in (40, 90, 15)]
     batches, scored = bench_gpu.device_batches(ids, 32, 16, 64, cpu)
     assert scored == sum(len(i) - 1 for i in ids)
-    assert bench_gpu.bare_forward_rate(model, batches, scored, 1, cpu) > 0
-    # windows of 32 with a stride of 16 give the same loss as one pass where a window holds all
-    whole = bench_gpu.direct_losses(model, ids[2], 32, 16, cpu)
-    assert np.isnan(whole[0]) and np.isfinite(whole[1:]).all()
-    assert bench_gpu.peak_memory(cpu) > 0
+    assert_rate_is_scored_tokens_per_second_of_the_best_timed_pass(
+        model, batches, scored, monkeypatch
+    )
+
+    # 89 tokens in windows of 32 with a stride of 16: the reference is the windows module's plain
+    # loop of unpadded forward passes, and the first window's tokens see the whole prefix.
+    text, window, stride = ids[1], 32, 16
+    windowed = bench_gpu.direct_losses(model, text, window, stride, cpu)
+    assert len(text) > 2 * window
+    np.testing.assert_allclose(
+        windowed, windowed_direct_losses(model, text, window, stride), atol=1e-4
+    )
+    np.testing.assert_allclose(windowed[:window], direct_losses(model, text)[:window], atol=1e-4)
+
+    # Peak memory on a CPU is this process's RSS high-water mark in bytes (the kernel's VmHWM).
+    before = resident_high_water_mark()
+    peak = bench_gpu.peak_memory(cpu)
+    assert before <= peak <= resident_high_water_mark()
+
+
+def resident_high_water_mark() -> int:
+    """VmHWM of this process in bytes, read from /proc."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB$", status, re.MULTILINE).group(1)) * 1024
+
+
+def assert_rate_is_scored_tokens_per_second_of_the_best_timed_pass(
+    model, batches, scored: int, monkeypatch
+) -> None:
+    """On a fake clock that only the forward passes advance, each pass taking a chosen time:
+    the rate is the scored tokens over the fastest timed pass, not the (faster) warm-up."""
+    repeats, cpu = 3, torch.device("cpu")
+    seconds_per_batch = [0.5, 4.0, 2.0, 3.0]  # the warm-up pass, then the timed ones
+    clock = {"now": 100.0, "calls": 0}
+
+    def timed_model(**inputs):
+        out = model(**inputs)
+        clock["now"] += seconds_per_batch[clock["calls"] // len(batches)]
+        clock["calls"] += 1
+        return out
+
+    with monkeypatch.context() as patch:
+        patch.setattr(bench_gpu.time, "perf_counter", lambda: clock["now"])
+        rate = bench_gpu.bare_forward_rate(timed_model, batches, scored, repeats, cpu)
+    assert clock["calls"] == (1 + repeats) * len(batches)  # every batch in every pass
+    assert rate == pytest.approx(scored / (min(seconds_per_batch[1:]) * len(batches)))
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,7 @@ from apps.cli import main as vocagno
 from pipeline.cache.manifest import MANIFEST_NAME, SkippedDocument, load_manifest
 from pipeline.corpus import Corpus, CorpusOptions, Document
 from pipeline.errors import CacheError, CorpusError
+from pipeline.tokenizer import load_tokenizer
 from tests.cache_fixtures import build_cache
 
 FAST, THOROUGH = 40, 600
@@ -78,15 +80,36 @@ def test_generated_corpora_thoroughly(tmp_path, generated, on_bad_record):
     check_corpus_file(tmp_path, generated, on_bad_record)
 
 
+def overlapping_range(start: int, end: int, teacher) -> tuple[int, int]:
+    """By definition: the first and last teacher token that shares a character with the student
+    span [start, end), or (-1, -1) where none does (a slow per-token oracle)."""
+    t_start, t_end = teacher.start, teacher.end
+    hits = np.flatnonzero((t_end > t_start) & (np.maximum(start, t_start) < np.minimum(end, t_end)))
+    if end <= start or hits.size == 0:
+        return -1, -1
+    return int(hits.min()), int(hits.max())
+
+
 def check_align_text(capsys, text: str) -> None:
     argv = ["align", "--student-tokenizer", "tinyllama", "--teacher-tokenizer", "qwen2.5"]
     code = vocagno([*argv, f"--text={text}"])  # the = form: a text may begin with "-"
     out, err = capsys.readouterr()
     assert "Traceback" not in err
-    if code == 0:
-        assert json.loads(out)["student"]["ids"] is not None
-    else:
-        assert code == 2 and err.count("\n") == 1 and "error:" in err
+    if any("\ud800" <= char <= "\udfff" for char in text):  # no UTF-8 spelling: refused
+        assert code == 2 and err.count("\n") == 1 and "error:" in err and out == ""
+        return
+    assert code == 0 and out.count("\n") == 1, err
+    record = json.loads(out)
+    student, teacher = load_tokenizer("tinyllama"), load_tokenizer("qwen2.5")
+    s_enc, t_enc = student.encode(text), teacher.encode(text)
+    for side, enc in ((record["student"], s_enc), (record["teacher"], t_enc)):
+        assert side["ids"] == enc.ids.tolist()  # each tokenizer's own framing, BOS per policy
+        assert side["start"] == enc.start.tolist() and side["end"] == enc.end.tolist()
+        assert all(
+            0 <= a <= b <= len(text) for a, b in zip(side["start"], side["end"], strict=True)
+        )
+    expected = [overlapping_range(a, b, t_enc) for a, b in zip(s_enc.start, s_enc.end, strict=True)]
+    assert list(zip(record["map_start"], record["map_end"], strict=True)) == expected
 
 
 @settings(max_examples=FAST, **SETTINGS)

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.alignment import aggregate_teacher_loss, chunk_bounds, equal_chunk_alignment
 from pipeline.cache.manifest import load_manifest
 from pipeline.cache.rows import rows_index
 from pipeline.cache.schema import shard_name
@@ -140,20 +139,50 @@ def test_same_tokenizer_gives_identity_alignment_rho1(tmp_path):
     )
 
 
-def test_chunk_alignment_maps_each_chunk_to_the_teacher_chunk(qwen_cache):
+def equal_chunk_oracle(num_student: int, row, num_chunks: int, how: str):
+    """Per student token, by definition: cut both sides into `num_chunks` runs of consecutive
+    tokens, chunk c holding tokens [floor(c n / N), floor((c + 1) n / N)) of a side of n; each
+    student token gets the aggregate of the scored losses of the teacher chunk with its number
+    (NaN for an empty or unscored one). A slow per-token loop, as a test oracle; also returns
+    the positions of the student tokens that begin a chunk."""
+    loss = np.array(row["loss"], dtype=np.float64)
+    num_teacher = len(loss)
+    out = np.full(num_student, np.nan)
+    first_tokens = []
+    for i in range(num_student):
+        (chunk,) = [
+            c
+            for c in range(num_chunks)
+            if c * num_student // num_chunks <= i < (c + 1) * num_student // num_chunks
+        ]
+        if i == chunk * num_student // num_chunks:
+            first_tokens.append(i)
+        teacher = loss[chunk * num_teacher // num_chunks : (chunk + 1) * num_teacher // num_chunks]
+        teacher = teacher[~np.isnan(teacher)]
+        if teacher.size:
+            out[i] = {"max": np.max, "mean": np.mean, "sum": np.sum}[how](teacher)
+    return out, first_tokens
+
+
+@pytest.mark.parametrize("how", ["max", "mean", "sum"])
+@pytest.mark.parametrize("num_chunks", [4, 256])  # 256: more chunks than tokens on both sides
+def test_chunk_alignment_maps_each_chunk_to_the_teacher_chunk(qwen_cache, num_chunks, how):
     rows = list(read_cache_rows(qwen_cache).values())[:4]
-    docs = annotate_rows(rows, "tinyllama", alignment="chunk", num_chunks=4, aggregate="mean")
+    docs = annotate_rows(rows, "tinyllama", alignment="chunk", num_chunks=num_chunks, aggregate=how)
+    tokenizer = load_tokenizer("tinyllama")
     offset = 0
     for row, length in zip(rows, docs.lengths, strict=True):
-        start, end = equal_chunk_alignment(int(length), len(row["loss"]), 4)
-        expected = aggregate_teacher_loss(np.array(row["loss"], np.float32), start, end, "mean")
+        assert length == len(tokenizer.encode(row["text"], add_eos=True))
+        expected, first_tokens = equal_chunk_oracle(int(length), row, num_chunks, how)
         np.testing.assert_allclose(docs.teacher_loss[offset : offset + length], expected, rtol=1e-6)
         # The first token of each of the document's chunks, and no other, starts a chunk.
-        first_tokens = np.unique(chunk_bounds(int(length), 4)[:-1])
         np.testing.assert_array_equal(
             np.flatnonzero(docs.chunk_start[offset : offset + length]), first_tokens
         )
         offset += length
+    assert offset == docs.ids.size
+    if num_chunks == 256:  # some student tokens fall in a teacher chunk that is empty
+        assert np.isnan(docs.teacher_loss).any()
     # Token alignment: every token is its own selection unit.
     assert annotate_rows(rows, "tinyllama").chunk_start.all()
 

@@ -111,13 +111,21 @@ def test_every_target_is_trained_once_with_only_its_own_document_as_context(cach
 
 def test_whole_documents_are_packed_without_splitting_short_ones(cache):
     """With a window longer than every document, each piece is a whole document (it starts at
-    position 0 with the document's first target), and most slots hold real tokens."""
+    position 0 with the document's first target), and a micro-batch is closed only when the next
+    document fits in none of its rows: every row has fewer free slots than that document has
+    targets (best fit's guarantee; it bounds how empty a row can be, given the documents)."""
     plan = make_plan(cache, seq_len=512)
     got = epoch_batches(plan)
+    rows = read_cache_rows(cache)
+    tokenizer = load_tokenizer("tinyllama")
     for batch in got:
         assert batch["position"]["token"] == 0  # never inside a document
-    efficiency = np.mean([float((b["segment_ids"] > 0).float().mean()) for b in got[:-1]])
-    assert efficiency > 0.6
+    for batch, following in itertools.pairwise(got):
+        _, first_left_out = following["documents"][0]  # the document that closed `batch`
+        targets = len(tokenizer.encode(rows[first_left_out]["text"], add_eos=True)) - 1
+        assert targets <= plan.seq_len  # it fits an empty row: only full rows turned it away
+        free = (batch["segment_ids"] == 0).sum(dim=1)
+        assert (free < targets).all(), (free.tolist(), targets)
 
 
 @pytest.mark.parametrize("seq_len", [48, 256])
