@@ -23,7 +23,7 @@ from pipeline.errors import CacheError
 from pipeline.storage import Store
 from pipeline.storage.lease import LeaseLock
 from tests.cache_fixtures import build_cache
-from tests.object_store import download_all, moto_s3, upload_folder
+from tests.object_store import download_all, moto_s3, objects_under, upload_folder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,30 +44,57 @@ def local_cache(tmp_path_factory) -> Path:
     return folder
 
 
+class SetClock:
+    """A wall clock that moves only when the test moves it, so that whether a lease has ended
+    depends on the lease, not on how long the scheduler took between two steps of the test."""
+
+    def __init__(self):
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def wait_until(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s"
+        time.sleep(0.05)
+
+
 def test_a_second_run_on_a_held_prefix_is_refused_until_the_first_ends(bucket):
     store = Store(f"{bucket}/locked")
-    with LeaseLock(store, LOCK, lease=3, settle=0.1):
+    clock = SetClock()
+
+    def lease_lock() -> LeaseLock:
+        return LeaseLock(store, LOCK, lease=3, settle=0.1, clock=clock)
+
+    with lease_lock():
         with pytest.raises(CacheError, match="being written by another stage-1 run"):
-            with LeaseLock(store, LOCK, lease=3, settle=0.1):
+            with lease_lock():
                 pass
-        time.sleep(4)  # longer than the lease: the holder renewed it, so it still holds
+        clock.now = store.read_json(LOCK)["expires"] + 10  # the first lease is long over
+        # The holder renews every lease / 3 (real seconds), stamped with the clock's time.
+        wait_until(lambda: store.read_json(LOCK)["expires"] > clock.now, "renewal of the lease")
         with pytest.raises(CacheError, match=r"pid \d+ on "):
-            with LeaseLock(store, LOCK, lease=3, settle=0.1):
+            with lease_lock():
                 pass
     assert LOCK not in store.names()  # released on exit
-    with LeaseLock(store, LOCK, lease=3, settle=0.1):
+    with lease_lock():
         pass
 
 
 def test_the_lock_of_a_killed_run_lapses_after_its_lease(bucket):
     """A killed run renews nothing: its lock object stays, and counts only until it expires."""
     store = Store(f"{bucket}/killed")
-    store.write_json(LOCK, {"token": "dead", "holder": "pid 1 on gone", "expires": time.time() + 2})
+    clock = SetClock()
+    expires = clock.now + 2
+    store.write_json(LOCK, {"token": "dead", "holder": "pid 1 on gone", "expires": expires})
     with pytest.raises(CacheError, match="pid 1 on gone"):
-        with LeaseLock(store, LOCK, lease=3, settle=0.1):
+        with LeaseLock(store, LOCK, lease=3, settle=0.1, clock=clock):
             pass
-    time.sleep(2.5)
-    with LeaseLock(store, LOCK, lease=3, settle=0.1) as lock:
+    clock.now = expires + 0.5
+    with LeaseLock(store, LOCK, lease=3, settle=0.1, clock=clock) as lock:
         assert store.read_json(LOCK)["token"] == lock.token
 
 
@@ -139,6 +166,7 @@ def test_a_corpus_in_a_bucket_reads_as_the_same_corpus_locally(bucket, tmp_path)
     (folder / "part").mkdir(parents=True)
     write_jsonl_corpus(folder / "a.jsonl", shipped_documents(5))
     write_jsonl_corpus(folder / "part" / "b.jsonl", shipped_documents(7)[5:])
+    assert objects_under(f"{bucket}/corpus") == []  # the corpus is all that this test puts there
     Store(f"{bucket}/corpus").write_bytes("a.jsonl", (folder / "a.jsonl").read_bytes())
     Store(f"{bucket}/corpus/part").write_bytes(
         "b.jsonl", (folder / "part" / "b.jsonl").read_bytes()

@@ -22,10 +22,11 @@ import pytest
 from pipeline.storage import Store
 from stage1_score.output import LOCK_NAME, RUN_RECORD_NAME
 from stage1_score.run import main as stage1
-from tests.object_store import download_all, moto_s3, upload_folder
+from tests.object_store import download_all, moto_s3, objects_under, upload_folder
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
 from tests.stage2_runs import LOSS_FIELDS, TRAIN, read_metrics, train_args
 from tests.test_fault_stage1 import args, scorer_pids, start_run, wait_for
+from tests.test_object_storage import wait_until
 from tests.test_stage1_run import snapshot
 
 pytest.importorskip("moto.server")
@@ -83,11 +84,30 @@ def our_scorers() -> list[int]:
     return pids
 
 
+def last_modified(uri: str, names) -> dict[str, float]:
+    """{name: LastModified} of objects under the prefix `uri`: S3 gives it to the second."""
+    store = Store(uri)
+    infos = store.fs.get_file_info([store.path(name) for name in names])
+    return {info.base_name: info.mtime.timestamp() for info in infos}
+
+
+def wait_for_server_clock_past(bucket: str, moment: float) -> None:
+    """Until an object written now gets a LastModified later than `moment`."""
+    probe = Store(f"{bucket}/clock")
+
+    def written_later() -> bool:
+        probe.write_bytes("probe", b"")
+        return last_modified(probe.location, ["probe"])["probe"] > moment
+
+    wait_until(written_later, "second after the finished units on the server's clock")
+
+
 @pytest.fixture(scope="module")
 def bucket_cache(ray_address, teacher, corpus, bucket, tmp_path_factory) -> str:
     """The bucket's run: SIGKILLed after two finished units, then the same command again."""
     uri, log = f"{bucket}/caches/tiny", tmp_path_factory.mktemp("logs") / "killed.log"
     command = [*args(teacher, corpus[1], uri, ray_address), "--lock-lease", LEASE]
+    assert objects_under(uri) == []
     store = Store(uri)
     process = start_run(command, log)
     wait_for(lambda: len(store.names("shard-*.json")) >= 2, "two finished units", process, log)
@@ -97,16 +117,22 @@ def bucket_cache(ray_address, teacher, corpus, bucket, tmp_path_factory) -> str:
     assert LOCK_NAME in store.names()  # nobody released it
     assert 2 <= len(store.names("shard-*.json")) < NUM_DOCS // 3
     kept = {name: store.read_bytes(name) for name in store.names("shard-*")}
+    written = last_modified(uri, kept)
     deadline = time.monotonic() + 60
     while our_scorers() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert our_scorers() == []  # Ray ended the dead driver's actors: no leftover writer
 
-    time.sleep(max(0.0, store.read_json(LOCK_NAME)["expires"] - time.time()) + 0.5)
+    # Stage 1 is byte-deterministic: only LastModified tells a kept unit from a rewritten one, and
+    # only once the server's clock has left the second the kept units were written in.
+    wait_for_server_clock_past(bucket, max(written.values()))
+    expires = store.read_json(LOCK_NAME)["expires"]
+    wait_until(lambda: time.time() > expires, "end of the killed run's lease")
     assert stage1(command) == 0  # the killed run's lease has lapsed
     assert LOCK_NAME not in store.names()
     objects = download_all(uri)
-    assert all(objects[name] == data for name, data in kept.items())  # finished units kept
+    assert all(objects[name] == data for name, data in kept.items())
+    assert last_modified(uri, kept) == written  # finished units kept, not written again
     return uri
 
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -107,10 +108,16 @@ def test_an_fsdp_checkpoint_reshards_from_2_ranks_to_4(cache, tmp_path):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        return probe.getsockname()[1]
+@pytest.fixture
+def rendezvous() -> Iterator[str]:
+    """The c10d rendezvous endpoint: a store this process hosts on a port the system picks, bound
+    from the start and held until the test ends (a probed free port could be taken before a node
+    binds it). The nodes join it as clients, as they would a cluster's rendezvous host."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    yield f"localhost:{store.port}"
+    del store  # stops the server
 
 
 @pytest.fixture
@@ -122,16 +129,17 @@ def scratch():
     shutil.rmtree(root, ignore_errors=True)
 
 
-def two_nodes(args: list[str], scratch: Path) -> list:
-    """`--nnodes 2` as two torchrun launches (one rank each) meeting at a c10d rendezvous, each
-    node with its own scratch folder."""
-    port = free_port()
+def two_nodes(args: list[str], scratch: Path, endpoint: str) -> list:
+    """`--nnodes 2` as two torchrun launches (one rank each) meeting at the c10d rendezvous
+    `endpoint`, each node with its own scratch folder. A new rendezvous id per launch: the store
+    outlives a launch, and a relaunch must not meet the state of the one before."""
+    run_id = uuid.uuid4().hex
     nodes = []
     for node in (0, 1):
         node_scratch = tempfile.mkdtemp(prefix=f"node-{node}-", dir=scratch)
         launch = (
             "--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "elastic-test",
+            "--rdzv-endpoint", endpoint, "--rdzv-conf", "is_host=false", "--rdzv-id", run_id,
             "--max-restarts", "0",
         )  # fmt: skip
         env = {"TMPDIR": node_scratch}
@@ -139,11 +147,13 @@ def two_nodes(args: list[str], scratch: Path) -> list:
     return nodes
 
 
-def test_two_nodes_one_killed_then_both_relaunched_resume_bit_identical(cache, tmp_path, scratch):
+def test_two_nodes_one_killed_then_both_relaunched_resume_bit_identical(
+    cache, tmp_path, scratch, rendezvous
+):
     extra = ("--max-steps", "12", "--save-every", "4")
     single, out = tmp_path / "single-launch", tmp_path / "two-nodes"
     undisturbed = torchrun(run_args(cache, single, *extra))  # --standalone, 2 ranks
-    nodes = two_nodes(run_args(cache, out, *extra), scratch)
+    nodes = two_nodes(run_args(cache, out, *extra), scratch, rendezvous)
     deadline = time.monotonic() + 600
     while not complete_checkpoints(out):
         assert all(node.poll() is None for node in nodes), nodes[0].communicate()[0][-3000:]
@@ -159,7 +169,7 @@ def test_two_nodes_one_killed_then_both_relaunched_resume_bit_identical(cache, t
     assert complete_checkpoints(out)[-1][0] < 12
     finish(undisturbed)
 
-    for node in two_nodes(run_args(cache, out, *extra), scratch):
+    for node in two_nodes(run_args(cache, out, *extra), scratch, rendezvous):
         finish(node)
     assert read_metrics(out) == read_metrics(single)
     assert (out / "final" / "model.safetensors").read_bytes() == (

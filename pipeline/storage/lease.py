@@ -25,8 +25,18 @@ from pipeline.storage.store import Store
 class LeaseLock:
     """`with LeaseLock(store, name, lease):` holds `store/name` for the life of the block."""
 
-    def __init__(self, store: Store, name: str, lease: float, settle: float = 1.0, log=print):
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        lease: float,
+        settle: float = 1.0,
+        log=print,
+        clock=time.time,
+    ):
+        """`clock`: the wall-clock time that lease ends are stamped with and compared to."""
         self.store, self.name, self.lease, self.settle, self.log = store, name, lease, settle, log
+        self.clock = clock
         self.token = uuid.uuid4().hex
         self.holder = f"pid {os.getpid()} on {socket.gethostname()}"
         self.lost: str | None = None  # why the lock is no longer ours, if it is not
@@ -41,13 +51,13 @@ class LeaseLock:
         return record if isinstance(record, dict) else None
 
     def _write(self) -> None:
-        expires = time.time() + self.lease
+        expires = self.clock() + self.lease
         self.store.write_json(
             self.name, {"token": self.token, "holder": self.holder, "expires": expires}
         )
 
     def _refusal(self, record: dict) -> CacheError:
-        left = max(0.0, float(record.get("expires", 0)) - time.time())
+        left = max(0.0, float(record.get("expires", 0)) - self.clock())
         return CacheError(
             f"{self.store} is being written by another stage-1 run ({record.get('holder')}, "
             f"lease ends in {left:.0f} s); wait for it to finish or stop it (a stopped run's lock "
@@ -56,7 +66,7 @@ class LeaseLock:
 
     def __enter__(self) -> LeaseLock:
         current = self._read()
-        if current is not None and float(current.get("expires", 0)) > time.time():
+        if current is not None and float(current.get("expires", 0)) > self.clock():
             raise self._refusal(current)
         self._write()
         time.sleep(self.settle)
