@@ -2,8 +2,10 @@
 stage 1 caches (pipeline.scoring.hf) and the student's that stage 2 selects and trains on
 (pipeline.guidance, stage2_train.trainer).
 
-It is F.cross_entropy in fp32, the same computation as transformers' causal-LM loss, so a run
-with every token kept trains on exactly the loss transformers reports.
+It is F.cross_entropy in fp32, spelled out as the log-softmax and NLL that torch composes it of:
+the same computation as transformers' causal-LM loss, so a run with every token kept trains on
+exactly the loss transformers reports, and one code path for the loss alone and the loss with the
+log-probabilities it is read from (bit for bit the same, on any device).
 """
 
 from __future__ import annotations
@@ -17,23 +19,17 @@ IGNORE_INDEX = -100  # a label that is no target (padding); transformers uses th
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """-log softmax(logits)[label] in fp32 for logits [..., V] and labels [...], shaped like
     `labels`; 0 where the label is IGNORE_INDEX."""
-    per_token = F.cross_entropy(
-        logits.float().flatten(0, -2),
-        labels.flatten(),
-        reduction="none",
-        ignore_index=IGNORE_INDEX,
-    )
-    return per_token.view(labels.shape)
+    return token_log_probs_and_loss(logits, labels)[1]
 
 
 def token_log_probs_and_loss(
     logits: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(logits) in fp32 [..., V] and `token_loss` of `labels` (every one a target)
-    read from it, bit for bit what token_loss gives (F.cross_entropy is the NLL of the same
-    log_softmax): for a caller that reads more of the distribution than the label's term."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    return log_probs, -log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    """log softmax(logits) in fp32 [..., V] and `token_loss` of `labels` read from it: for a
+    caller that reads more of the distribution than the label's term."""
+    log_probs = torch.log_softmax(logits.float().flatten(0, -2), dim=-1)
+    per_token = F.nll_loss(log_probs, labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
+    return log_probs.view(logits.shape), per_token.view(labels.shape)
 
 
 class _LossAndSubsetLogprob(torch.autograd.Function):

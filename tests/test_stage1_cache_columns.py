@@ -81,6 +81,7 @@ def test_the_columns_leave_the_loss_bit_for_bit_as_without_them(teachers):
     mask, _ = space_mask(tokenizer, tokenizer.vocab_size)
     plain = score(teachers["smollm2"], HeadExtras())[2]["loss"]
     both = score(teachers["smollm2"], HeadExtras(topk=8, space_mask=mask))[2]["loss"]
+    # one code path either way (pipeline.cross_entropy.token_log_probs_and_loss): exactly equal
     for without, with_columns in zip(plain, both, strict=True):
         np.testing.assert_array_equal(with_columns, without)
 

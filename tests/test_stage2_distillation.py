@@ -1,14 +1,22 @@
 """Stage 2 `--guidance uld` and `--guidance kld` end to end (in-process, one rank, tiny Llama
-student on the real tinyllama tokenizer) from caches with the teacher's top-k: they train and log
-their term, a stopped and resumed run is bit-identical, and the refusals are one line each."""
+student on the real tinyllama tokenizer) from caches with the teacher's top-k: they train
+cross-entropy plus lambda x their term (checked on the gradient of step 1's objective against an
+independent computation), a stopped and resumed run is bit-identical, and the refusals are one
+line each."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
+from pipeline.cross_entropy import IGNORE_INDEX
+from pipeline.distillation.topk import IDS, PROBS, REST
+from stage2_train import trainer
 from stage2_train.train import main
 from tests.cache_fixtures import build_cache
 from tests.stage2_runs import read_metrics, train_args
@@ -30,6 +38,7 @@ ARGS = ("--num-workers", "0", "--global-batch-tokens", "64", "--max-steps", "3")
 # 2 workers, one micro-batch per step: a stop at step 3 leaves the other worker next in turn
 RESUME_ARGS = ("--num-workers", "2", "--global-batch-tokens", "64")
 CASES = [("uld", "other"), ("kld", "same")]
+WEIGHTS = {"uld": 0.5, "kld": 1.0}  # --uld-lambda's default; KLD's fixed weight (eq. 5)
 
 
 def distill_losses(out: Path) -> list[float]:
@@ -37,38 +46,122 @@ def distill_losses(out: Path) -> list[float]:
     return [json.loads(line)["distill_loss"] for line in lines]
 
 
+@dataclass(frozen=True)
+class Run:
+    """A finished run and its step 1 (one micro-batch, before any update): the micro-batch, the
+    student's logits and the gradient of the step's objective with respect to those logits
+    (the objective reaches the weights through them alone)."""
+
+    out: Path
+    batch: dict[str, torch.Tensor]
+    logits: torch.Tensor
+    grad: torch.Tensor
+
+
+def train_watching_step_1(argv: list[str]) -> Run:
+    """`main(argv)` in-process, with a hook on the logits of the trainer's first forward pass."""
+    seen = {}
+    forward = trainer.student_logits
+
+    def watched(model, batch, device):
+        logits = forward(model, batch, device)
+        if not seen:
+            seen.update(batch=batch, logits=logits.detach().clone())
+            logits.register_hook(lambda grad: seen.setdefault("grad", grad.clone()))
+        return logits
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer, "student_logits", watched)
+        assert main(argv) == 0
+    out = Path(argv[argv.index("--out") + 1])
+    return Run(out, seen["batch"], seen["logits"], seen["grad"])
+
+
+def uld_by_definition(student, teacher, rest):
+    """docs/distillation.md: the sorted student's top K against the teacher's, plus the rests."""
+    top = student.sort(dim=-1, descending=True).values[:, : teacher.shape[-1]]
+    return (top - teacher).abs().sum(-1) + (1 - top.sum(-1) - rest).abs()
+
+
+def kld_by_definition(student, teacher, rest, ids):
+    """KL(student || teacher) over the teacher's K ids and one bucket for every other id, the
+    teacher's buckets floored at float16's smallest step (2^-24) and renormalized."""
+    teacher, rest = teacher.clamp(min=2.0**-24), rest.clamp(min=2.0**-24)
+    total = teacher.sum(-1) + rest
+    picked = student.gather(-1, ids)
+    other = 1 - picked.sum(-1)
+    ids_term = (picked * (picked * total[:, None] / teacher).log()).sum(-1)
+    return ids_term + other * (other * total / rest).log()
+
+
+def gradients_by_definition(run: Run, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """With respect to step 1's logits: the gradient of the mean cross-entropy over the valid
+    targets and that of the term's mean over the targets paired with a teacher distribution."""
+    logits = run.logits.detach().requires_grad_()
+    labels = run.batch["labels"]
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    paired = (labels != IGNORE_INDEX) & ~run.batch[PROBS][..., 0].isnan()
+    student = torch.softmax(logits[paired], dim=-1)
+    teacher, rest = run.batch[PROBS][paired].float(), run.batch[REST][paired].float()
+    if mode == "uld":
+        term = uld_by_definition(student, teacher, rest)
+    else:
+        term = kld_by_definition(student, teacher, rest, run.batch[IDS][paired].long())
+    ce_grad, term_grad = (
+        torch.autograd.grad(loss, logits, retain_graph=True)[0] for loss in (ce, term.mean())
+    )
+    return ce_grad, term_grad
+
+
+def assert_objective_is_ce_plus(weight: float, arm: Run, plain: Run, mode: str) -> None:
+    """The arm's step-1 gradient is `none`'s plus weight x the term's, and `none`'s is the
+    cross-entropy's. Tolerances: the difference of two float32 gradients carries a few ulps of
+    the larger cross-entropy entries (4 eps x their largest); rtol covers the term's other
+    formulation in the product (torch.topk and log Z read from the cross-entropy)."""
+    ce_grad, term_grad = gradients_by_definition(arm, mode)
+    atol = 4 * torch.finfo(torch.float32).eps * ce_grad.abs().max().item()
+    assert (weight * term_grad).abs().max() > 100 * atol  # or the check below would be blind
+    torch.testing.assert_close(plain.grad, ce_grad, rtol=1e-5, atol=atol)
+    torch.testing.assert_close(arm.grad - plain.grad, weight * term_grad, rtol=1e-3, atol=atol)
+
+
 @pytest.fixture(scope="module")
-def runs(caches, tmp_path_factory) -> dict[tuple[str, str], Path]:
+def runs(caches, tmp_path_factory) -> dict[tuple[str, str], Run]:
     runs = {}
     for mode, cache in [*CASES, ("none", "other"), ("none", "same")]:
         out = tmp_path_factory.mktemp(f"{mode}-{cache}") / "out"
-        assert main(train_args(caches[cache], out, *ARGS, "--guidance", mode)) == 0
-        runs[mode, cache] = out
+        runs[mode, cache] = train_watching_step_1(
+            train_args(caches[cache], out, *ARGS, "--guidance", mode)
+        )
     return runs
 
 
 @pytest.mark.parametrize(("mode", "cache"), CASES)
 def test_the_arm_trains_cross_entropy_plus_its_term(mode, cache, runs):
-    out = runs[mode, cache]
-    ours, plain = read_metrics(out), read_metrics(runs["none", cache])
-    # step 1 sees the same data and weights as `none`: the same cross-entropy, every token kept
-    assert ours[0]["loss_all"] == plain[0]["loss_all"]
+    arm, plain = runs[mode, cache], runs["none", cache]
+    # step 1 sees the same data and weights as `none` (the same computation: exactly equal)
+    assert torch.equal(arm.logits, plain.logits)
+    assert torch.equal(arm.batch["labels"], plain.batch["labels"])
+    ours = read_metrics(arm.out)
+    assert ours[0]["loss_all"] == read_metrics(plain.out)[0]["loss_all"]
+    # every token kept, and the objective is cross-entropy + weight x the term
     assert all(r["kept_fraction"] == 1.0 and r["loss"] == r["loss_all"] for r in ours)
-    # then the term changes the updates
-    assert ours[1]["loss_all"] != plain[1]["loss_all"]
-    terms = distill_losses(out)
+    assert_objective_is_ce_plus(WEIGHTS[mode], arm, plain, mode)
+    terms = distill_losses(arm.out)
     assert len(terms) == 3 and all(0 < t < 10 for t in terms)
-    saved = json.loads((out / "config.json").read_text())
+    saved = json.loads((arm.out / "config.json").read_text())
     assert saved["guidance"] == mode and saved["uld_lambda"] == 0.5
 
 
 def test_uld_lambda_weights_the_term(caches, runs, tmp_path):
-    out = tmp_path / "out"
-    args = train_args(caches["other"], out, *ARGS, "--guidance", "uld", "--max-steps", "2")
-    assert main([*args, "--uld-lambda", "1.5"]) == 0
-    default = runs["uld", "other"]
-    assert read_metrics(out)[0]["grad_norm"] != read_metrics(default)[0]["grad_norm"]
-    assert distill_losses(out)[0] == distill_losses(default)[0]  # the term itself is unweighted
+    args = train_args(caches["other"], tmp_path / "out", *ARGS, "--guidance", "uld")
+    heavier = train_watching_step_1([*args, "--max-steps", "2", "--uld-lambda", "1.5"])
+    default, plain = runs["uld", "other"], runs["none", "other"]
+    assert torch.equal(heavier.logits, default.logits)
+    # with the default's 0.5 (the test above), the gradient is cross-entropy's + lambda x the term's
+    assert_objective_is_ce_plus(1.5, heavier, plain, "uld")
+    assert distill_losses(heavier.out)[0] == distill_losses(default.out)[0]  # unweighted term
+    assert json.loads((heavier.out / "config.json").read_text())["uld_lambda"] == 1.5
 
 
 @pytest.mark.slow
