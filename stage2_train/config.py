@@ -23,7 +23,7 @@ from pipeline.errors import ConfigError
 from pipeline.guidance import DEFAULT_GUIDANCE, GuidanceSettings
 from pipeline.guidance_modes import MODES
 from pipeline.io import fingerprint
-from pipeline.storage import as_location
+from pipeline.storage import as_location, is_uri
 
 SECTION = "stage2"
 DESCRIPTION = (
@@ -201,6 +201,12 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        # Path folds `s3://b/x` into a local folder `s3:/b/x`: refuse what was a URI.
+        if is_uri(uri := str(self.out).replace(":/", "://", 1)):
+            raise ValueError(
+                f"--out {uri}: stage 2 writes to a local or mounted folder, not a URI; "
+                "copy the run to object storage after it finishes"
+            )
         self.cache, self.out = as_location(self.cache), Path(self.out)
         positive = (
             "max_steps",

@@ -245,6 +245,7 @@ def test_the_issues_examples_are_refused_with_what_is_allowed(tmp_path):
         (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
         (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
         (["--max-steps", "0"], "command line: --max-steps must be at least 1"),
+        (["--out", "s3://bucket/run"], "--out s3://bucket/run: stage 2 writes to a local or"),
     ],
 )
 def test_a_bad_flag_is_one_line_naming_the_flag(argv, message, capsys):
