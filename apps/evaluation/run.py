@@ -16,6 +16,7 @@ from pipeline.corpus import Corpus, CorpusOptions, Document
 from pipeline.io import atomic_write_json
 from pipeline.scoring.hf import HFScorer
 from pipeline.scoring.teacher import (
+    check_model_weights,
     load_teacher_config,
     load_teacher_tokenizer,
     resolve_teacher,
@@ -44,9 +45,11 @@ def evaluation_documents(
 
 def evaluate(config: EvalConfig) -> dict:
     source = resolve_teacher(config.model, role="model")
+    model_config = load_teacher_config(source)
+    check_model_weights(source, model_config)
     tokenizer = load_teacher_tokenizer(source, config.tokenizer)
     max_length = config.max_length or min(
-        teacher_context_length(load_teacher_config(source)) or DEFAULT_CONTEXT, DEFAULT_CONTEXT
+        teacher_context_length(model_config) or DEFAULT_CONTEXT, DEFAULT_CONTEXT
     )
     scorer = HFScorer(
         source,
@@ -60,9 +63,7 @@ def evaluate(config: EvalConfig) -> dict:
     # One read of the held-out data: the documents for bits per character, then the problems,
     # which come after them so the two never overlap.
     count = max(config.answer_problems, config.accuracy_problems)
-    documents, skipped = evaluation_documents(
-        data, config.num_docs + count, config.on_bad_record
-    )
+    documents, skipped = evaluation_documents(data, config.num_docs + count, config.on_bad_record)
     docs = documents[config.num_docs :]
     if config.num_docs:
         texts = [d.text for d in documents[: config.num_docs]]

@@ -10,6 +10,7 @@ from torch import nn
 
 from pipeline.errors import ConfigError
 from pipeline.hub import is_hub_id
+from pipeline.models.checkpoint import WEIGHT_FILES, check_causal_lm_weights
 from pipeline.tokenizer import TextTokenizer
 
 # Llama-architecture students for training from scratch; the vocabulary comes from the tokenizer.
@@ -49,12 +50,6 @@ PRESETS: dict[str, dict] = {
         "rope_theta": 10000.0,
     },
 }
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 
 
 def student_kind(spec: str) -> str:
@@ -93,6 +88,9 @@ def build_student(spec: str, tokenizer: TextTokenizer, seed: int, seq_len: int) 
 
     kind = student_kind(spec)
     if kind == "pretrained":
+        folder = Path(spec).expanduser()
+        if folder.is_dir():  # a hub id's weights are downloaded by from_pretrained itself
+            check_causal_lm_weights(AutoConfig.from_pretrained(folder), folder, f"student {spec!r}")
         try:
             model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
         except OSError as exc:

@@ -17,6 +17,7 @@ from pipeline.choices import TORCH_DTYPES
 from pipeline.errors import TokenizerError, VocagnoError
 from pipeline.hub import is_hub_id
 from pipeline.io import sha256_file, sha256_text
+from pipeline.models.checkpoint import check_causal_lm_weights
 from pipeline.tokenizer import (
     TOKENIZER_FILES,
     TOKENIZER_SPEC,
@@ -148,6 +149,13 @@ def check_weights_readable(source: TeacherSource) -> None:
             raise TeacherError(f"{source.role} weights {path} are unreadable: {exc}") from exc
 
 
+def check_model_weights(source: TeacherSource, config) -> None:
+    """Refuse, before any weight is loaded, a config that makes no causal language model, and a
+    local folder whose checkpoint lacks weights the model needs (pipeline.models.checkpoint)."""
+    folder = source.path if source.kind == "folder" else None
+    check_causal_lm_weights(config, folder, f"{source.role} {source.spec!r}")
+
+
 def load_teacher_config(source: TeacherSource):
     from transformers import AutoConfig
 
@@ -155,7 +163,9 @@ def load_teacher_config(source: TeacherSource):
     try:
         return AutoConfig.from_pretrained(name, **kwargs)
     except Exception as exc:
-        raise TeacherError(f"cannot read the config of {source.role} {source.spec!r}: {exc}") from exc
+        raise TeacherError(
+            f"cannot read the config of {source.role} {source.spec!r}: {exc}"
+        ) from exc
 
 
 def teacher_context_length(config) -> int | None:
