@@ -6,7 +6,8 @@ Layout of a cache folder:
   producer.json                identity of the run (teacher, tokenizer, settings, corpus files)
   shard-000007.parquet         unit 7's documents, written atomically
   shard-000007.json            its sidecar, written after the shard: the unit is finished
-  stage1-run.json              the last run's options and workers (how, not what: not identity)
+  stage1-run.json              options and workers of the last run that scored units (how, not
+                               what: not identity); a rerun with nothing to do leaves it as it is
   manifest.json                written last, once every unit is finished
 
 A unit counts as finished only if its sidecar names this run's identity and the unit's content
@@ -19,64 +20,41 @@ run's lock lapses after `--lock-lease` seconds rather than at once.
 
 from __future__ import annotations
 
-import fcntl
-import os
-import socket
-import time
+import contextlib
+import fnmatch
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipeline.cache.manifest import MANIFEST_NAME, ShardRecord, load_manifest
+from pipeline.cache.manifest import (
+    LOCK_NAME,
+    MANIFEST_NAME,
+    PRODUCER_NAME,
+    RUN_RECORD_NAME,
+    TEMPORARY_GLOB,
+    UNIT_FILES_GLOB,
+    ShardRecord,
+    load_manifest,
+)
 from pipeline.cache.schema import shard_name
-from pipeline.cache.verify import TEMPORARY_GLOB, verify_shard
+from pipeline.cache.verify import verify_shard
 from pipeline.differences import setting_differences
 from pipeline.errors import CacheError
 from pipeline.io import fingerprint
 from pipeline.storage import Store
 from pipeline.storage.lease import LeaseLock
-
-LOCK_NAME = ".stage1.lock"
-PRODUCER_NAME = "producer.json"
-RUN_RECORD_NAME = "stage1-run.json"
+from pipeline.storage.lock import FolderLock
 
 
 def sidecar_name(index: int) -> str:
     return shard_name(index).removesuffix(".parquet") + ".json"
 
 
-class OutputLock:
+class OutputLock(FolderLock):
     """Exclusive lock on a cache folder for the life of one run."""
 
     def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        self.path = self.folder / LOCK_NAME
-        self._fd: int | None = None
-
-    def __enter__(self) -> OutputLock:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
-            os.close(fd)
-            raise CacheError(
-                f"{self.folder} is being written by another stage-1 run ({holder}); "
-                "wait for it to finish or stop it"
-            ) from None
-        os.ftruncate(fd, 0)
-        holder = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-        os.pwrite(fd, holder.encode("utf-8"), 0)
-        self._fd = fd
-        return self
-
-    def check(self) -> None:
-        """A flock cannot be lost while its process lives (LeaseLock.check's counterpart)."""
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # releases the flock
-            self._fd = None
+        super().__init__(folder, LOCK_NAME, "stage-1 run")
 
 
 @dataclass(frozen=True)
@@ -103,6 +81,40 @@ def output_lock(folder: str | Path, lease: float, log=print) -> OutputLock | Lea
     return OutputLock(store.local)
 
 
+@contextlib.contextmanager
+def output_held(folder: str | Path, lease: float, log=print) -> Iterator[OutputLock | LeaseLock]:
+    """output_lock(folder) for the life of a run; a run that fails before it finishes a unit
+    (a bad record, a worker that cannot start) or is stopped (Ctrl-C, SIGTERM) leaves nothing
+    behind: the files it created are deleted while the lock is held, then the folders it
+    created, if empty. What was there before stays, and a failure or stop after a finished
+    unit keeps everything for the rerun."""
+    store = Store(folder)
+    before = set(store.names())
+    made: list[Path] = []  # the folders the lock will create, deepest first
+    if store.local is not None:
+        missing = store.local.absolute()
+        while not missing.exists():
+            made.append(missing)
+            missing = missing.parent
+    try:
+        with output_lock(folder, lease, log) as lock:
+            try:
+                yield lock
+            except BaseException:  # KeyboardInterrupt: a stop signal (pipeline.errors)
+                created = set(store.names()) - before
+                if not any(fnmatch.fnmatch(name, UNIT_FILES_GLOB) for name in created):
+                    for name in sorted(created):
+                        store.delete(name)
+                raise
+    except BaseException:
+        for path in made:  # those a failed mkdir did not reach are skipped
+            if path.is_dir():
+                if any(path.iterdir()):  # a finished unit, or someone else's file
+                    break
+                path.rmdir()
+        raise
+
+
 def write_sidecar(folder: str | Path, sidecar: Sidecar) -> None:
     Store(folder).write_json(sidecar_name(sidecar.shard.index), sidecar.to_json())
 
@@ -116,7 +128,7 @@ def read_sidecar(folder: str | Path, index: int) -> Sidecar | None:
 
 
 def _our_files(store: Store) -> list[str]:
-    patterns = ("shard-*", TEMPORARY_GLOB, MANIFEST_NAME, PRODUCER_NAME, RUN_RECORD_NAME)
+    patterns = (UNIT_FILES_GLOB, TEMPORARY_GLOB, MANIFEST_NAME, PRODUCER_NAME, RUN_RECORD_NAME)
     return sorted({name for pattern in patterns for name in store.names(pattern)})
 
 

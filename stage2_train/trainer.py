@@ -3,7 +3,7 @@ step / log / save. It reads the teacher's losses from the cache; no teacher mode
 
 Outputs in OUT: config.json, metrics.jsonl (one JSON object per optimizer step), tensorboard/,
 checkpoints/step-N/, and final/ (the student via save_pretrained, safetensors, with its tokenizer
-and vocagno.json saying what produced it).
+and vocagno.json saying what produced it); .stage2.lock while a run writes (stage2_train.output).
 
 Loss normalization (--loss-normalization, pipeline.guidance.loss_denominator): a step's loss is
 its kept tokens' summed student loss over N, all its valid target tokens across its micro-batches
@@ -17,6 +17,7 @@ Distillation modes (pipeline.distillation) add weight x their term's mean over t
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -46,11 +47,12 @@ from stage2_train.checkpoint import (
     save_checkpoint,
 )
 from stage2_train.config import TrainConfig
-from stage2_train.data.documents import choose_alignment
+from stage2_train.data.documents import choose_alignment, verify_local_shards
 from stage2_train.data.loader import batches, make_loader
 from stage2_train.data.plan import DataPlan, cache_fingerprint
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
+from stage2_train.output import check_output_is_a_run, hold_output
 from stage2_train.parallel import autocast, full_state_dict, gradient_sync, unwrapped, wrap
 from stage2_train.preflight import (
     check_distillation_cache,
@@ -99,14 +101,17 @@ def train(config: TrainConfig) -> Path | None:
     the schedule is complete (on rank 0; None on the others)."""
     runtime = Runtime.start()
     try:
-        with StopRequest() as stop:
-            final = _train(config, runtime, stop)
+        with StopRequest() as stop, contextlib.ExitStack() as output:
+            final = _train(config, runtime, stop, output)
         return final if runtime.is_main else None
     finally:
         runtime.stop()
 
 
-def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | None:
+def _train(
+    config: TrainConfig, runtime: Runtime, stop: StopRequest, output: contextlib.ExitStack
+) -> Path | None:
+    """`output` holds OUT's lock (taken once every check has passed) until the run ends."""
     from torch.utils.tensorboard import SummaryWriter
     from tqdm import tqdm
 
@@ -117,6 +122,7 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
     manifest = load_manifest(config.cache)
     tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
     check_output_and_cache(config, manifest)
+    check_output_is_a_run(config)
     check_distillation_cache(config, distillation, manifest, tokenizer)
     accumulation = config.accumulation_steps(runtime.world_size)
     plan = DataPlan(
@@ -154,10 +160,14 @@ def _train(config: TrainConfig, runtime: Runtime, stop: StopRequest) -> Path | N
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda index: lr_at(index + 1, config) / config.lr
     )
+    # Every refusal comes before the lock, which creates OUT: a refused run leaves nothing behind.
     start_step, data_state = 0, DataState.fresh(plan, runtime.rank)
     checkpoint = resume_from(config)
     if checkpoint is not None:
         start_step = check_resumable(checkpoint, config, meta)
+    verify_local_shards(plan)
+    output.enter_context(hold_output(config, runtime, checkpoint))
+    if checkpoint is not None:
         data_state = load_checkpoint(checkpoint, model, optimizer, scheduler, plan, runtime)
     elif runtime.is_main:
         remove_stale_logs(config.out)

@@ -13,6 +13,29 @@ from pipeline.io import fingerprint
 from pipeline.storage import Store
 
 MANIFEST_NAME = "manifest.json"
+# What stage 1 writes beside the manifest (stage1_score/output.py describes each file).
+LOCK_NAME = ".stage1.lock"
+PRODUCER_NAME = "producer.json"
+RUN_RECORD_NAME = "stage1-run.json"
+UNIT_FILES_GLOB = "shard-*"  # the shards and their sidecars
+TEMPORARY_GLOB = ".*.tmp"
+CACHE_FILE_GLOBS = (
+    UNIT_FILES_GLOB,
+    TEMPORARY_GLOB,
+    MANIFEST_NAME,
+    PRODUCER_NAME,
+    RUN_RECORD_NAME,
+    LOCK_NAME,
+)
+
+
+def cache_files(folder: Path) -> list[Path]:
+    """The files of a stage-1 cache in `folder`, sorted; none where `folder` is no cache (no
+    producer record or lock, which stage 1 writes first, and no manifest beside shards)."""
+    if not (folder / PRODUCER_NAME).is_file() and not (folder / LOCK_NAME).is_file():
+        if not (folder / MANIFEST_NAME).is_file() or not any(folder.glob(UNIT_FILES_GLOB)):
+            return []
+    return sorted({p for glob in CACHE_FILE_GLOBS for p in folder.glob(glob) if p.is_file()})
 
 
 @dataclass(frozen=True)
@@ -152,6 +175,8 @@ def load_manifest(cache_dir: str | Path) -> CacheManifest:
     if not store.is_folder():
         raise CacheError(f"cache folder {cache_dir} does not exist")
     if store.size(MANIFEST_NAME) is None:
+        if not store.names(UNIT_FILES_GLOB) and store.size(PRODUCER_NAME) is None:
+            raise CacheError(f"{cache_dir} is not a cache: no {MANIFEST_NAME} and no shards")
         raise CacheError(f"{path} does not exist: stage 1 has not finished writing this cache")
     try:
         data = json.loads(store.read_bytes(MANIFEST_NAME).decode("utf-8"))

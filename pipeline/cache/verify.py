@@ -15,14 +15,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.cache.manifest import MANIFEST_NAME, CacheManifest, ShardRecord, load_manifest
+from pipeline.cache.manifest import (
+    MANIFEST_NAME,
+    TEMPORARY_GLOB,
+    CacheManifest,
+    ShardRecord,
+    load_manifest,
+)
 from pipeline.cache.rows import check_extra_columns, check_rows
 from pipeline.cache.schema import COLUMNS, LOSS_DTYPES, cache_schema, iter_shard_batches
 from pipeline.errors import CacheError
 from pipeline.storage.store import Store, as_location, child, open_parquet
 
 SHARD_GLOB = "*.parquet"
-TEMPORARY_GLOB = ".*.tmp"
 
 
 def verify_shard(cache_dir: str | Path, record: ShardRecord) -> str | Path:

@@ -78,6 +78,18 @@ def verified_shard(
     return _verify_once(str(plan.cache_dir), record, mtime_ns)
 
 
+def verify_local_shards(plan: DataPlan) -> None:
+    """Hash every shard of a local cache now, before the run writes anything: a damaged shard is
+    refused before the first step, not when the stream reaches it. The stream visits every shard
+    each epoch, and the verdicts are remembered (`verified_shard`, inherited by forked data-loader
+    workers), so a run of an epoch or more hashes nothing twice. A cache in object storage is
+    verified as each shard is fetched instead."""
+    if isinstance(plan.cache_dir, str):
+        return
+    for record in plan.shards:
+        verified_shard(plan, record)
+
+
 @dataclass
 class AnnotatedDocuments:
     """Student tokens of consecutive documents with the teacher loss of each token."""
