@@ -15,7 +15,10 @@ from typing import IO, Any
 
 import zstandard
 
+from pipeline.errors import VocagnoError
+
 _CHUNK = 1 << 20
+_ZSTD_READ = 1 << 16
 # mkstemp creates files 0600; outputs should get the mode any other new file would (0666 - umask).
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -144,10 +147,55 @@ def is_zstd(path: str | os.PathLike) -> bool:
 
 def read_bytes(path: str | os.PathLike) -> bytes:
     """Whole-file read that undoes zstd compression when the name says so (small files only)."""
-    data = Path(path).read_bytes()
-    if is_zstd(path):
-        return zstandard.ZstdDecompressor().decompressobj().decompress(data)
-    return data
+    with open_binary_stream(path) as stream:
+        return stream.read()
+
+
+class TruncatedError(VocagnoError):
+    """A compressed file ends inside a frame: cut short by an interrupted copy or download."""
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a stream of zstd frames. zstandard's own stream reader ends
+    quietly where a file ends inside a frame, and the cut would pass for the end of the data
+    (the last line cut in two); here it is a TruncatedError naming the file and the byte."""
+
+    def __init__(self, raw: IO[bytes], name: str):
+        self._raw = raw
+        self._name = name
+        self._frame = None  # the decompressor of the frame being read
+        self._consumed = 0  # compressed bytes read
+        self._out = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            # Small reads bound the memory one read can decompress to.
+            chunk = self._raw.read(_ZSTD_READ)
+            if not chunk:
+                if self._frame is not None and not self._frame.eof:
+                    raise TruncatedError(
+                        f"{self._name}: truncated at byte {self._consumed}: the file ends inside "
+                        "a zstd frame (an interrupted copy or download?)"
+                    )
+                return 0
+            self._consumed += len(chunk)
+            self._out = memoryview(self._decompress(chunk))
+        size = min(len(buffer), len(self._out))
+        buffer[:size] = self._out[:size]
+        self._out = self._out[size:]
+        return size
+
+    def _decompress(self, data: bytes) -> bytes:
+        parts = []
+        while data:
+            if self._frame is None or self._frame.eof:  # the next frame starts here
+                self._frame = zstandard.ZstdDecompressor().decompressobj()
+            parts.append(self._frame.decompress(data))
+            data = self._frame.unused_data if self._frame.eof else b""
+        return b"".join(parts)
 
 
 @contextlib.contextmanager
@@ -159,8 +207,7 @@ def open_counted_stream(
     not local (pipeline.storage.open_input)."""
     with open_raw(path) if open_raw else open(path, "rb") as raw:
         if is_zstd(path):
-            with zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True) as reader:
-                yield raw, io.BufferedReader(reader, buffer_size=_CHUNK)
+            yield raw, io.BufferedReader(_ZstdFrames(raw, str(path)), buffer_size=_CHUNK)
         else:
             yield raw, raw
 

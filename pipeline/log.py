@@ -56,3 +56,8 @@ def configure(separated: bool = False) -> None:
         handler = _Stderr()
         root.addHandler(handler)
     handler.setFormatter(_Format(separated))
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """A count and its noun in agreement: `1 unit`, `2 units`, `1,024 documents`."""
+    return f"{count:,} {noun if count == 1 else plural or noun + 's'}"

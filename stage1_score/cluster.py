@@ -13,13 +13,69 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pipeline.errors import ConfigError
 
 # Set by Ray's job supervisor for the driver it starts: the job's runtime_env among others.
 JOB_CONFIG_VARIABLE = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+# How long a Ray address may take to accept a TCP connection: a closed port refuses at once, so
+# only an address that drops packets (a host gone, a firewall) waits this long.
+PROBE_SECONDS = 10.0
+
+
+def check_ray_reachable(address: str | None) -> None:
+    """Refuse, in one line naming it, a Ray address where nothing accepts a connection.
+
+    ray.init would retry it for many minutes, printing only warnings, in attempts of about 40 s
+    that Ctrl-C and SIGTERM cannot cut short. Ray's own knobs do not bound this:
+    RAY_gcs_server_request_timeout_seconds leaves the attempts as long, and
+    RAY_gcs_rpc_server_reconnect_timeout_s aborts the process, then and at any later GCS hiccup.
+    So the address Ray would use is first tried with a plain TCP connect under a deadline.
+    """
+    import ray
+    from ray._private.services import canonicalize_bootstrap_address
+
+    if ray.is_initialized():
+        return
+    given, source = address, "--ray-address"
+    if not given and os.environ.get("RAY_ADDRESS"):
+        given, source = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+    if given and "://" in given:
+        parts = urlsplit(given)
+        if parts.scheme != "ray":  # ray.init would raise a ValueError (a traceback)
+            raise ConfigError(
+                f"{source} {given} is no Ray cluster address: give HOST:PORT of its head "
+                "(ray start --head --port, 6379 by default) or ray://HOST:10001; an http:// "
+                "address is the dashboard's, for `ray job submit --address`"
+            )
+        try:
+            target = f"{parts.hostname}:{parts.port or 10001}"  # Ray Client's default port
+        except ValueError as exc:  # a port that is no number
+            raise ConfigError(f"{source} {given}: {exc}") from None
+    else:
+        try:  # what ray.init connects to: the address, RAY_ADDRESS, or the last `ray start`
+            target = canonicalize_bootstrap_address(given)
+        except (ValueError, ConnectionError) as exc:
+            raise ConfigError(f"{source} {given}: {exc}") from None
+        if target is None:  # ray.init starts a local Ray of its own
+            return
+        if not given:
+            given, source = target, "the Ray cluster last started on this machine"
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_SECONDS).close()
+    except OSError as exc:
+        timed_out = isinstance(exc, TimeoutError)
+        reason = f"no answer in {PROBE_SECONDS:.0f} s" if timed_out else exc.strerror or exc
+        reached = "" if target == given else f", tried as {target}"
+        raise ConfigError(
+            f"no Ray cluster answers at {given} ({source}{reached}: {reason}); start one "
+            "(ray start --head) or give the address of a running one"
+        ) from None
 
 
 def connect_ray(address: str | None) -> bool:
@@ -29,11 +85,18 @@ def connect_ray(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     handler = signal.getsignal(signal.SIGTERM)
-    ray.init(address=address, logging_level="WARNING")
-    # ray.init puts its own SIGTERM handler in place, which skips our unwinding (lock, cleanup,
-    # one line): the entry point's handler is put back.
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
+    # ray.init puts its own SIGTERM handler in place (sys.exit(15)), which skips our unwinding
+    # (cleanup, one line, exit 143): a SIGTERM while it starts or joins Ray is handed to the
+    # entry point's handler, which is put back after.
+    try:
+        ray.init(address=address, logging_level="WARNING")
+    except SystemExit as stop:
+        if stop.code == signal.SIGTERM and callable(handler):
+            handler(signal.SIGTERM, None)
+        raise
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
     return True
 
 

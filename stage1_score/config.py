@@ -172,7 +172,7 @@ class ScoreConfig:
 
     def windows(self, teacher_context: int | None) -> tuple[int, int]:
         """(max_length, stride), filling the defaults from the teacher's context length."""
-        max_length = self.max_length or teacher_context
+        max_length = teacher_context if self.max_length is None else self.max_length
         if max_length is None:
             raise ValueError("the teacher's config gives no context length: pass --max-length")
         stride = self.stride or default_stride(max_length)

@@ -11,15 +11,17 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pipeline.cache.manifest import CacheManifest, ShardRecord, SkippedDocument, write_manifest
 from pipeline.config import to_dict
 from pipeline.corpus import Corpus
 from pipeline.errors import ConfigError, CorpusError
 from pipeline.io import sha256_text
-from pipeline.log import get_logger
+from pipeline.log import counted, get_logger
 from pipeline.scoring.teacher import (
     TeacherSource,
+    check_model_weights,
     check_tokenizer_fits,
     check_weights_readable,
     describe_config,
@@ -32,12 +34,17 @@ from pipeline.scoring.teacher import (
 from pipeline.space_mask import space_mask
 from pipeline.storage import Store, as_location
 from pipeline.versions import software_versions
-from stage1_score.cluster import check_output_outside, relative_to_shipped, shipped_working_dir
+from stage1_score.cluster import (
+    check_output_outside,
+    check_ray_reachable,
+    relative_to_shipped,
+    shipped_working_dir,
+)
 from stage1_score.config import ScoreConfig, result_settings
 from stage1_score.output import (
     RUN_RECORD_NAME,
     finished_shard,
-    output_lock,
+    output_held,
     prepare_output,
     remove_temporaries,
 )
@@ -84,9 +91,11 @@ def backend_version(backend: str) -> str:
 def plan(config: ScoreConfig) -> Plan:
     """Resolve and check corpus, teacher, tokenizer and windows; CorpusError/TeacherError/... if bad."""
     corpus = Corpus(config.corpus, config.corpus_options())
+    check_out_apart(as_location(config.out), corpus)
     teacher = resolve_teacher(config.teacher, config.teacher_revision)
     teacher_config = load_teacher_config(teacher)
     check_weights_readable(teacher)
+    check_model_weights(teacher, teacher_config)
     tokenizer = load_teacher_tokenizer(teacher, config.tokenizer)
     check_tokenizer_fits(tokenizer, teacher_config, teacher, config.force_tokenizer)
     context = teacher_context_length(teacher_config)
@@ -121,6 +130,27 @@ def plan(config: ScoreConfig) -> Plan:
     return Plan(config, corpus, teacher, max_length, stride, identity)
 
 
+def check_out_apart(out: str | Path, corpus: Corpus) -> None:
+    """Refuse an --out that is, lies in or holds the corpus: a rerun would read the cache's own
+    files as documents, find the corpus changed, and ask for --overwrite, which deletes the cache."""
+    root = corpus.root
+    if isinstance(out, Path) and isinstance(root, Path):
+        out, root = out.resolve(), root.resolve()
+        inside = out.is_relative_to(root)
+        holds = root.is_relative_to(out)
+    elif isinstance(out, str) and isinstance(root, str):  # URIs: prefixes of one store
+        inside = f"{out.rstrip('/')}/".startswith(f"{root.rstrip('/')}/")
+        holds = f"{root.rstrip('/')}/".startswith(f"{out.rstrip('/')}/")
+    else:
+        return
+    if inside or holds:
+        where = "is" if inside and holds else "lies in" if inside else "holds"
+        raise ConfigError(
+            f"--out {out} {where} the corpus {root}: a rerun would read the cache as documents; "
+            "give --out a folder apart from the corpus"
+        )
+
+
 def head_size(teacher_config, tokenizer) -> int:
     """Outputs of the teacher's head: its config's vocabulary (padded tables included)."""
     text_config = (
@@ -141,11 +171,14 @@ def _head(config: ScoreConfig, teacher_config, tokenizer) -> tuple[int, dict | N
 
 def run(config: ScoreConfig) -> CacheManifest:
     """Score the corpus into `config.out`; returns the manifest written there."""
+    # Ray is joined only once a unit needs scoring; an address where nobody answers is refused
+    # first, in seconds, before the output folder is touched.
+    check_ray_reachable(config.ray_address)
     job = plan(config)
     log.info(
         f"teacher {config.teacher} ({config.backend}, {config.dtype}), windows of "
         f"{job.max_length} tokens every {job.stride}; corpus {config.corpus} "
-        f"({len(job.corpus.sources)} source(s), {job.corpus.total_bytes:,} bytes)"
+        f"({counted(len(job.corpus.sources), 'source')}, {job.corpus.total_bytes:,} bytes)"
     )
     shipped = shipped_working_dir()
     out = as_location(config.out)
@@ -154,7 +187,7 @@ def run(config: ScoreConfig) -> CacheManifest:
     teacher = job.teacher
     if teacher.path is not None:
         teacher = replace(teacher, path=relative_to_shipped(shipped, teacher.path))
-    with output_lock(out, config.lock_lease, log.warning) as lock:
+    with output_held(out, config.lock_lease, log.warning) as lock:
         run_fingerprint = prepare_output(out, job.identity, config.overwrite, log.info)
 
         def spec(threads: int) -> WorkerSpec:
@@ -188,13 +221,17 @@ def run(config: ScoreConfig) -> CacheManifest:
         if pool.lost_workers:  # a worker lost mid-write may have left its temporary file
             remove_temporaries(store)
         # How this run went (paths as given, workers, which node scored which unit): beside the
-        # cache, not in its identity, so the manifest stays a function of what was scored.
-        store.write_json(RUN_RECORD_NAME, {"config": to_dict(config)} | pool.record())
+        # cache, not in its identity, so the manifest stays a function of what was scored. A
+        # rerun that scored nothing keeps the record of the runs that did.
+        if pool.placements:
+            store.write_json(RUN_RECORD_NAME, {"config": to_dict(config)} | pool.record())
         lock.check()
         write_manifest(out, manifest)
     log.info(
-        f"wrote {config.out}: {len(manifest.shards)} shards, {manifest.total_rows:,} documents, "
-        f"{manifest.total_teacher_tokens:,} teacher tokens, {len(manifest.skipped)} skipped"
+        f"wrote {config.out}: {counted(len(manifest.shards), 'shard')}, "
+        f"{counted(manifest.total_rows, 'document')}, "
+        f"{counted(manifest.total_teacher_tokens, 'teacher token')}, {len(manifest.skipped):,} "
+        "skipped"
     )
     return manifest
 

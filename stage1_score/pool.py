@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pipeline.cache.manifest import ShardRecord
 from pipeline.errors import ConfigError, VocagnoError
-from pipeline.log import get_logger
+from pipeline.log import counted, get_logger
 from stage1_score.cluster import connect_ray, describe_cluster
 from stage1_score.config import ScoreConfig
 from stage1_score.progress import Progress
@@ -245,8 +245,8 @@ class WorkerPool:
             "attempts": self.losses[unit.index] + 1,
         }
         log.info(
-            f"unit {unit.index}: {result.shard.rows} documents scored by worker {actor.index} on "
-            f"node {actor.node} in {result.seconds:.1f} s"
+            f"unit {unit.index}: {counted(result.shard.rows, 'document')} scored by worker "
+            f"{actor.index} on node {actor.node} in {result.seconds:.1f} s"
         )
         progress.scored(result)
 

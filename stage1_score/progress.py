@@ -6,7 +6,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from pipeline.log import get_logger
+from pipeline.log import counted, get_logger
 from stage1_score.units import WorkUnit
 from stage1_score.worker import UnitResult
 
@@ -22,8 +22,11 @@ def _duration(seconds: float) -> str:
 class Progress:
     """Counts planned, resumed and scored units; prints a line at most every `every` seconds.
 
-    The ETA extrapolates the corpus size from the share of its bytes read so far (exact for
-    tables, close for JSON lines and text) and divides what is left by this run's document rate.
+    One rate: what this run scored over the time since scoring began (the first unit's start,
+    not the process's: joining Ray and loading teachers would make it look slow), split by
+    worker, so the workers' rates add up to the run's. The ETA extrapolates the corpus size from
+    the share of its bytes read so far (exact for tables, close for JSON lines and text) and
+    divides the documents left by that rate.
     """
 
     def __init__(self, fraction_read: Callable[[], float], every: float, emit=None):
@@ -38,8 +41,8 @@ class Progress:
         self.run_docs = 0
         self.run_tokens = 0
         self.units_done = 0
+        self.scoring_since: float | None = None  # when the first unit scored began
         self.worker_tokens: dict[int, int] = defaultdict(int)
-        self.worker_seconds: dict[int, float] = defaultdict(float)
 
     def planned(self, unit: WorkUnit) -> None:
         self.planned_docs += len(unit)
@@ -50,38 +53,38 @@ class Progress:
         self.done_docs += len(unit)
 
     def scored(self, result: UnitResult) -> None:
+        if self.scoring_since is None:
+            self.scoring_since = time.monotonic() - result.seconds
         self.units_done += 1
         self.done_docs += result.shard.rows
         self.run_docs += result.shard.rows
         self.run_tokens += result.shard.teacher_tokens
         self.worker_tokens[result.worker] += result.shard.teacher_tokens
-        self.worker_seconds[result.worker] += result.seconds
         if time.monotonic() - self.last >= self.every:
             self.report()
 
     def report(self, final: bool = False) -> None:
         now = time.monotonic()
         self.last = now
-        elapsed = max(now - self.started, 1e-9)
-        fraction = self.fraction_read()
-        estimated_docs = self.planned_docs / fraction if fraction > 0 else float("nan")
-        doc_rate = self.run_docs / elapsed
-        eta = (estimated_docs - self.done_docs) / doc_rate if doc_rate > 0 else float("nan")
-        workers = ", ".join(
-            f"w{w} {self.worker_tokens[w] / max(self.worker_seconds[w], 1e-9):,.0f} tok/s"
-            for w in sorted(self.worker_tokens)
-        )
-        parts = [
-            f"{self.units_done} units done ({self.resumed_units} from an earlier run)",
-            f"{self.done_docs:,} docs",
-            f"{self.run_tokens / elapsed:,.0f} tok/s, {doc_rate:,.1f} docs/s this run",
-        ]
+        done = f"{counted(self.units_done, 'unit')} done"
+        if self.resumed_units:
+            done += f" ({self.resumed_units:,} from an earlier run)"
+        parts = [done, counted(self.done_docs, "doc")]
+        scoring = now - self.scoring_since if self.scoring_since is not None else 0.0
+        if scoring:
+            doc_rate = self.run_docs / scoring
+            parts.append(f"{self.run_tokens / scoring:,.0f} tok/s, {doc_rate:,.1f} docs/s")
         if final:
-            parts.append(f"finished in {_duration(elapsed)}")
+            parts.append(f"finished in {_duration(now - self.started)}")
         else:
+            fraction = self.fraction_read()
             parts.append(f"{fraction:.0%} of corpus read")
-            if eta == eta:  # not NaN
-                parts.append(f"ETA {_duration(eta)}")
-        if workers:
-            parts.append(f"workers: {workers}")
+            if scoring and fraction > 0:
+                left = self.planned_docs / fraction - self.done_docs
+                parts.append(f"ETA {_duration(left / doc_rate)}")
+        if scoring:
+            rates = (
+                f"w{w} {t / scoring:,.0f} tok/s" for w, t in sorted(self.worker_tokens.items())
+            )
+            parts.append(f"workers: {', '.join(rates)}")
         self.emit(" | ".join(parts))

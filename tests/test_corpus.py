@@ -156,7 +156,7 @@ BAD_JSONL_LINES = [
     (b'{"id": "u", "text": "caf\xe9"}', "invalid UTF-8 at byte 24"),
     (b'{"id": "j", "text": "unterminated', "not valid JSON"),
     (b'["a list"]', "a JSON list, not an object"),
-    (b'{"id": "i", "text": 7}', "text is a int, not a string"),
+    (b'{"id": "i", "text": 7}', "text is an int, not a string"),
     (b'{"id": null, "text": "no id"}', "null or empty id"),
     # Valid JSON, but no UTF-8 spelling: neither a tokenizer nor Parquet can take it.
     (b'{"id": "s", "text": "x\\ud800y"}', "text holds a lone surrogate U\\+D800 at character 1"),

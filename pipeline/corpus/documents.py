@@ -15,7 +15,7 @@ from pipeline.corpus.records import (
     decode_utf8,
     surrogate_problem,
 )
-from pipeline.corpus.resolve import resolve_sources
+from pipeline.corpus.resolve import corpus_root, resolve_sources
 from pipeline.corpus.sources import Source
 from pipeline.errors import CorpusError
 
@@ -27,6 +27,7 @@ class Corpus:
         self.spec = str(spec)
         self.options = options or CorpusOptions()
         self.format, self.sources = resolve_sources(self.spec, self.options.split)
+        self.root = corpus_root(self.spec)  # what it reads, at or below
         self._finished_bytes = 0
 
     def describe(self) -> dict:
@@ -81,7 +82,9 @@ class Corpus:
         if text is None:
             raise BadRecord(raw.record, "null text", doc_id)
         if not isinstance(text, str):
-            raise BadRecord(raw.record, f"text is a {type(text).__name__}, not a string", doc_id)
+            kind = type(text).__name__
+            article = "an" if kind[0] in "aeiou" else "a"
+            raise BadRecord(raw.record, f"text is {article} {kind}, not a string", doc_id)
         if not text.strip():
             raise BadRecord(raw.record, "empty or whitespace-only text", doc_id)
         if problem := surrogate_problem(text, "text"):
@@ -110,9 +113,9 @@ class Corpus:
 
     def _bad(self, source: Source, bad: BadRecord) -> SkippedDocument:
         if self.options.on_bad_record == "error":
+            advice = bad.advice or "pass --on-bad-record skip to skip and list such records"
             raise CorpusError(
-                f"{source.path or source.name}: record {bad.record}: {bad.reason} "
-                "(pass --on-bad-record skip to skip and list such records)"
+                f"{source.path or source.name}: record {bad.record}: {bad.reason} ({advice})"
             )
         return SkippedDocument(
             source=source.name, record=bad.record, doc_id=bad.doc_id, reason=bad.reason

@@ -41,11 +41,14 @@ class BadRecord(Exception):
     Sources yield it (a raise would end their generator); value checks raise it.
     """
 
-    def __init__(self, record: int, reason: str, doc_id: str | None = None):
+    def __init__(
+        self, record: int, reason: str, doc_id: str | None = None, advice: str | None = None
+    ):
         super().__init__(reason)
         self.record = record
         self.reason = reason
         self.doc_id = doc_id
+        self.advice = advice  # what to do, where skipping the record is not the likely fix
 
 
 @dataclass(frozen=True)

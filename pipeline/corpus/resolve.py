@@ -6,6 +6,7 @@ import fnmatch
 import glob
 from pathlib import Path
 
+from pipeline.cache.manifest import cache_files
 from pipeline.corpus.sources import (
     HubDatasetSource,
     JsonLinesSource,
@@ -16,12 +17,17 @@ from pipeline.corpus.sources import (
 )
 from pipeline.errors import CorpusError
 from pipeline.io import ZSTD_SUFFIXES
+from pipeline.log import counted, get_logger
 from pipeline.storage.store import is_uri, resolve_uri
 
 HUB_PREFIX = "hf:"
 JSON_LINES = ("*.jsonl", "*.ndjson", "*.json")
 PARQUET = ("*.parquet",)
 PLAIN_TEXT = ("*.txt", "*.md")
+NAMED = 3  # ignored files a log line names before "..."
+WILDCARDS = "*?["
+
+log = get_logger("corpus")
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -71,7 +77,7 @@ def resolve_sources(spec: str, split: str = "train") -> tuple[str, list[Source]]
     if spec.startswith(HUB_PREFIX):
         return "hub", [HubDatasetSource(spec[len(HUB_PREFIX) :], split)]
     path = Path(spec).expanduser()
-    if any(ch in spec for ch in "*?["):
+    if any(ch in spec for ch in WILDCARDS):
         root = _glob_root(spec)
         files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         if not files:
@@ -85,11 +91,56 @@ def resolve_sources(spec: str, split: str = "train") -> tuple[str, list[Source]]
         name = path.name if (path / "state.json").exists() else f"{path.name}/{split}"
         return "datasets", [SavedDatasetSource(name, path, _folder_size(path))]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and _is_supported(p))
+        files = _folder_files(path)
         if not files:
             raise CorpusError(f"corpus folder {path} holds no supported files")
         return "files", [_file_source(f, f.relative_to(path).as_posix()) for f in files]
     return "files", [_file_source(path, path.name)]
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """The supported files below `folder`, sorted; a line says which others it ignores and why.
+
+    A stage-1 cache inside the folder is never read as documents: its shards and sidecars would
+    pass for Parquet and JSON lines, and each rerun would find a larger corpus."""
+    every = sorted(p for p in folder.rglob("*") if p.is_file())
+    of_caches = {f for d in {p.parent for p in every} for f in cache_files(d)}
+    unsupported = [p for p in every if p not in of_caches and not _is_supported(p)]
+    ignored = []
+    if of_caches:
+        caches = sorted({_shown(folder, p.parent) + "/" for p in of_caches})
+        ignored.append(f"{counted(len(of_caches), 'file')} of a stage-1 cache in {_listed(caches)}")
+    if unsupported:
+        kinds = ", ".join(p.strip("*") for p in SUPPORTED)
+        names = _listed([_shown(folder, p) for p in unsupported])
+        ignored.append(
+            f"{counted(len(unsupported), 'file')} not of a corpus type ({kinds}, "
+            f"optionally .zst): {names}"
+        )
+    if ignored:
+        log.warning(f"corpus folder {folder}: ignoring {'; and '.join(ignored)}")
+    return [p for p in every if p not in of_caches and _is_supported(p)]
+
+
+def _shown(folder: Path, path: Path) -> str:
+    return path.relative_to(folder).as_posix()
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:NAMED]) + (", ..." if len(names) > NAMED else "")
+
+
+def corpus_root(spec: str) -> Path | str | None:
+    """What a corpus spec reads, at or below: its file or folder (a pattern's folder before the
+    first wildcard), its URI prefix in object storage; None for a hub dataset."""
+    if spec.startswith(HUB_PREFIX):
+        return None
+    wildcard = any(ch in spec for ch in WILDCARDS)
+    if is_uri(spec):
+        if not wildcard:
+            return spec
+        return spec[: min(spec.index(ch) for ch in WILDCARDS if ch in spec)].rsplit("/", 1)[0]
+    return _glob_root(spec) if wildcard else Path(spec).expanduser()
 
 
 def _glob_root(spec: str) -> Path:
@@ -110,10 +161,8 @@ def _remote_sources(spec: str) -> list[Source]:
     import pyarrow.fs as pafs
 
     scheme = spec.split("://", 1)[0]
-    wildcard = any(ch in spec for ch in "*?[")
-    root = spec[: min(spec.index(ch) for ch in "*?[" if ch in spec)] if wildcard else spec
-    root = root.rsplit("/", 1)[0] if wildcard else root
-    filesystem, base = resolve_uri(root)
+    wildcard = any(ch in spec for ch in WILDCARDS)
+    filesystem, base = resolve_uri(corpus_root(spec))
     info = filesystem.get_file_info(base)
     if info.type == pafs.FileType.File and not wildcard:
         return [_file_source(spec, base.rsplit("/", 1)[-1], info.size)]

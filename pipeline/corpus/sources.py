@@ -40,17 +40,22 @@ class Source:
 
 class JsonLinesSource(Source):
     def records(self, options: CorpusOptions) -> Iterator[RawRecord | BadRecord]:
+        # Once a record of the file had the text field, one without it is a bad record, not a
+        # sign of another --text-column.
+        text_found = False
         with open_counted_stream(self.path, open_input) as (raw, stream):
             for index, line in enumerate(stream):
                 self.fraction = raw.tell() / max(self.size, 1)
                 if index == 0:
                     line = line.removeprefix(UTF8_BOM)
                 if line.strip():
-                    yield checked(self._parse, index, line, options)
+                    record = checked(self._parse, index, line, options, text_found)
+                    text_found = text_found or isinstance(record, RawRecord)
+                    yield record
         self.fraction = 1.0
 
     @staticmethod
-    def _parse(index: int, line: bytes, options: CorpusOptions) -> RawRecord:
+    def _parse(index: int, line: bytes, options: CorpusOptions, text_found: bool) -> RawRecord:
         try:
             row = json.loads(decode_utf8(line, index))
         except json.JSONDecodeError as exc:
@@ -61,6 +66,7 @@ class JsonLinesSource(Source):
             raise BadRecord(
                 index,
                 f"no field {options.text_column!r} (fields: {', '.join(map(repr, sorted(row))) or 'none'})",
+                advice=None if text_found else _text_field_advice(row, options),
             )
         doc_id = None
         if options.id_column is not None:
@@ -68,6 +74,16 @@ class JsonLinesSource(Source):
                 raise BadRecord(index, f"no id field {options.id_column!r}")
             doc_id = row[options.id_column]
         return RawRecord(index, row[options.text_column], doc_id)
+
+
+def _text_field_advice(row: dict, options: CorpusOptions) -> str:
+    """For a file whose first record lacks the text field: the field to name instead, taken to
+    be the one with the longest string (an id or a title is shorter than a document)."""
+    texts = {k: v for k, v in row.items() if isinstance(v, str) and k != options.id_column}
+    if not texts:
+        return "pass --text-column with the field that holds the text"
+    longest = max(texts, key=lambda name: len(texts[name]))
+    return f"pass --text-column {longest} if that field holds the text"
 
 
 class TextFileSource(Source):
