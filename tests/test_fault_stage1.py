@@ -16,18 +16,21 @@ measured here under load). The default run keeps the resume proofs that need no 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from pipeline.cache.verify import TEMPORARY_GLOB, verify_cache
+from stage1_score.pool import UNITS_IN_FLIGHT_PER_WORKER
 from stage1_score.run import main
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
 from tests.test_stage1_run import snapshot
@@ -36,6 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = REPO / "stage1_score" / "run.py"
 # 16 units of 3 documents; one-window forward batches keep a unit busy long enough to be hit.
 NUM_DOCS, DOCS_PER_SHARD = 48, 3
+NUM_UNITS = NUM_DOCS // DOCS_PER_SHARD
+# Set, to a value of its own, for the processes of a module's Ray cluster (its raylet, the
+# workers and the engines they start inherit it): process scans count no other run's.
+MARK = "VOCAGNO_TEST_RAY_CLUSTER"
+SCORER = b"ray::UnitScorer"  # Ray titles an actor's process so, ".score_unit" added while busy
 
 pytestmark = pytest.mark.slow
 
@@ -51,12 +59,25 @@ def corpus(tmp_path_factory) -> Path:
     return write_jsonl_corpus(path, shipped_documents(NUM_DOCS))
 
 
+@contextlib.contextmanager
+def marked_ray_cluster():
+    """A local Ray cluster (2 CPUs) whose processes carry MARK; yields its address."""
+    import ray
+
+    os.environ[MARK] = uuid.uuid4().hex
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+        del os.environ[MARK]
+
+
 @pytest.fixture(scope="module")
 def ray_address():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    pytest.importorskip("ray")
+    with marked_ray_cluster() as address:
+        yield address
 
 
 def args(teacher: Path, corpus: Path, out: Path, address: str) -> list[str]:
@@ -99,17 +120,95 @@ def wait_for(condition, what: str, process: subprocess.Popen, log: Path, timeout
     return found
 
 
-def scorer_pids(busy_only: bool = False) -> list[int]:
-    """Ray actor processes of the scorer (Ray titles them ray::UnitScorer[.method])."""
+def scorer_pids() -> list[int]:
+    """Every scorer actor process on the machine, whoever's; callers pick theirs (marked_pids)."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:
-            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if (entry / "cmdline").read_bytes().startswith(SCORER):
+                pids.append(int(entry.name))
         except (OSError, ValueError):
             continue
-        if title.startswith("ray::UnitScorer") and (not busy_only or "score_unit" in title):
-            pids.append(int(entry.name))
     return pids
+
+
+def marked_pids(*titles: bytes) -> list[int]:
+    """Processes of the current marked Ray cluster whose title starts with one of `titles`."""
+    mark = f"{MARK}={os.environ[MARK]}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            title = (entry / "cmdline").read_bytes()
+            if title.startswith(titles) and mark in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def busy(pid: int) -> bool:
+    """Whether the scorer actor `pid` is running a unit (Ray titles it ray::UnitScorer.score_unit
+    until the call returns, before the result goes back to the driver)."""
+    try:
+        return b"score_unit" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def frozen(*pids: int):
+    """The processes stopped (SIGSTOP) for the body, so that what it observes of them still holds
+    when it acts: a condition checked in here cannot be overtaken before a signal lands."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile
+            os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def signal_mid_run(
+    process: subprocess.Popen,
+    signum: int,
+    condition,
+    what: str,
+    log: Path,
+    also_stop=list,
+    timeout: float = 240.0,
+) -> None:
+    """Send `signum` to the run once `condition()` holds with the driver (and the processes
+    `also_stop()` lists) stopped: what the condition saw still holds when the signal lands. The
+    driver writes the manifest and hands out the units, so with the driver stopped only the units
+    already in flight can still finish."""
+    while True:
+        wait_for(condition, what, process, log, timeout)
+        with frozen(process.pid, *also_stop()):
+            if condition():
+                process.send_signal(signum)
+                return
+
+
+def mid_run(out: Path, least: int, units: int = NUM_UNITS) -> bool:
+    """At least `least` of the run's `units` finished, and units left to score even once the
+    ones the driver handed its one worker have finished (so no manifest either)."""
+    return least <= len(finished_units(out)) < units - UNITS_IN_FLIGHT_PER_WORKER
+
+
+def finished_shards(out: Path) -> dict[str, int]:
+    """The finished units' shards (a sidecar says finished), with their modification times."""
+    shards = (sidecar.with_suffix(".parquet") for sidecar in finished_units(out))
+    return {shard.name: shard.stat().st_mtime_ns for shard in shards}
+
+
+def wait_until_gone(*titles: bytes, timeout: float = 60.0) -> None:
+    """Ray ends a dead driver's actors (and with them their engines) in its own time."""
+    deadline = time.monotonic() + timeout
+    while marked_pids(*titles) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marked_pids(*titles) == []
 
 
 def finished_units(out: Path) -> list[Path]:
@@ -132,23 +231,20 @@ def test_driver_killed_mid_run_then_rerun_equals_the_uninterrupted_cache(
     out, log = tmp_path / "cache", tmp_path / "killed.log"
     command = args(teacher, corpus, out, ray_address)
     process = start_run(command, log)
-    wait_for(lambda: len(finished_units(out)) >= 2, "two finished units", process, log)
-    process.send_signal(signal.SIGKILL)
+    signal_mid_run(process, signal.SIGKILL, lambda: mid_run(out, 2), "two finished units", log)
     process.wait(timeout=30)
     assert process.returncode == -signal.SIGKILL
-    assert not (out / "manifest.json").exists()  # killed mid-run, not after it
-    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.parquet")}
-    assert 2 <= len(kept) < NUM_DOCS // DOCS_PER_SHARD
     # Ray ends the dead driver's actors; the rerun must not race a leftover writer.
-    deadline = time.monotonic() + 60
-    while scorer_pids() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert scorer_pids() == []
+    wait_until_gone(SCORER)
+    assert not (out / "manifest.json").exists()  # killed mid-run, not after it
+    # Every unit the killed run finished, its actor's last writes included.
+    kept = finished_shards(out)
+    assert 2 <= len(kept) < NUM_UNITS
 
     assert main(command) == 0  # the flock died with the driver: no stale lock
     assert_equal_to_reference(out, reference, corpus)
-    # Finished units were kept, not scored again.
-    assert any((out / name).stat().st_mtime_ns == mtime for name, mtime in kept.items())
+    # Every finished unit was kept, none scored again.
+    assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept
 
 
 def test_worker_killed_mid_unit_recovers_or_fails_clearly_and_rerun_is_identical(
@@ -158,8 +254,16 @@ def test_worker_killed_mid_unit_recovers_or_fails_clearly_and_rerun_is_identical
     command = args(teacher, corpus, out, ray_address)
     process = start_run(command, log)
     wait_for(lambda: finished_units(out), "a finished unit", process, log)
-    victim = wait_for(lambda: scorer_pids(busy_only=True), "a busy scorer", process, log)[0]
-    os.kill(victim, signal.SIGKILL)
+
+    def busy_scorers() -> list[int]:
+        return [pid for pid in marked_pids(SCORER) if busy(pid)]
+
+    while True:  # until a scorer is caught busy: stopped, it cannot finish before the kill
+        victim = wait_for(busy_scorers, "a busy scorer", process, log)[0]
+        with frozen(victim):
+            if busy(victim):
+                os.kill(victim, signal.SIGKILL)
+                break
     process.wait(timeout=300)
     output = log.read_text()
     assert "Traceback" not in output, output[-3000:]
@@ -168,8 +272,8 @@ def test_worker_killed_mid_unit_recovers_or_fails_clearly_and_rerun_is_identical
         assert last.startswith("stage1: error: a scoring worker died while scoring unit"), output
         assert "run the same command again to resume" in last
         assert main(command) == 0
-    # Here Ray restarts the actor and retries the unit (max_restarts/max_task_retries): the run
-    # finishes by itself; either way the cache is the uninterrupted one.
+    # Here the pool gives the lost worker's units to a replacement: the run finishes by itself;
+    # either way the cache is the uninterrupted one.
     assert_equal_to_reference(out, reference, corpus)
 
 
@@ -182,8 +286,7 @@ def test_a_stop_signal_ends_the_run_cleanly_and_the_rerun_equals_the_uninterrupt
     out, log = tmp_path / "cache", tmp_path / "stopped.log"
     command = args(teacher, corpus, out, ray_address)
     process = start_run(command, log)
-    wait_for(lambda: len(finished_units(out)) >= 2, "two finished units", process, log)
-    process.send_signal(signum)
+    signal_mid_run(process, signum, lambda: mid_run(out, 2), "two finished units", log)
     process.wait(timeout=120)
     output = log.read_text()
     assert process.returncode == 128 + signum, output[-3000:]

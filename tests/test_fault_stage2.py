@@ -12,6 +12,7 @@ folders count as checkpoints (test_stage2_train.py::test_incomplete_checkpoints_
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from stage2_train.checkpoint import MARKER, complete_checkpoints, step_dir
 from stage2_train.train import main
 from tests.cache_fixtures import build_cache, corpus_documents
 from tests.stage2_runs import TRAIN, read_metrics, train_args
+from tests.test_fault_stage1 import frozen
 from tests.test_stage2_torchrun import finish, run_args, torchrun
 
 SAVE_ARGS = (
@@ -73,21 +75,54 @@ def test_a_crash_during_a_checkpoint_save_resumes_from_the_previous_one(cache, w
     assert (step_dir(out, 4) / MARKER).exists()
 
 
+def wait_until(condition, process: subprocess.Popen, output, timeout: float = 300.0) -> None:
+    """Poll `condition` until it holds; fail if `process` ends first (with `output()`)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, output()[-3000:]
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s"
+        time.sleep(0.01)
+
+
+def act_while_stopped(pids: list[int], condition, action, wait) -> None:
+    """Run `action` once `condition` holds with the processes `pids` stopped (SIGSTOP), so that it
+    still holds when the action lands; `wait` polls until it seems to hold."""
+    while True:
+        wait(condition)
+        with frozen(*pids):
+            if condition():
+                action()
+                return
+
+
+def saved_mid_run(out: Path, steps: int):
+    """A condition: a checkpoint is complete and the step in flight is not the last of `steps`
+    (at most steps - 2 logged), so that a kill lands before the schedule ends; a rank left alone
+    cannot finish a step, which needs the other's collectives."""
+
+    def condition() -> bool:
+        if not complete_checkpoints(out):
+            return False
+        return (out / "metrics.jsonl").read_text().count("\n") <= steps - 2
+
+    return condition
+
+
 def test_a_training_process_killed_mid_run_resumes_bit_identical(cache, whole, tmp_path):
-    out = tmp_path / "out"
+    out, log = tmp_path / "out", tmp_path / "killed.log"
     command = [sys.executable, str(TRAIN), *train_args(cache, out, *SAVE_ARGS)]
-    with (tmp_path / "killed.log").open("w") as log:
+    with log.open("w") as output:
         process = subprocess.Popen(
             command,
-            stdout=log,
+            stdout=output,
             stderr=subprocess.STDOUT,
         )  # the pytest process's thread count: resuming on another one is not bit-identical
-        deadline = time.monotonic() + 300
-        while not complete_checkpoints(out):
-            assert process.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        process.send_signal(signal.SIGKILL)
+        act_while_stopped(
+            [process.pid],
+            saved_mid_run(out, 8),
+            lambda: process.send_signal(signal.SIGKILL),
+            lambda condition: wait_until(condition, process, log.read_text),
+        )
         process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
     assert not (out / "final").exists()  # killed before the schedule ended
@@ -98,8 +133,10 @@ def test_a_training_process_killed_mid_run_resumes_bit_identical(cache, whole, t
 
 
 def rank_processes(launcher: psutil.Process) -> dict[int, psutil.Process]:
+    """The ranks torchrun started: its own children (their data-loader workers, forked from them,
+    share their RANK and command line)."""
     found = {}
-    for child in launcher.children(recursive=True):
+    for child in launcher.children():
         try:
             rank = child.environ().get("RANK")
         except psutil.Error:
@@ -117,13 +154,20 @@ def test_a_rank_killed_mid_run_resumes_bit_identical(tmp_path):
     extra = ("--max-steps", "16", "--save-every", "4")
     uninterrupted = torchrun(run_args(cache, whole, *extra))
     killed = torchrun(run_args(cache, out, *extra))
-    deadline = time.monotonic() + 600
-    while not complete_checkpoints(out):
-        assert killed.poll() is None, killed.communicate()[0][-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    victim = rank_processes(psutil.Process(killed.pid))[1]
-    victim.send_signal(signal.SIGKILL)
+    launcher = psutil.Process(killed.pid)
+
+    def wait(condition) -> None:
+        wait_until(condition, killed, lambda: killed.communicate()[0], timeout=600)
+
+    wait(lambda: len(rank_processes(launcher)) == 2)
+    ranks = rank_processes(launcher)
+    # Both ranks stopped: no step or checkpoint can complete between the look and the kill.
+    act_while_stopped(
+        [rank.pid for rank in ranks.values()],
+        saved_mid_run(out, 16),
+        lambda: ranks[1].send_signal(signal.SIGKILL),
+        wait,
+    )
     output, _ = killed.communicate(timeout=300)
     finish(uninterrupted)
     assert killed.returncode != 0, output[-3000:]  # torchrun stops the job when a rank dies
@@ -151,15 +195,28 @@ def test_a_rank_killed_mid_run_resumes_bit_identical(tmp_path):
 def test_a_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_bit_identical(
     cache, whole, tmp_path, signum, send
 ):
-    out = tmp_path / "out"
+    out, log = tmp_path / "out", tmp_path / "stopped.log"
     command = [sys.executable, str(TRAIN), *train_args(cache, out, *SAVE_ARGS)]
-    run = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    for line in run.stderr:  # the header comes once the stop handler is installed
-        if line.startswith("stage 2:"):
-            send(run, signum)
-            break
-    err = run.stderr.read()
-    assert run.wait() == 128 + signum, err
+    with log.open("w") as output:
+        run = subprocess.Popen(command, stderr=output, start_new_session=True)
+
+    def early() -> bool:
+        """The header is out (the stop handler is installed; the metrics log exists) and at most
+        5 of the 8 steps are logged: a step reads the stop request at its end, so the run stops
+        after step 7 at the latest."""
+        if not re.search(r"^stage 2:", log.read_text(), re.MULTILINE):
+            return False
+        return (out / "metrics.jsonl").read_text().count("\n") <= 5
+
+    act_while_stopped(
+        [run.pid],
+        early,
+        lambda: send(run, signum),
+        lambda condition: wait_until(condition, run, log.read_text),
+    )
+    run.wait(timeout=300)
+    err = log.read_text()
+    assert run.returncode == 128 + signum, err
     assert "Traceback" not in err
     stopped = [step for step, _ in complete_checkpoints(out)]
     assert len(stopped) == 1 and stopped[0] < 8  # saved where it stopped, not at the end

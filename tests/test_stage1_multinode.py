@@ -8,9 +8,11 @@ it: the job can only run from Ray's copies, with paths relative to them; only th
 (--out) is a path every node sees, as a shared filesystem is on a real cluster.
 
 - Undisturbed, the units are scored on both worker nodes (the run record names each unit's node).
-- One worker node's raylet SIGKILLed once the first shard is published: the job still succeeds,
-  the lost worker's units are scored again on the other node, and the cache equals the
+- One worker node killed (every process of it SIGKILLed, as when a machine is lost) once the
+  first shard is published, at a moment when its worker is inside a unit: the job still
+  succeeds, the lost worker's units are scored again on the other node, and the cache equals the
   undisturbed run's byte for byte.
+- `--out` inside the shipped working directory is refused in one line: the job found Ray's copy.
 
 Marked slow: three nodes and two jobs on 2 shared cores take minutes.
 """
@@ -20,18 +22,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from apps.demo.ray_cluster import follow, local_ray_cluster, submit, worker_node
 from pipeline.cache.verify import TEMPORARY_GLOB, verify_cache
+from pipeline.errors import VocagnoError
 from stage1_score.output import RUN_RECORD_NAME
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
+from tests.test_fault_stage1 import busy, frozen
 from tests.test_stage1_run import snapshot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,18 +136,51 @@ def test_units_are_spread_over_the_nodes_and_written_to_the_shared_output(refere
     assert len(nodes) == 2  # every unit on a worker node, both of them busy
 
 
-def raylet_of(node) -> int:
-    """The raylet process of the node whose `ray start --block` is `node`."""
-    for entry in Path("/proc").iterdir():
-        try:
-            if os.getpgid(int(entry.name)) != node.pid:
-                continue
-            command = (entry / "cmdline").read_bytes().split(b"\0")[0]
-        except (ValueError, OSError):
-            continue
-        if command.endswith(b"/raylet"):
-            return int(entry.name)
-    raise AssertionError(f"no raylet in the process group of node {node.pid}")
+def test_an_output_in_the_shipped_working_dir_is_refused_in_one_line(
+    cluster, source, tmp_path, capsys
+):
+    """The real job finds Ray's copy of its working directory (tests/test_stage1_cluster.py sets
+    what Ray's job supervisor sets by hand): --out relative to it is refused before any work."""
+    head, _ = cluster
+    submit_copy(head, "stage1-out-in-shipped", source, Path("cache"), tmp_path)
+    with pytest.raises(VocagnoError, match="FAILED"):
+        follow(head, "stage1-out-in-shipped")
+    logs = capsys.readouterr().out
+    assert "Traceback" not in logs, logs[-3000:]
+    refused = re.search(r"stage1: error: --out cache lies in .* for this job \((.+?)\)", logs)
+    assert refused, logs[-3000:]
+    shipped = Path(refused[1])  # Ray's copy on the node, not the folder it was submitted from
+    assert shipped.is_relative_to(head.temp_dir) and shipped.name.startswith("_ray_pkg_")
+    assert logs.strip().splitlines()[-1] == (
+        f"stage1: error: --out cache lies in the working directory Ray shipped for this job "
+        f"({shipped}), a temporary copy on one node that is deleted when the job ends: give "
+        "--out as an absolute path on storage that every node sees"
+    )
+
+
+def node_processes(node) -> list[psutil.Process]:
+    """Every process of the worker node whose `ray start --block` is `node`: it, the raylet and
+    what the raylet started, the node's actors among them (each in a process group of its own)."""
+    leader = psutil.Process(node.pid)
+    return [leader, *leader.children(recursive=True)]
+
+
+def kill_node_while_it_scores(node, out: Path) -> None:
+    """Once a shard is published, SIGKILL every process of `node` at a moment when a scorer on
+    it is inside a unit: the node is stopped while it is looked at, so that unit cannot finish
+    (its result goes back only once Ray titles the actor idle again) and the driver loses it."""
+    deadline = time.monotonic() + 300
+    while True:
+        assert time.monotonic() < deadline, "no published shard while the node held a unit"
+        processes = node_processes(node)
+        if list(out.glob("shard-*.json")) and any(busy(p.pid) for p in processes):
+            with frozen(*(p.pid for p in processes)):
+                if any(busy(p.pid) for p in processes):
+                    for process in processes:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(process.pid, signal.SIGKILL)
+                    return
+        time.sleep(0.05)
 
 
 def test_a_node_killed_mid_job_costs_only_its_units_and_the_cache_is_identical(
@@ -152,12 +191,8 @@ def test_a_node_killed_mid_job_costs_only_its_units_and_the_cache_is_identical(
     out = tmp_path / "cache"
     started = time.monotonic()
     submit_copy(head, "stage1-node-killed", source, out, tmp_path)
-    deadline = time.monotonic() + 300
-    while not list(out.glob("shard-*.json")):  # the first shard is published
-        assert time.monotonic() < deadline, "no shard published"
-        time.sleep(0.05)
+    kill_node_while_it_scores(nodes[NODES[1]], out)
     finished_before_kill = len(list(out.glob("shard-*.json")))
-    os.kill(raylet_of(nodes[NODES[1]]), signal.SIGKILL)
     follow(head, "stage1-node-killed")  # raises unless the job SUCCEEDED
     print(f"node-kill job: {time.monotonic() - started:.1f} s wall")
 

