@@ -1,7 +1,8 @@
 """Paths of a stage-1 job that `ray job submit --working-dir` shipped, without a cluster: the
 driver finds itself in Ray's copy of the working directory (Ray's job supervisor says so in the
 driver's environment), where the cache must not go and from where a shipped teacher is opened in
-each worker's own copy. The cluster itself: tests/test_stage1_multinode.py (slow)."""
+each worker's own copy. The cluster itself, where a real job must find its shipped folder (it
+refuses --out there): tests/test_stage1_multinode.py (slow)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from pipeline.cache.verify import TEMPORARY_GLOB, verify_cache
 from pipeline.errors import VocagnoError
 from stage1_score.output import RUN_RECORD_NAME
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
-from tests.test_fault_stage1 import busy, frozen
+from tests.test_fault_stage1 import UNNICED_WORKERS, busy, frozen
 from tests.test_stage1_run import snapshot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,6 +62,7 @@ def cluster(tmp_path_factory):
         patch.setenv("RAY_AUTH_MODE", "disabled")
         # A raylet registers in 30 s by default, too short on 2 cores shared with other jobs.
         patch.setenv("RAY_raylet_start_wait_time_s", "300")
+        patch.setenv(*UNNICED_WORKERS)
         head = stack.enter_context(local_ray_cluster(0, logs / "head.log"))
         nodes = {}
         for count, name in enumerate(NODES, start=2):  # one at a time: each raylet registers
