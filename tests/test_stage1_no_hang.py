@@ -34,6 +34,7 @@ from pipeline.cache.verify import verify_cache
 from stage1_score.cluster import PROBE_SECONDS
 from stage1_score.run import main
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
+from tests.test_fault_stage1 import frozen, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = REPO / "stage1_score" / "run.py"
@@ -79,20 +80,6 @@ def start_run(command: list[str], log: Path, **env: str | None) -> subprocess.Po
     )
 
 
-def wait_for(condition, what: str, process: subprocess.Popen, log: Path, timeout=240.0):
-    deadline = time.monotonic() + timeout
-    while not (found := condition()):
-        if process.poll() is not None:
-            pytest.fail(
-                f"the run ended (exit {process.returncode}) before {what}: {log.read_text()}"
-            )
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"no {what} after {timeout:.0f} s: {log.read_text()}")
-        time.sleep(0.05)
-    return found
-
-
 def ended_within(process: subprocess.Popen, seconds: float, log: Path) -> float:
     """Seconds the process took to end; fails (and kills it) past `seconds`."""
     start = time.monotonic()
@@ -132,19 +119,6 @@ def gone_within(pids: list[int], seconds: float) -> bool:
             return False
         time.sleep(0.05)
     return True
-
-
-@contextlib.contextmanager
-def frozen(*pids: int):
-    """The processes stopped (SIGSTOP) for the body: what was seen of them still holds."""
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
 
 
 # --- an address where nothing answers -------------------------------------------------------

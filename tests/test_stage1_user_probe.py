@@ -25,6 +25,7 @@ from stage1_score.job import plan
 from stage1_score.run import main
 from tests.cache_fixtures import build_cache
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
+from tests.test_stage1_run import ray_cluster  # noqa: F401 (a module-scoped fixture)
 
 KEPT = ("model.embed_tokens.weight", "model.norm.weight")  # the tensors a partial teacher keeps
 
@@ -269,17 +270,8 @@ def test_progress_lines_give_one_rate_a_real_eta_and_right_plurals(monkeypatch):
     ]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    yield
-    ray.shutdown()
-
-
-def test_a_rerun_with_nothing_to_do_keeps_the_run_record(
-    ray_cluster, teacher, corpus, tmp_path, capsys
-):
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_rerun_with_nothing_to_do_keeps_the_run_record(teacher, corpus, tmp_path, capsys):
     """Today's failure: the rerun replaced stage1-run.json with "units": {}, "workers": 0."""
     out = tmp_path / "cache"
     too_many = [*command(teacher, corpus, out), "--num-workers", "99"]
