@@ -34,12 +34,19 @@ class StoppedBySignal(VocagnoError):
         self.signum = signum
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def exit_code(prog: str, action: Callable[[], int | None]) -> int:
     """Run a command's `action`: our own errors, and a path the system refuses (unwritable,
     missing, a file where a folder should be, a full disk), become one line on stderr and exit
     code 2; Ctrl-C and SIGTERM become one line and 128 + the signal's number, as shells expect."""
+    global _stopped_by
+    _stopped_by = 0
     main_thread = threading.current_thread() is threading.main_thread()  # where signals arrive
-    previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt) if main_thread else None
+    previous = (
+        {s: signal.signal(s, _stop_as_interrupt) for s in STOP_SIGNALS} if main_thread else {}
+    )
     try:
         return int(action() or 0)
     except VocagnoError as exc:
@@ -55,19 +62,21 @@ def exit_code(prog: str, action: Callable[[], int | None]) -> int:
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 128 + (_terminated or signal.SIGINT)
+        return 128 + (_stopped_by or signal.SIGINT)
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-_terminated = 0  # the signal that turned into a KeyboardInterrupt, for the exit code
+_stopped_by = 0  # the signal that turned into a KeyboardInterrupt, for the exit code
 
 
-def _terminate_as_interrupt(signum: int, frame) -> None:
-    """SIGTERM (Slurm, Kubernetes, `kill`) unwinds like Ctrl-C: locks released, partial files
-    removed, one line; by default Python would die on the spot. The signal is noted apart from
-    the exception, which libraries (Ray's wait) may catch and raise anew."""
-    global _terminated
-    _terminated = signum
+def _stop_as_interrupt(signum: int, frame) -> None:
+    """SIGINT and SIGTERM (Slurm, Kubernetes, `kill`) unwind alike: locks released, partial files
+    removed, one line. By default Python would die on the spot of a SIGTERM, and it leaves SIGINT
+    ignored where the run was started so (a shell script's `cmd &`, many CI runners), as stage 2
+    does not. The signal is noted apart from the exception, which libraries (Ray's wait) may catch
+    and raise anew."""
+    global _stopped_by
+    _stopped_by = signum
     raise KeyboardInterrupt

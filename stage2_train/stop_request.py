@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from pipeline.errors import STOP_SIGNALS
 
 
 class StopRequest:

@@ -103,12 +103,19 @@ def reference(ray_address, teacher, corpus, tmp_path_factory) -> dict[str, bytes
 
 
 def start_run(command: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(RUN), *command],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    """The run, started as a shell script's background job (`run.py &`, how CI runners and batch
+    scripts often start it) is: with SIGINT ignored, an ignored signal staying so across exec.
+    Stage 1 must still stop cleanly on Ctrl-C, as stage 2 does."""
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return subprocess.Popen(
+            [sys.executable, str(RUN), *command],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    finally:
+        signal.signal(signal.SIGINT, ignored)
 
 
 def wait_for(condition, what: str, process: subprocess.Popen, log: Path, timeout=240.0):
@@ -123,18 +130,6 @@ def wait_for(condition, what: str, process: subprocess.Popen, log: Path, timeout
             pytest.fail(f"no {what} after {timeout:.0f} s: {log.read_text()}")
         time.sleep(0.05)
     return found
-
-
-def scorer_pids() -> list[int]:
-    """Every scorer actor process on the machine, whoever's; callers pick theirs (marked_pids)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if (entry / "cmdline").read_bytes().startswith(SCORER):
-                pids.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    return pids
 
 
 def marked_pids(*titles: bytes) -> list[int]:
@@ -181,19 +176,33 @@ def signal_mid_run(
     condition,
     what: str,
     log: Path,
+    unit_finished,
     also_stop=list,
     timeout: float = 240.0,
+    slice_seconds: float = 0.01,
 ) -> None:
-    """Send `signum` to the run once `condition()` holds with the driver (and the processes
-    `also_stop()` lists) stopped: what the condition saw still holds when the signal lands. The
-    driver writes the manifest and hands out the units, so with the driver stopped only the units
-    already in flight can still finish."""
+    """Send `signum` to the run once `condition()` holds, looked at only while the driver (and the
+    processes `also_stop()` lists) are stopped: what it saw still holds when the signal lands.
+    Once `unit_finished()`, the run goes on only in slices of `slice_seconds` between looks, so
+    a state lasting longer than a slice is seen however fast the machine scores (vLLM's tiny
+    teacher scored a unit in 0.1 s on a CI machine; plain polling saw none of the 12 states in
+    time). The driver writes the manifest and hands out the units, so with the driver stopped only
+    the units already in flight can still finish."""
+    deadline = time.monotonic() + timeout
+    wait_for(unit_finished, "a finished unit", process, log, timeout)
     while True:
-        wait_for(condition, what, process, log, timeout)
         with frozen(process.pid, *also_stop()):
+            if process.poll() is not None:
+                pytest.fail(
+                    f"the run ended (exit {process.returncode}) before {what}: {log.read_text()}"
+                )
             if condition():
                 process.send_signal(signum)
                 return
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"no {what} after {timeout:.0f} s: {log.read_text()}")
+        time.sleep(slice_seconds)
 
 
 def mid_run(out: Path, least: int, units: int = NUM_UNITS) -> bool:
@@ -236,7 +245,14 @@ def test_driver_killed_mid_run_then_rerun_equals_the_uninterrupted_cache(
     out, log = tmp_path / "cache", tmp_path / "killed.log"
     command = args(teacher, corpus, out, ray_address)
     process = start_run(command, log)
-    signal_mid_run(process, signal.SIGKILL, lambda: mid_run(out, 2), "two finished units", log)
+    signal_mid_run(
+        process,
+        signal.SIGKILL,
+        lambda: mid_run(out, 2),
+        "two finished units",
+        log,
+        lambda: finished_units(out),
+    )
     process.wait(timeout=30)
     assert process.returncode == -signal.SIGKILL
     # Ray ends the dead driver's actors; the rerun must not race a leftover writer.
@@ -291,7 +307,14 @@ def test_a_stop_signal_ends_the_run_cleanly_and_the_rerun_equals_the_uninterrupt
     out, log = tmp_path / "cache", tmp_path / "stopped.log"
     command = args(teacher, corpus, out, ray_address)
     process = start_run(command, log)
-    signal_mid_run(process, signum, lambda: mid_run(out, 2), "two finished units", log)
+    signal_mid_run(
+        process,
+        signum,
+        lambda: mid_run(out, 2),
+        "two finished units",
+        log,
+        lambda: finished_units(out),
+    )
     process.wait(timeout=120)
     output = log.read_text()
     assert process.returncode == 128 + signum, output[-3000:]

@@ -21,11 +21,19 @@ import pytest
 
 from pipeline.storage import Store
 from stage1_score.output import LOCK_NAME, RUN_RECORD_NAME
+from stage1_score.pool import UNITS_IN_FLIGHT_PER_WORKER
 from stage1_score.run import main as stage1
 from tests.object_store import download_all, moto_s3, objects_under, upload_folder
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
 from tests.stage2_runs import LOSS_FIELDS, TRAIN, read_metrics, train_args
-from tests.test_fault_stage1 import args, scorer_pids, start_run, wait_for
+from tests.test_fault_stage1 import (
+    SCORER,
+    args,
+    marked_ray_cluster,
+    signal_mid_run,
+    start_run,
+    wait_until_gone,
+)
 from tests.test_object_storage import wait_until
 from tests.test_stage1_run import snapshot
 
@@ -41,11 +49,10 @@ def bucket():
 
 
 @pytest.fixture(scope="module")
-def ray_address(bucket):
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+def ray_address(bucket):  # after the server: its workers inherit the endpoint
+    pytest.importorskip("ray")
+    with marked_ray_cluster() as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
@@ -68,20 +75,6 @@ def local_cache(ray_address, teacher, corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("local") / "cache"
     assert stage1(args(teacher, corpus[0], out, ray_address)) == 0
     return out
-
-
-def our_scorers() -> list[int]:
-    """Scorer processes of this test's cluster (other jobs on the machine may run their own): the
-    ones whose environment points at this test's S3 server."""
-    marker = f"AWS_ENDPOINT_URL={os.environ['AWS_ENDPOINT_URL']}".encode()
-    pids = []
-    for pid in scorer_pids():
-        try:
-            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                pids.append(pid)
-        except OSError:  # ended meanwhile
-            continue
-    return pids
 
 
 def last_modified(uri: str, names) -> dict[str, float]:
@@ -110,18 +103,27 @@ def bucket_cache(ray_address, teacher, corpus, bucket, tmp_path_factory) -> str:
     assert objects_under(uri) == []
     store = Store(uri)
     process = start_run(command, log)
-    wait_for(lambda: len(store.names("shard-*.json")) >= 2, "two finished units", process, log)
-    process.send_signal(signal.SIGKILL)
+
+    def finished() -> list[str]:
+        return store.names("shard-*.json")
+
+    signal_mid_run(
+        process,
+        signal.SIGKILL,
+        lambda: 2 <= len(finished()) < NUM_DOCS // 3 - UNITS_IN_FLIGHT_PER_WORKER,
+        "two finished units",
+        log,
+        finished,
+    )
     process.wait(timeout=30)
+    wait_until_gone(SCORER)  # Ray ended the dead driver's actors: no writer is left
     assert "manifest.json" not in store.names()  # killed mid-run, not after it
     assert LOCK_NAME in store.names()  # nobody released it
-    assert 2 <= len(store.names("shard-*.json")) < NUM_DOCS // 3
-    kept = {name: store.read_bytes(name) for name in store.names("shard-*")}
+    sidecars = finished()  # a shard without its sidecar is unfinished: the rerun scores it again
+    assert 2 <= len(sidecars) < NUM_DOCS // 3
+    units = [*sidecars, *(name.removesuffix(".json") + ".parquet" for name in sidecars)]
+    kept = {name: store.read_bytes(name) for name in units}
     written = last_modified(uri, kept)
-    deadline = time.monotonic() + 60
-    while our_scorers() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert our_scorers() == []  # Ray ended the dead driver's actors: no leftover writer
 
     # Stage 1 is byte-deterministic: only LastModified tells a kept unit from a rewritten one, and
     # only once the server's clock has left the second the kept units were written in.

@@ -139,6 +139,7 @@ def test_killed_vllm_run_resumes_keeping_its_finished_shards(
         engine_holds_work,
         "two finished units and a busy engine",
         log,
+        lambda: finished_shards(out),
         also_stop=lambda: marked_pids(SCORER),
         timeout=300,
     )
