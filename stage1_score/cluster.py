@@ -88,8 +88,13 @@ def connect_ray(address: str | None) -> bool:
     # ray.init puts its own SIGTERM handler in place (sys.exit(15)), which skips our unwinding
     # (cleanup, one line, exit 143): a SIGTERM while it starts or joins Ray is handed to the
     # entry point's handler, which is put back after.
+    # A Ray this run starts for itself ends with it: its dashboard (1 s of the start, measured in
+    # benchmarks/bench_stage1_startup.py) would serve nobody. A cluster joined keeps its own; Ray
+    # Client (ray://) would hand the option on to its server's ray.init, so it is left out there.
+    client = (address or os.environ.get("RAY_ADDRESS", "")).startswith("ray://")
+    options = {} if client else {"include_dashboard": False}
     try:
-        ray.init(address=address, logging_level="WARNING")
+        ray.init(address=address, logging_level="WARNING", **options)
     except SystemExit as stop:
         if stop.code == signal.SIGTERM and callable(handler):
             handler(signal.SIGTERM, None)
