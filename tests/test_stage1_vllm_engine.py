@@ -15,14 +15,17 @@ a real `python stage1_score/run.py` that joins it. No engine runs in the pytest 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow.parquet as pq
 import pytest
 
@@ -119,18 +122,38 @@ def test_vllm_cache_equals_the_hf_cache(caches):
     assert record["enforce_eager"] is True and "gpu_memory_utilization" not in record
 
 
+def cluster_pids(*titles: bytes) -> list[int]:
+    """Processes of this test process's Ray cluster whose title starts with one of `titles`: its
+    raylet, started by ray.init here, starts the actors and they their engines, so they descend
+    from this process. Found in the process tree, whatever their environment says."""
+    pids = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(OSError):  # one that ended meanwhile
+            if Path(f"/proc/{child.pid}/cmdline").read_bytes().startswith(titles):
+                pids.append(child.pid)
+    return pids
+
+
 def test_killed_vllm_run_resumes_keeping_its_finished_shards(
     ray_address, teacher, corpus, caches, tmp_path
 ):
     out, log = tmp_path / "cache", tmp_path / "killed.log"
     command = args(teacher, corpus, out, ray_address, "vllm")
     process = start_run(command, log)
+    seen: list[int] = []  # the scorer and engine processes at the kill
+    looks: list[tuple] = []
 
     def engine_holds_work() -> bool:
         """Mid-run (two units finished, so that keeping "one of them" is not enough), with the
         engine up and its scorer inside a unit."""
-        scoring = any(busy(pid) for pid in marked_pids(SCORER))
-        return mid_run(out, 2, NUM_DOCS // DOCS_PER_SHARD) and scoring and bool(marked_pids(ENGINE))
+        scorers, engines = cluster_pids(SCORER), cluster_pids(ENGINE)
+        scoring = any(busy(pid) for pid in scorers)
+        state = (len(finished_shards(out)), scorers, scoring, engines)
+        if not looks or state[1:] != looks[-1][1:]:  # each change, shown if the test fails
+            print(f"finished units, scorers, one inside a unit, engines: {state}")
+        looks.append(state)
+        seen[:] = scorers + engines
+        return mid_run(out, 2, NUM_DOCS // DOCS_PER_SHARD) and scoring and bool(engines)
 
     # The scorer is stopped with the driver, so it is still inside its unit when the kill lands.
     signal_mid_run(
@@ -140,12 +163,18 @@ def test_killed_vllm_run_resumes_keeping_its_finished_shards(
         "two finished units and a busy engine",
         log,
         lambda: finished_shards(out),
-        also_stop=lambda: marked_pids(SCORER),
+        also_stop=lambda: cluster_pids(SCORER),
         timeout=300,
     )
     process.wait(timeout=30)
     # Ray ends the dead driver's actors, and with them their engines: nothing may linger.
     wait_until_gone(SCORER, ENGINE)
+    deadline = time.monotonic() + 60  # the processes seen at the kill, whatever their mark
+    while (
+        alive := [pid for pid in seen if psutil.pid_exists(pid)]
+    ) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive == []
     assert not (out / "manifest.json").exists()  # killed mid-run, not after it
     kept = finished_shards(out)
     assert 2 <= len(kept) < NUM_DOCS // DOCS_PER_SHARD
@@ -156,7 +185,7 @@ def test_killed_vllm_run_resumes_keeping_its_finished_shards(
     print(f"largest |resumed - uninterrupted| loss: {difference:.2e} nats")
     assert difference <= TOLERANCE
     # The run shut its engine down before it returned.
-    assert marked_pids(ENGINE) == []
+    assert marked_pids(ENGINE) == [] and cluster_pids(ENGINE) == []
 
 
 # A plain process (no Ray): vLLM's engine on a window of the teacher's whole context, against HF;
