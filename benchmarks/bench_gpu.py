@@ -1,6 +1,7 @@
 """Both stages at paper scale on one GPU, with no hub: stage 1 (the real job, hf backend) next to a
 bare forward pass for a Qwen2.5-1.5B-like and a 7B-like teacher, and stage 2 (the real trainer)
-for a TinyLlama-1.1B student with --guidance none and token, in one table.
+for a TinyLlama-1.1B student with --guidance none and token, and a row per switch of its GPU
+path, in one table.
 Targets (issue 12): stage 1 >= 0.95 of the bare forward; stage 2 >= 55% MFU, token within 3%
 of none.
 
@@ -21,6 +22,10 @@ What each row measures:
   warm-up pass, then the best of --repeats passes, synchronized; the same scored-token count.
 - stage 2: `stage2_train/train.py` in-process on the first teacher's cache; tokens/s and MFU are the
   median of metrics.jsonl's per-step `tokens_per_second` and `mfu` after the first third of steps.
+- stage 2 switch rows (issue 27): the `token` arm with one of the GPU path's defaults turned off,
+  as a ratio to `token` (`token dense`: `--attention dense`, the [B, 1, T, T] mask, against
+  flex); each is followed by the largest per-step loss difference from `token`, which a switch
+  must leave within rounding.
 MFU: 2 N (forward) or 6 N (training) x tokens/s over the device's peak dense bf16 FLOP/s
 (pipeline/flops.py, NVIDIA datasheets); n/a on a CPU. Peak memory: torch.cuda.max_memory_allocated
 in this process (the bare forward, stage 2), or for stage 1, whose worker is a Ray actor, the
@@ -93,7 +98,13 @@ STAGE1 = {"gpu": (2048, 1024, 16384, 256), "tiny": (128, 64, 512, 8)}
 DEFAULTS = {"gpu": {"docs": 2048, "steps": 12}, "tiny": {"docs": 16, "steps": 4}}
 # stage-2 student preset, seq_len, micro-batch size, micro-batches per step, loader workers
 STAGE2 = {"gpu": ("tinyllama-1.1b", 2048, 4, 4, 2), "tiny": ("llama-tiny", 64, 2, 2, 0)}
-ARMS = ("none", "token")
+# stage-2 rows: (label, options, the row its ratio is taken against). A switch row turns one of
+# the GPU path's defaults off (`--attention auto` is flex on a GPU, dense on a CPU).
+STAGE2_RUNS = (
+    ("none", ("--guidance", "none"), "none"),
+    ("token", ("--guidance", "token"), "none"),
+    ("token dense", ("--guidance", "token", "--attention", "dense"), "token"),
+)
 LOSS_CHECK_DOCS = 4
 
 
@@ -283,9 +294,9 @@ def stage2_rows(args, scratch: Path, device) -> list[Row]:
 
     student, seq_len, micro, accumulation, workers = STAGE2[args.shapes]
     cache = scratch / f"cache-{next(iter(TEACHERS[args.shapes]))}"
-    rows, rates = [], {}
-    for arm in ARMS:
-        out = scratch / f"stage2-{arm}"
+    rows, rates, losses = [], {}, {}
+    for label, options, baseline in STAGE2_RUNS:
+        out = scratch / f"stage2-{label.replace(' ', '-')}"
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         command = [
@@ -293,40 +304,47 @@ def stage2_rows(args, scratch: Path, device) -> list[Row]:
             "--out", str(out), "--max-steps", str(args.steps), "--warmup-steps", "1",
             "--seq-len", str(seq_len), "--micro-batch-size", str(micro),
             "--global-batch-tokens", str(seq_len * micro * accumulation),
-            "--num-workers", str(workers), "--save-every", "1000000", "--guidance", arm,
+            "--num-workers", str(workers), "--save-every", "1000000", *options,
         ]  # fmt: skip
         log = io.StringIO()
         with contextlib.redirect_stderr(log):
             assert train(command) == 0, log.getvalue()
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         steady = records[len(records) // 3 :]
-        rates[arm] = statistics.median(r["tokens_per_second"] for r in steady)
+        rates[label] = statistics.median(r["tokens_per_second"] for r in steady)
+        losses[label] = np.array([r["loss_all"] for r in records])
         utilization = [r["mfu"] for r in steady if r["mfu"] is not None]
         rows.append(
-            Row(f"stage 2 {arm}", student, rates[arm], rates[arm] / rates[ARMS[0]],
+            Row(f"stage 2 {label}", student, rates[label], rates[label] / rates[baseline],
                 statistics.median(utilization) if utilization else None, peak_memory(device))
         )  # fmt: skip
+    # A switch changes speed, not what is trained: the same steps' losses, within bf16 rounding.
+    for label, _, baseline in STAGE2_RUNS[2:]:
+        difference = np.abs(losses[label] - losses[baseline]).max()
+        print(f"stage 2 {label} vs {baseline}: max |loss difference| {difference:.2e} over "
+              f"{len(losses[label])} steps")  # fmt: skip
     return rows
 
 
 def print_table(rows: list[Row], device) -> None:
     name = device_name(device)
     header = (
-        f"{'what':<14} {'model':<18} {'tokens/s':>11} {'ratio':>7} {'MFU':>7} "
+        f"{'what':<19} {'model':<18} {'tokens/s':>11} {'ratio':>7} {'MFU':>7} "
         f"{'peak mem GiB':>12}  device"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
         print(
-            f"{row.what:<14} {row.model:<18} {row.tokens_per_second:>11,.0f} "
+            f"{row.what:<19} {row.model:<18} {row.tokens_per_second:>11,.0f} "
             f"{'' if row.ratio is None else f'{row.ratio:.3f}':>7} "
             f"{'n/a' if row.mfu is None else f'{row.mfu:.1%}':>7} "
             f"{'n/a' if row.peak_bytes is None else f'{row.peak_bytes / 2**30:.2f}':>12}  {name}"
         )
     print(
         "ratio: stage 1 / bare forward of the same teacher; stage 1 +space (--space-logprob) / "
-        "stage 1; stage 2 arm / stage 2 none. Targets: stage 1 >= 0.95, +space >= 0.99 on a "
+        "stage 1; stage 2 arm / stage 2 none; stage 2 token dense / stage 2 token (whose --attention "
+        "auto is flex on a GPU; on a CPU both are dense). Targets: stage 1 >= 0.95, +space >= 0.99 on a "
         "GPU, stage 2 MFU >= 55%, token >= 0.97."
     )
 

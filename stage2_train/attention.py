@@ -1,15 +1,51 @@
 """Document-masked attention for context-true packing. A batch from `--packing documents` carries
 `segment_ids` (one id per document piece, 0 = padding) and `position_ids` (restarting at 0 per
-piece); the student then attends causally within a piece only, through a block-diagonal boolean
-mask [B, 1, T, T] (True = may attend) that transformers passes to SDPA / eager attention as is.
-The mask is built on the device from the segment ids: no host sync. A batch without segment ids
-(`--packing stream`) runs as before: causal attention over the whole window.
+piece); the student then attends causally within a piece only. `--attention` says how:
+
+- dense: a block-diagonal boolean mask [B, 1, T, T] (True = may attend), which transformers hands
+  to SDPA as is. SDPA then leaves its flash kernel, computes the whole square and keeps the mask
+  for the backward pass in every layer: memory that grows with T².
+- flex: PyTorch's `flex_attention` with a `BlockMask` built once per micro-batch from the segment
+  ids: blocks outside every document are skipped, nothing of size T² is kept. PyTorch has no flex
+  backward pass on the CPU, so training with it needs a GPU; its forward runs (compiled) on the
+  CPU, where tests prove it equal to the dense path.
+- auto (default): flex on a GPU, dense elsewhere. The resolved choice is saved with the run.
+
+Both are built on the device from the segment ids: no host sync. A batch without segment ids
+(`--packing stream`) attends causally over the whole window either way.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pipeline.errors import ConfigError
+from stage2_train.parallel import unwrapped
+
+FLEX = "flex_attention"  # transformers' name of the flex implementation
+
+
+def resolve_attention(choice: str, device: torch.device) -> str:
+    """`flex` or `dense` for `--attention` on `device`; flex training on a CPU is refused."""
+    if choice == "auto":
+        return "flex" if device.type == "cuda" else "dense"
+    if choice == "flex" and device.type != "cuda":
+        raise ConfigError(
+            "--attention flex trains on a GPU only (PyTorch's flex_attention has no backward pass "
+            "on the CPU): use --attention dense, or auto"
+        )
+    return choice
+
+
+def use_attention(model: nn.Module, attention: str) -> None:
+    """Switch the student to flex attention when asked (before it is wrapped or compiled)."""
+    if attention != "flex":
+        return
+    try:
+        model.set_attn_implementation(FLEX)
+    except (ValueError, ImportError) as exc:  # an architecture transformers has no flex path for
+        raise ConfigError(f"--attention flex: {exc}; use --attention dense") from None
 
 
 def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -20,13 +56,29 @@ def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+def document_block_mask(segment_ids: torch.Tensor):
+    """The same mask as `document_mask`, as flex_attention's BlockMask. On a GPU its builder is
+    compiled, which never materializes the T x T grid."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(batch, head, query, key):
+        return (segment_ids[batch, query] == segment_ids[batch, key]) & (key <= query)
+
+    size, length = segment_ids.shape
+    return create_block_mask(
+        same_document_causal, size, None, length, length, segment_ids.device,
+        _compile=segment_ids.is_cuda,
+    )  # fmt: skip
+
+
 def student_logits(model: nn.Module, batch: dict, device: torch.device) -> torch.Tensor:
-    """The student's logits for a micro-batch, with the document mask when the batch has one."""
+    """The student's logits for a micro-batch, with the document mask its attention takes when
+    the batch has one."""
     inputs = batch["input_ids"].to(device, non_blocking=True)
     if "segment_ids" not in batch:
         return model(input_ids=inputs).logits
     segments = batch["segment_ids"].to(device, non_blocking=True)
     positions = batch["position_ids"].to(device, non_blocking=True)
-    return model(
-        input_ids=inputs, position_ids=positions, attention_mask=document_mask(segments)
-    ).logits
+    flex = unwrapped(model).config._attn_implementation == FLEX
+    mask = document_block_mask(segments) if flex else document_mask(segments)
+    return model(input_ids=inputs, position_ids=positions, attention_mask=mask).logits

@@ -196,6 +196,12 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
             f"{config.cache} is cache {meta['cache_fingerprint']}: resume with the same cache "
             "or start a new --out"
         )
+    attention = saved.get("resolved_attention", "dense")  # before --attention all was dense
+    if attention != meta["resolved_attention"]:
+        raise ConfigError(
+            f"checkpoint {folder} was trained with {attention} attention, this run would use "
+            f"{meta['resolved_attention']}: resume with --attention {attention}"
+        )
     threads = saved.get("torch_threads")
     if threads is not None and threads != meta["torch_threads"]:
         # CPU kernels split reductions by thread: the run continues correctly, not bit for bit.

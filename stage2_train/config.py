@@ -9,6 +9,7 @@ from pipeline.alignment import DEFAULT_AGGREGATION
 from pipeline.choices import (
     Aggregation,
     AlmMode,
+    Attention,
     ChunkStudentAggregate,
     ComputeDtype,
     GuidanceMode,
@@ -47,6 +48,7 @@ RESUMABLE_CHANGES = frozenset(
         "shard_cache",
         "shard_cache_gib",
         "read_ahead",
+        "attention",  # the resolved attention is checked instead (stage2_train.checkpoint)
     }
 )
 
@@ -136,6 +138,12 @@ class TrainConfig:
         help="documents: whole documents packed best-fit, attention masked at document "
         "boundaries, positions restarting per document (as stage 1 scored them); stream: "
         "documents concatenated and cut into windows, no mask (see docs/packing.md)",
+    )
+    attention: Attention = option(
+        "auto",
+        help="how attention takes --packing documents' mask: flex: PyTorch flex_attention with "
+        "a block mask (no T x T mask; trains on a GPU only); dense: a [B, 1, T, T] boolean mask "
+        "through SDPA; auto: flex on a GPU, dense on a CPU (see docs/packing.md)",
     )
     packing_context: float = option(
         0.5,

@@ -39,7 +39,7 @@ from pipeline.models.hf_tokenizer import save_tokenizer
 from pipeline.models.student import build_student, student_tokenizer_spec
 from pipeline.tokenizer import load_tokenizer
 from pipeline.versions import software_versions
-from stage2_train.attention import student_logits
+from stage2_train.attention import resolve_attention, student_logits, use_attention
 from stage2_train.checkpoint import (
     check_resumable,
     load_checkpoint,
@@ -152,8 +152,10 @@ def _train(
         "cache_fingerprint": cache_fingerprint(manifest),
         "config_fingerprint": config.fingerprint,
         "torch_threads": torch.get_num_threads(),
+        "resolved_attention": resolve_attention(config.attention, runtime.device),
     }
     student = build_student(config.student, tokenizer, config.seed, config.seq_len)
+    use_attention(student, meta["resolved_attention"])
     check_student_fits(config, student.config, runtime.device)
     model = wrap(student, runtime, config.fsdp)
     optimizer = make_optimizer(model, config)

@@ -91,6 +91,9 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         ("bare forward", "qwen2.5-7b-like"),
         ("stage 2 none", "llama-tiny"),
         ("stage 2 token", "llama-tiny"),
+        ("stage 2 token dense", "llama-tiny"),
     ]:
         assert any(line.startswith(what) and model in line for line in out.splitlines()), out
     assert out.count(": passed") == 2 and "FAILED" not in out
+    # On a CPU `--attention auto` is dense too: the switch row trains exactly what `token` does.
+    assert "stage 2 token dense vs token: max |loss difference| 0.00e+00 over 3 steps" in out

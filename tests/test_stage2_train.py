@@ -442,3 +442,28 @@ def test_option_choices_are_the_declared_ones():
     assert typing.get_args(hints["guidance"]) == GUIDANCE_MODES
     assert typing.get_args(hints["loss_normalization"]) == LOSS_NORMALIZATIONS
     assert typing.get_args(hints["chunk_student_aggregate"]) == CHUNK_STUDENT_AGGREGATES
+
+
+def test_flex_training_on_a_cpu_stops_in_one_line_before_writing(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(train_args(cache, out, "--attention", "flex")) == 2
+    assert capsys.readouterr().err.strip().endswith("use --attention dense, or auto")
+    assert not out.exists()
+
+
+def test_the_resolved_attention_is_saved_and_a_resume_must_match_it(
+    cache, uninterrupted, tmp_path, capsys
+):
+    saved = json.loads((uninterrupted / "config.json").read_text())
+    assert (saved["attention"], saved["resolved_attention"]) == ("auto", "dense")
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    checkpoint = out / "checkpoints" / "step-6" / "checkpoint.json"
+    record = json.loads(checkpoint.read_text())
+    assert record["resolved_attention"] == "dense"
+    checkpoint.write_text(json.dumps({**record, "resolved_attention": "flex"}))
+    assert main(train_args(cache, out, *RESUME_ARGS, "--attention", "dense")) == 2
+    assert (
+        "was trained with flex attention, this run would use dense: resume with "
+        "--attention flex" in capsys.readouterr().err
+    )
