@@ -24,10 +24,11 @@ What each row measures:
   median of metrics.jsonl's per-step `tokens_per_second` and `mfu` after the first third of steps.
 - stage 2 switch rows (issue 27): the `token` arm with one of the GPU path's defaults turned off,
   as a ratio to `token` (`token dense`: `--attention dense`, the [B, 1, T, T] mask, against
-  flex); each is followed by the largest per-step loss difference from `token`, which a switch
+  flex; `token plain adamw`: torch's default AdamW against the fused one); each is followed by the largest per-step loss difference from `token`, which a switch
   must leave within rounding.
 MFU: 2 N (forward) or 6 N (training) x tokens/s over the device's peak dense bf16 FLOP/s
-(pipeline/flops.py, NVIDIA datasheets); n/a on a CPU. Peak memory: torch.cuda.max_memory_allocated
+(pipeline/flops.py, NVIDIA datasheets; N without the input embedding; stage 2's over the target
+tokens trained, not padding); n/a on a CPU. Peak memory: torch.cuda.max_memory_allocated
 in this process (the bare forward, stage 2), or for stage 1, whose worker is a Ray actor, the
 device's used memory polled every 0.1 s above what was used before; on a CPU the process's RSS
 high-water mark (resource.getrusage, so it never goes down) and n/a for stage 1.
@@ -59,7 +60,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 from stage1_runs import timed_stage1, write_corpus_slice  # noqa: E402
 
-from pipeline.flops import device_name, device_peak_flops, mfu  # noqa: E402
+from pipeline.flops import device_name, device_peak_flops, flop_parameters, mfu  # noqa: E402
 from pipeline.models.hf_tokenizer import save_tokenizer  # noqa: E402
 from pipeline.scoring.batching import plan_batches  # noqa: E402
 from pipeline.scoring.hf import padded_batch  # noqa: E402
@@ -104,6 +105,7 @@ STAGE2_RUNS = (
     ("none", ("--guidance", "none"), "none"),
     ("token", ("--guidance", "token"), "none"),
     ("token dense", ("--guidance", "token", "--attention", "dense"), "token"),
+    ("token plain adamw", ("--guidance", "token", "--adamw-kernel", "plain"), "token"),
 )
 LOSS_CHECK_DOCS = 4
 
@@ -253,7 +255,7 @@ def stage1_rows(args, scratch: Path, corpus: Path, device, dtype: str) -> tuple[
                 space_rate = sum(timed_stage1([*space_command, "--space-logprob"])[2])
             shutil.rmtree(space_out)
         model = load_teacher_model(resolve_teacher(str(folder)), dtype, str(device))
-        parameters = sum(p.numel() for p in model.parameters())
+        parameters = flop_parameters(model)
         cached = cache_rows(out)
         token_ids = [np.asarray(r["token_ids"], dtype=np.int64) for r in cached]
         batches, scored = device_batches(token_ids, max_length, stride, batch_tokens, device)
@@ -329,22 +331,22 @@ def stage2_rows(args, scratch: Path, device) -> list[Row]:
 def print_table(rows: list[Row], device) -> None:
     name = device_name(device)
     header = (
-        f"{'what':<19} {'model':<18} {'tokens/s':>11} {'ratio':>7} {'MFU':>7} "
+        f"{'what':<25} {'model':<18} {'tokens/s':>11} {'ratio':>7} {'MFU':>7} "
         f"{'peak mem GiB':>12}  device"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
         print(
-            f"{row.what:<19} {row.model:<18} {row.tokens_per_second:>11,.0f} "
+            f"{row.what:<25} {row.model:<18} {row.tokens_per_second:>11,.0f} "
             f"{'' if row.ratio is None else f'{row.ratio:.3f}':>7} "
             f"{'n/a' if row.mfu is None else f'{row.mfu:.1%}':>7} "
             f"{'n/a' if row.peak_bytes is None else f'{row.peak_bytes / 2**30:.2f}':>12}  {name}"
         )
     print(
         "ratio: stage 1 / bare forward of the same teacher; stage 1 +space (--space-logprob) / "
-        "stage 1; stage 2 arm / stage 2 none; stage 2 token dense / stage 2 token (whose --attention "
-        "auto is flex on a GPU; on a CPU both are dense). Targets: stage 1 >= 0.95, +space >= 0.99 on a "
+        "stage 1; stage 2 arm / stage 2 none; a stage 2 switch row / stage 2 token (whose "
+        "defaults are the GPU path's on a GPU, the same as the switch rows' on a CPU). Targets: stage 1 >= 0.95, +space >= 0.99 on a "
         "GPU, stage 2 MFU >= 55%, token >= 0.97."
     )
 

@@ -2,9 +2,11 @@
 
 MFU = model FLOPs per token x tokens/s / the device's peak dense bf16 FLOP/s, with the usual
 approximation of model FLOPs per token: 6 N for a training step (forward 2 N + backward 4 N) and
-2 N for a forward pass, N the number of parameters (the attention's quadratic term is left out, the
-embedding table is counted in). Stage 2's trainer writes it into metrics.jsonl;
-benchmarks/bench_gpu.py prints it for both stages.
+2 N for a forward pass, N the number of parameters that take part in matrix products
+(`flop_parameters`: the input embedding is a table lookup and is left out, unless it is tied to
+the output head; the attention's quadratic term is left out). Stage 2's trainer writes it into
+metrics.jsonl over the target tokens it trained on, and over every computed slot (padding and
+re-read context included) beside it; benchmarks/bench_gpu.py prints it for both stages.
 
 Peak figures are NVIDIA's datasheets, dense (no 2:4 sparsity) bf16 tensor-core FLOP/s: H100 SXM
 989.4 TFLOP/s and H100 PCIe 756 (H100 Tensor Core GPU datasheet), H200 989.4 (H200 datasheet,
@@ -17,6 +19,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import nn
 
 # Matched in order against torch.cuda.get_device_name(): the first substring found wins.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
@@ -63,6 +66,15 @@ def mfu(
     return per_token * parameters * tokens_per_second / peak
 
 
+def flop_parameters(model: nn.Module) -> int:
+    """N of the 6 N rule for a transformers causal LM: its parameters less the input embedding,
+    whose lookup costs no FLOPs; a tied embedding is the output head's matrix and stays in."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    return total if head is not None and head.weight is embedding else total - embedding.numel()
+
+
 class StepRate:
     """Tokens/s and MFU of each logged training step, by wall time since the previous call (or
     since construction): host arithmetic on numbers the caller already has, never a device sync."""
@@ -72,9 +84,17 @@ class StepRate:
         self.peak = device_peak_flops(device)
         self.last = time.monotonic()
 
-    def fields(self, tokens: int) -> dict:
-        """{"tokens_per_second", "mfu"} for `tokens` processed since the previous call."""
+    def fields(self, tokens: int, slots: int) -> dict:
+        """Per second since the previous call, with its MFU: `tokens`, the target tokens trained
+        on (`tokens_per_second`, `mfu`), and `slots`, every position computed, padding and
+        re-read context included (`slot_tokens_per_second`, `slot_mfu`)."""
         now = time.monotonic()
-        rate = tokens / max(now - self.last, 1e-9)
+        seconds = max(now - self.last, 1e-9)
         self.last = now
-        return {"tokens_per_second": rate, "mfu": mfu(self.parameters, rate, self.peak)}
+        rate, slot_rate = tokens / seconds, slots / seconds
+        return {
+            "tokens_per_second": rate,
+            "mfu": mfu(self.parameters, rate, self.peak),
+            "slot_tokens_per_second": slot_rate,
+            "slot_mfu": mfu(self.parameters, slot_rate, self.peak),
+        }

@@ -6,7 +6,8 @@ A step folder holds:
   rank-R.pt        rank R's RNG states and its data consumers' positions (stage2_train.data)
   trainer.pt       the learning-rate scheduler
   config.json      the run's TrainConfig
-  checkpoint.json  step, world size, workers per rank, cache and config fingerprints
+  checkpoint.json  step, world size, workers per rank, cache and config fingerprints, and what
+                   the device-dependent options resolved to (`resolved_options`)
   COMPLETE         written last
 Everything is written into `.step-N.partial/`, flushed, and renamed: a crash mid-save leaves no
 step-N folder, and the previous checkpoint stays the newest complete one.
@@ -38,10 +39,12 @@ from pipeline.config import from_dict, to_dict
 from pipeline.differences import setting_differences
 from pipeline.errors import CacheError, ConfigError
 from pipeline.io import atomic_write_json, atomic_write_text, fsync_file, publish_folder
+from stage2_train.attention import resolve_attention
 from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
+from stage2_train.schedule import resolve_adamw_kernel
 
 MARKER = "COMPLETE"
 CHECKPOINTS = "checkpoints"
@@ -186,6 +189,21 @@ LEGACY_SETTINGS = {
     "packing_context": 0.5,
 }
 
+# Options whose `auto` depends on the device: how each resolves, and what every run used before
+# the option existed. What they resolve to is saved with the run and must not change on resume.
+DEVICE_DEPENDENT = {
+    "attention": (resolve_attention, "dense"),
+    "adamw_kernel": (resolve_adamw_kernel, "plain"),
+}
+
+
+def resolved_options(config: TrainConfig, device: torch.device) -> dict[str, str]:
+    """{"resolved_attention": "flex", ...}: the device-dependent options as this run uses them."""
+    return {
+        f"resolved_{name}": resolve(getattr(config, name), device)
+        for name, (resolve, _) in DEVICE_DEPENDENT.items()
+    }
+
 
 def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
     """Refuse a checkpoint this run cannot continue exactly; returns its step."""
@@ -196,12 +214,14 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
             f"{config.cache} is cache {meta['cache_fingerprint']}: resume with the same cache "
             "or start a new --out"
         )
-    attention = saved.get("resolved_attention", "dense")  # before --attention all was dense
-    if attention != meta["resolved_attention"]:
-        raise ConfigError(
-            f"checkpoint {folder} was trained with {attention} attention, this run would use "
-            f"{meta['resolved_attention']}: resume with --attention {attention}"
-        )
+    for option, (_, before) in DEVICE_DEPENDENT.items():
+        used = saved.get(f"resolved_{option}", before)
+        if used != meta[f"resolved_{option}"]:
+            flag = f"--{option.replace('_', '-')}"
+            raise ConfigError(
+                f"checkpoint {folder} was trained with {flag} {used}, this run would use "
+                f"{meta[f'resolved_{option}']}: resume with {flag} {used}"
+            )
     threads = saved.get("torch_threads")
     if threads is not None and threads != meta["torch_threads"]:
         # CPU kernels split reductions by thread: the run continues correctly, not bit for bit.

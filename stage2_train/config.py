@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pipeline.alignment import DEFAULT_AGGREGATION
 from pipeline.choices import (
+    AdamwKernel,
     Aggregation,
     AlmMode,
     Attention,
@@ -48,7 +49,9 @@ RESUMABLE_CHANGES = frozenset(
         "shard_cache",
         "shard_cache_gib",
         "read_ahead",
-        "attention",  # the resolved attention is checked instead (stage2_train.checkpoint)
+        # what these resolved to on the device is checked instead (stage2_train.checkpoint)
+        "attention",
+        "adamw_kernel",
     }
 )
 
@@ -172,6 +175,12 @@ class TrainConfig:
     weight_decay: float = option(0.1, help="AdamW weight decay (not applied to norms and biases)")
     adam_beta1: float = option(0.9, help="AdamW beta1")
     adam_beta2: float = option(0.95, help="AdamW beta2")
+    adamw_kernel: AdamwKernel = option(
+        "auto",
+        help="torch's AdamW implementation: fused (one kernel updates every parameter), plain "
+        "(torch's default: foreach on a GPU, a loop over parameters on a CPU), auto: fused on "
+        "a GPU, plain on a CPU; the same update up to float rounding (docs/gpu-path.md)",
+    )
     grad_clip: float = option(1.0, help="clip the global gradient norm to this (0: no clipping)")
     num_workers: int = option(
         2,

@@ -19,11 +19,24 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; matrices decay, norms and biases do not."""
+def resolve_adamw_kernel(choice: str, device: torch.device) -> str:
+    """`fused` or `plain` for `--adamw-kernel` on `device`."""
+    if choice == "auto":
+        return "fused" if device.type == "cuda" else "plain"
+    return choice
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig, kernel: str) -> torch.optim.AdamW:
+    """AdamW; matrices decay, norms and biases do not. `kernel` (resolve_adamw_kernel): fused is
+    torch's one-launch kernel; plain leaves torch its default."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2))
+    return torch.optim.AdamW(
+        groups,
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        fused=True if kernel == "fused" else None,
+    )

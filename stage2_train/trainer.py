@@ -31,7 +31,7 @@ from pipeline.config import to_dict
 from pipeline.cross_entropy import IGNORE_INDEX
 from pipeline.distillation import Distillation, student_token_loss, vocabulary_subset_on
 from pipeline.errors import StoppedBySignal
-from pipeline.flops import StepRate
+from pipeline.flops import StepRate, flop_parameters
 from pipeline.guidance import guided_loss, loss_denominator, mapped_tokens
 from pipeline.io import atomic_write_json, staged_folder
 from pipeline.metrics import METRICS_NAME
@@ -39,10 +39,11 @@ from pipeline.models.hf_tokenizer import save_tokenizer
 from pipeline.models.student import build_student, student_tokenizer_spec
 from pipeline.tokenizer import load_tokenizer
 from pipeline.versions import software_versions
-from stage2_train.attention import resolve_attention, student_logits, use_attention
+from stage2_train.attention import student_logits, use_attention
 from stage2_train.checkpoint import (
     check_resumable,
     load_checkpoint,
+    resolved_options,
     resume_from,
     save_checkpoint,
 )
@@ -152,13 +153,13 @@ def _train(
         "cache_fingerprint": cache_fingerprint(manifest),
         "config_fingerprint": config.fingerprint,
         "torch_threads": torch.get_num_threads(),
-        "resolved_attention": resolve_attention(config.attention, runtime.device),
+        **resolved_options(config, runtime.device),
     }
     student = build_student(config.student, tokenizer, config.seed, config.seq_len)
     use_attention(student, meta["resolved_attention"])
     check_student_fits(config, student.config, runtime.device)
     model = wrap(student, runtime, config.fsdp)
-    optimizer = make_optimizer(model, config)
+    optimizer = make_optimizer(model, config, meta["resolved_adamw_kernel"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda index: lr_at(index + 1, config) / config.lr
     )
@@ -181,7 +182,7 @@ def _train(
         metrics = JsonLines(config.out / METRICS_NAME, start_step)
         writer = SummaryWriter(str(config.out / "tensorboard"), purge_step=start_step + 1)
         parameters = sum(p.numel() for p in unwrapped(model).parameters())
-        step_rate = StepRate(parameters, runtime.device)  # tokens/s and MFU in metrics.jsonl
+        step_rate = StepRate(flop_parameters(unwrapped(model)), runtime.device)
         print(
             f"stage 2: {parameters / 1e6:.2f}M-parameter student, {runtime.world_size} rank(s) x "
             f"{accumulation} micro-batch(es) of {config.micro_batch_size} x {config.seq_len} "
@@ -192,11 +193,8 @@ def _train(
     subset = vocabulary_subset_on(distillation, runtime.device)  # e.g. ALM's student space mask
     if config.record_documents:
         documents = JsonLines(config.out / "documents" / f"rank-{runtime.rank}.jsonl", start_step)
-    stream = batches(
-        make_loader(
-            plan, runtime.rank, data_state, start_step * accumulation, runtime.device.type == "cuda"
-        )
-    )
+    pin = runtime.device.type == "cuda"  # page-locked batches for asynchronous copies
+    stream = batches(make_loader(plan, runtime.rank, data_state, start_step * accumulation, pin))
     progress = tqdm(
         total=stop_step,
         initial=start_step,
@@ -306,7 +304,8 @@ def _train(
                 {"step": step, "documents": [d for b in micro_batches for d in b["documents"]]}
             )
         if runtime.is_main:
-            metrics.append({**record, **step_rate.fields(config.global_batch_tokens)})
+            rates = step_rate.fields(int(valid_count), config.global_batch_tokens)
+            metrics.append({**record, **rates})
             for key in (*METRIC_KEYS, "lr", "grad_norm"):
                 writer.add_scalar(f"train/{key}", record[key], step)
             rate = step_tokens / max(time.monotonic() - started, 1e-9)

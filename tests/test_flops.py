@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.flops import StepRate, device_peak_flops, mfu, peak_flops
+from pipeline.flops import StepRate, device_peak_flops, flop_parameters, mfu, peak_flops
 
 
 @pytest.mark.parametrize(
@@ -31,9 +31,29 @@ def test_mfu_is_6n_for_training_and_2n_for_a_forward_and_none_without_a_peak():
     assert device_peak_flops("cpu") is None
 
 
-def test_step_rate_counts_wall_time_since_the_previous_step(monkeypatch):
-    clock = iter([10.0, 12.0, 12.5])
+def test_step_rate_counts_wall_time_since_the_previous_step_for_targets_and_slots(monkeypatch):
+    clock = iter([10.0, 12.0, 12.5, 13.5])
     monkeypatch.setattr("pipeline.flops.time.monotonic", lambda: next(clock))
     rate = StepRate(1000, "cpu")
-    assert rate.fields(200) == {"tokens_per_second": pytest.approx(100.0), "mfu": None}
-    assert rate.fields(200)["tokens_per_second"] == pytest.approx(400.0)
+    assert rate.fields(150, 200) == {
+        "tokens_per_second": pytest.approx(75.0),
+        "mfu": None,
+        "slot_tokens_per_second": pytest.approx(100.0),
+        "slot_mfu": None,
+    }
+    assert rate.fields(200, 200)["tokens_per_second"] == pytest.approx(400.0)
+    rate.peak = 1e6  # a device with a peak: MFU is 6 N x rate / peak for each count
+    fields = rate.fields(1, 2)
+    assert fields["mfu"] == pytest.approx(6 * 1000 * fields["tokens_per_second"] / 1e6)
+    assert fields["slot_mfu"] == pytest.approx(2 * fields["mfu"])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_flop_parameters_leave_out_the_input_embedding_unless_it_is_the_head(tied):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, tie_word_embeddings=tied)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    body = sum(p.numel() for p in model.model.layers.parameters()) + 32  # + the final norm
+    assert flop_parameters(model) == body + 1000 * 32  # the head's matrix, once

@@ -77,7 +77,11 @@ def test_metrics_and_final_model(uninterrupted, cache):
         assert 0.4 <= r["kept_fraction"] < 0.6  # top 40% of mapped + the few unmapped (EOS, BOS)
         assert 0.9 < r["mapped_fraction"] <= 1.0
     assert records[0]["lr"] == pytest.approx(1e-3) and records[-1]["lr"] == pytest.approx(1e-4)
-    assert all(r["tokens_per_second"] > 0 and r["mfu"] is None for r in records)  # None on CPU
+    for r in records:  # rates over the step's target tokens, and over its 64 slots beside them
+        targets = 64 * r["tokens_per_second"] / r["slot_tokens_per_second"]
+        assert targets == pytest.approx(round(targets)) and 0 < round(targets) <= 64
+        assert r["mfu"] is None and r["slot_mfu"] is None  # None on a CPU
+    assert any(r["tokens_per_second"] < r["slot_tokens_per_second"] for r in records)  # padding
 
     final = uninterrupted / "final"
     model = AutoModelForCausalLM.from_pretrained(final)
@@ -456,6 +460,7 @@ def test_the_resolved_attention_is_saved_and_a_resume_must_match_it(
 ):
     saved = json.loads((uninterrupted / "config.json").read_text())
     assert (saved["attention"], saved["resolved_attention"]) == ("auto", "dense")
+    assert (saved["adamw_kernel"], saved["resolved_adamw_kernel"]) == ("auto", "plain")
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)
     checkpoint = out / "checkpoints" / "step-6" / "checkpoint.json"
@@ -464,6 +469,27 @@ def test_the_resolved_attention_is_saved_and_a_resume_must_match_it(
     checkpoint.write_text(json.dumps({**record, "resolved_attention": "flex"}))
     assert main(train_args(cache, out, *RESUME_ARGS, "--attention", "dense")) == 2
     assert (
-        "was trained with flex attention, this run would use dense: resume with "
+        "was trained with --attention flex, this run would use dense: resume with "
         "--attention flex" in capsys.readouterr().err
     )
+
+
+def test_the_fused_adamw_kernel_trains_what_the_plain_one_does(cache, uninterrupted, tmp_path):
+    """--adamw-kernel fused (auto's choice on a GPU) on the CPU: the same per-step losses as the
+    plain run within float rounding, and the optimizer really is torch's fused one."""
+    from pipeline.models.student import build_student
+    from pipeline.tokenizer import load_tokenizer
+    from stage2_train.schedule import make_optimizer
+
+    config = parse_train_config(train_args(cache, tmp_path / "unused"))
+    model = build_student("llama-tiny", load_tokenizer("tinyllama"), 0, 32)
+    assert make_optimizer(model, config, "fused").defaults["fused"] is True
+    assert not make_optimizer(model, config, "plain").defaults["fused"]
+    out = tmp_path / "fused"
+    assert main(train_args(cache, out, *RESUME_ARGS, "--adamw-kernel", "fused")) == 0
+    fused, plain = read_metrics(out), read_metrics(uninterrupted)
+    assert [r["step"] for r in fused] == [r["step"] for r in plain]
+    for ours, theirs in zip(fused, plain, strict=True):
+        for key in ("loss", "loss_all", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (key, ours, theirs)
+
