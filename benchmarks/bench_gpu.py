@@ -24,7 +24,9 @@ What each row measures:
   median of metrics.jsonl's per-step `tokens_per_second` and `mfu` after the first third of steps.
 - stage 2 switch rows (issue 27): the `token` arm with one of the GPU path's defaults turned off,
   as a ratio to `token` (`token dense`: `--attention dense`, the [B, 1, T, T] mask, against
-  flex; `token plain adamw`: torch's default AdamW against the fused one); each is followed by the largest per-step loss difference from `token`, which a switch
+  flex; `token plain adamw`: torch's default AdamW against the fused one; `token eager`: no
+  torch.compile of the decoder layers; `token plain loss`: the loss from the whole micro-batch's
+  logits against the chunked one); each is followed by the largest per-step loss difference from `token`, which a switch
   must leave within rounding.
 MFU: 2 N (forward) or 6 N (training) x tokens/s over the device's peak dense bf16 FLOP/s
 (pipeline/flops.py, NVIDIA datasheets; N without the input embedding; stage 2's over the target
@@ -106,6 +108,8 @@ STAGE2_RUNS = (
     ("token", ("--guidance", "token"), "none"),
     ("token dense", ("--guidance", "token", "--attention", "dense"), "token"),
     ("token plain adamw", ("--guidance", "token", "--adamw-kernel", "plain"), "token"),
+    ("token eager", ("--guidance", "token", "--compile", "off"), "token"),
+    ("token plain loss", ("--guidance", "token", "--loss-kernel", "plain"), "token"),
 )
 LOSS_CHECK_DOCS = 4
 

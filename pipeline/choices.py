@@ -26,6 +26,8 @@ LossDtype = Literal["float16", "float32"]
 Packing = Literal["documents", "stream"]  # stage 2: how documents fill training sequences
 Attention = Literal["auto", "flex", "dense"]  # stage 2: how the document mask reaches attention
 AdamwKernel = Literal["auto", "fused", "plain"]  # stage 2: torch's AdamW implementation
+CompileStudent = Literal["auto", "layers", "off"]  # stage 2: torch.compile of the student
+LossKernel = Literal["auto", "chunked", "plain"]  # stage 2: how the per-token loss is computed
 # stage 2 --guidance alm: tokenkit's alm_mode values (merge chunks by the teacher's space
 # probability, append each side's space log-probability), naive = neither
 AlmMode = Literal[

@@ -71,14 +71,21 @@ def document_block_mask(segment_ids: torch.Tensor):
     )  # fmt: skip
 
 
-def student_logits(model: nn.Module, batch: dict, device: torch.device) -> torch.Tensor:
-    """The student's logits for a micro-batch, with the document mask its attention takes when
-    the batch has one."""
-    inputs = batch["input_ids"].to(device, non_blocking=True)
+def model_inputs(model: nn.Module, batch: dict, device: torch.device) -> dict:
+    """The student's inputs for a micro-batch on `device`: with the document mask its attention
+    takes, and restarted positions, when the batch has segment ids."""
+    inputs = {"input_ids": batch["input_ids"].to(device, non_blocking=True)}
     if "segment_ids" not in batch:
-        return model(input_ids=inputs).logits
+        return inputs
     segments = batch["segment_ids"].to(device, non_blocking=True)
-    positions = batch["position_ids"].to(device, non_blocking=True)
     flex = unwrapped(model).config._attn_implementation == FLEX
-    mask = document_block_mask(segments) if flex else document_mask(segments)
-    return model(input_ids=inputs, position_ids=positions, attention_mask=mask).logits
+    return {
+        **inputs,
+        "position_ids": batch["position_ids"].to(device, non_blocking=True),
+        "attention_mask": document_block_mask(segments) if flex else document_mask(segments),
+    }
+
+
+def student_logits(model: nn.Module, batch: dict, device: torch.device) -> torch.Tensor:
+    """The student's logits for a micro-batch."""
+    return model(**model_inputs(model, batch, device)).logits

@@ -44,6 +44,8 @@ from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
+from stage2_train.forward import resolve_loss_kernel
+from stage2_train.parallel import resolve_compile
 from stage2_train.schedule import resolve_adamw_kernel
 
 MARKER = "COMPLETE"
@@ -189,19 +191,23 @@ LEGACY_SETTINGS = {
     "packing_context": 0.5,
 }
 
-# Options whose `auto` depends on the device: how each resolves, and what every run used before
+# Options whose `auto` depends on the device (and the student), and what every run used before
 # the option existed. What they resolve to is saved with the run and must not change on resume.
-DEVICE_DEPENDENT = {
-    "attention": (resolve_attention, "dense"),
-    "adamw_kernel": (resolve_adamw_kernel, "plain"),
+RESOLVED_BEFORE = {
+    "attention": "dense",
+    "adamw_kernel": "plain",
+    "compile": "off",
+    "loss_kernel": "plain",
 }
 
 
-def resolved_options(config: TrainConfig, device: torch.device) -> dict[str, str]:
-    """{"resolved_attention": "flex", ...}: the device-dependent options as this run uses them."""
+def resolved_options(config: TrainConfig, student: nn.Module, device: torch.device) -> dict:
+    """{"resolved_attention": "flex", ...}: each of RESOLVED_BEFORE as this run uses it."""
     return {
-        f"resolved_{name}": resolve(getattr(config, name), device)
-        for name, (resolve, _) in DEVICE_DEPENDENT.items()
+        "resolved_attention": resolve_attention(config.attention, device),
+        "resolved_adamw_kernel": resolve_adamw_kernel(config.adamw_kernel, device),
+        "resolved_compile": resolve_compile(config.compile, device),
+        "resolved_loss_kernel": resolve_loss_kernel(config, student, device),
     }
 
 
@@ -214,7 +220,7 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
             f"{config.cache} is cache {meta['cache_fingerprint']}: resume with the same cache "
             "or start a new --out"
         )
-    for option, (_, before) in DEVICE_DEPENDENT.items():
+    for option, before in RESOLVED_BEFORE.items():
         used = saved.get(f"resolved_{option}", before)
         if used != meta[f"resolved_{option}"]:
             flag = f"--{option.replace('_', '-')}"

@@ -12,8 +12,10 @@ from pipeline.choices import (
     AlmMode,
     Attention,
     ChunkStudentAggregate,
+    CompileStudent,
     ComputeDtype,
     GuidanceMode,
+    LossKernel,
     LossNormalization,
     Packing,
     SelectionScope,
@@ -52,6 +54,8 @@ RESUMABLE_CHANGES = frozenset(
         # what these resolved to on the device is checked instead (stage2_train.checkpoint)
         "attention",
         "adamw_kernel",
+        "compile",
+        "loss_kernel",
     }
 )
 
@@ -141,6 +145,19 @@ class TrainConfig:
         help="documents: whole documents packed best-fit, attention masked at document "
         "boundaries, positions restarting per document (as stage 1 scored them); stream: "
         "documents concatenated and cut into windows, no mask (see docs/packing.md)",
+    )
+    loss_kernel: LossKernel = option(
+        "auto",
+        help="chunked: the per-token loss from the last hidden states and the head's weight in "
+        "row chunks, never the whole micro-batch's logits (Llama, Mistral, Qwen2/3 students; "
+        "not with a distillation mode or --fsdp); plain: the model's logits, then the loss; "
+        "auto: chunked on a GPU where it applies (docs/gpu-path.md)",
+    )
+    compile: CompileStudent = option(
+        "auto",
+        help="layers: torch.compile each decoder layer of the student (norms, RoPE, MLP fused; "
+        "tens of seconds of compiling at the first step); off: eager; auto: layers on a GPU, "
+        "off on a CPU (docs/gpu-path.md)",
     )
     attention: Attention = option(
         "auto",

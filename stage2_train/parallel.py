@@ -1,5 +1,6 @@
-"""Put the student on this rank's device and wrap it for data parallelism (DDP or FSDP2), plus
-the few helpers the loop needs around the wrapper: gradient-sync control, autocast, full state."""
+"""Put the student on this rank's device, compile its layers, and wrap it for data parallelism
+(DDP or FSDP2), plus the few helpers the loop needs around the wrapper: gradient-sync control,
+autocast, full state."""
 
 from __future__ import annotations
 
@@ -12,9 +13,38 @@ from pipeline.errors import ConfigError
 from stage2_train.distributed import Runtime
 
 
-def wrap(model: nn.Module, runtime: Runtime, fsdp: bool) -> nn.Module:
-    """Move to the device; DDP across ranks, or FSDP (per decoder layer, then the root)."""
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """A transformers causal LM's decoder layers (model.model.layers), or [] for another shape."""
+    return list(getattr(getattr(model, "model", None), "layers", []))
+
+
+def resolve_compile(choice: str, device: torch.device) -> str:
+    """`layers` or `off` for `--compile` on `device`."""
+    if choice == "auto":
+        return "layers" if device.type == "cuda" else "off"
+    return choice
+
+
+def compile_layers(model: nn.Module, compile_student: str) -> None:
+    """torch.compile each decoder layer in place (before wrapping, as torchtitan orders it): the
+    layers are where norms, RoPE and the MLP fuse, and the model's own mask and loss code around
+    them stays eager, so no graph breaks per step. In place, the state dict keeps its names."""
+    if compile_student == "off":
+        return
+    layers = decoder_layers(model)
+    if not layers:
+        raise ConfigError(
+            "--compile layers: the student has no decoder layers at model.layers; use --compile off"
+        )
+    for layer in layers:
+        layer.compile()
+
+
+def wrap(model: nn.Module, runtime: Runtime, fsdp: bool, compile_student: str) -> nn.Module:
+    """Move to the device, compile its layers if asked (`resolve_compile`); DDP across ranks, or
+    FSDP (per decoder layer, then the root)."""
     model = model.to(runtime.device)
+    compile_layers(model, compile_student)
     if fsdp:
         if not runtime.distributed:
             raise ConfigError(
@@ -23,7 +53,7 @@ def wrap(model: nn.Module, runtime: Runtime, fsdp: bool) -> nn.Module:
             )
         from torch.distributed.fsdp import fully_shard
 
-        for layer in getattr(getattr(model, "model", None), "layers", []):
+        for layer in decoder_layers(model):
             fully_shard(layer)
         return fully_shard(model)
     if runtime.distributed:

@@ -29,7 +29,7 @@ from torch import nn
 from pipeline.cache.manifest import load_manifest
 from pipeline.config import to_dict
 from pipeline.cross_entropy import IGNORE_INDEX
-from pipeline.distillation import Distillation, student_token_loss, vocabulary_subset_on
+from pipeline.distillation import Distillation, vocabulary_subset_on
 from pipeline.errors import StoppedBySignal
 from pipeline.flops import StepRate, flop_parameters
 from pipeline.guidance import guided_loss, loss_denominator, mapped_tokens
@@ -39,7 +39,7 @@ from pipeline.models.hf_tokenizer import save_tokenizer
 from pipeline.models.student import build_student, student_tokenizer_spec
 from pipeline.tokenizer import load_tokenizer
 from pipeline.versions import software_versions
-from stage2_train.attention import student_logits, use_attention
+from stage2_train.attention import use_attention
 from stage2_train.checkpoint import (
     check_resumable,
     load_checkpoint,
@@ -53,6 +53,7 @@ from stage2_train.data.loader import batches, make_loader
 from stage2_train.data.plan import DataPlan, cache_fingerprint
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
+from stage2_train.forward import student_forward
 from stage2_train.output import check_output_is_a_run, hold_output
 from stage2_train.parallel import autocast, full_state_dict, gradient_sync, unwrapped, wrap
 from stage2_train.preflight import (
@@ -153,12 +154,12 @@ def _train(
         "cache_fingerprint": cache_fingerprint(manifest),
         "config_fingerprint": config.fingerprint,
         "torch_threads": torch.get_num_threads(),
-        **resolved_options(config, runtime.device),
     }
     student = build_student(config.student, tokenizer, config.seed, config.seq_len)
+    meta |= resolved_options(config, student, runtime.device)
     use_attention(student, meta["resolved_attention"])
     check_student_fits(config, student.config, runtime.device)
-    model = wrap(student, runtime, config.fsdp)
+    model = wrap(student, runtime, config.fsdp, meta["resolved_compile"])
     optimizer = make_optimizer(model, config, meta["resolved_adamw_kernel"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda index: lr_at(index + 1, config) / config.lr
@@ -239,9 +240,10 @@ def _train(
             labels = batch["labels"].to(runtime.device, non_blocking=True)
             teacher = batch["teacher_loss"].to(runtime.device, non_blocking=True)
             with gradient_sync(model, micro == accumulation - 1):
-                with compute:
-                    logits = student_logits(model, batch, runtime.device)
-                student_loss, subset_logprob = student_token_loss(logits, labels, subset)
+                kernel = meta["resolved_loss_kernel"]
+                logits, student_loss, subset_logprob = student_forward(
+                    model, batch, labels, subset, compute, kernel, runtime.device
+                )
                 result = guided_loss(
                     student_loss,
                     teacher,

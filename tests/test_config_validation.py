@@ -287,12 +287,12 @@ def test_every_configuration_dataclass_is_walked():
 
 
 def test_a_checkpoints_saved_config_is_read_through_the_same_checks(tmp_path):
-    from stage2_train.checkpoint import check_resumable
+    from stage2_train.checkpoint import RESOLVED_BEFORE, check_resumable
 
     config = from_dict(TrainConfig, {"cache": "c", "student": "s", "out": "o", "max_steps": 10,
                                      "warmup_steps": 1})  # fmt: skip
     meta = {"cache_fingerprint": "f", "world_size": 1, "workers_per_rank": 0, "torch_threads": 1,
-            "resolved_attention": "dense", "resolved_adamw_kernel": "plain"}  # fmt: skip
+            **{f"resolved_{name}": value for name, value in RESOLVED_BEFORE.items()}}  # fmt: skip
     folder = tmp_path / "step-3"
     folder.mkdir()
     (folder / "checkpoint.json").write_text(json.dumps({"step": 3, **meta}))

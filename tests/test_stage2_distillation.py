@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from pipeline.cross_entropy import IGNORE_INDEX
 from pipeline.distillation.topk import IDS, PROBS, REST
-from stage2_train import trainer
+from stage2_train import forward as student_forward
 from stage2_train.train import main
 from tests.cache_fixtures import build_cache
 from tests.stage2_runs import read_metrics, train_args
@@ -61,7 +61,7 @@ class Run:
 def train_watching_step_1(argv: list[str]) -> Run:
     """`main(argv)` in-process, with a hook on the logits of the trainer's first forward pass."""
     seen = {}
-    forward = trainer.student_logits
+    forward = student_forward.student_logits
 
     def watched(model, batch, device):
         logits = forward(model, batch, device)
@@ -71,7 +71,7 @@ def train_watching_step_1(argv: list[str]) -> Run:
         return logits
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trainer, "student_logits", watched)
+        patch.setattr(student_forward, "student_logits", watched)
         assert main(argv) == 0
     out = Path(argv[argv.index("--out") + 1])
     return Run(out, seen["batch"], seen["logits"], seen["grad"])

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -461,6 +462,8 @@ def test_the_resolved_attention_is_saved_and_a_resume_must_match_it(
     saved = json.loads((uninterrupted / "config.json").read_text())
     assert (saved["attention"], saved["resolved_attention"]) == ("auto", "dense")
     assert (saved["adamw_kernel"], saved["resolved_adamw_kernel"]) == ("auto", "plain")
+    assert (saved["compile"], saved["resolved_compile"]) == ("auto", "off")
+    assert (saved["loss_kernel"], saved["resolved_loss_kernel"]) == ("auto", "plain")
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)
     checkpoint = out / "checkpoints" / "step-6" / "checkpoint.json"
@@ -493,3 +496,52 @@ def test_the_fused_adamw_kernel_trains_what_the_plain_one_does(cache, uninterrup
         for key in ("loss", "loss_all", "grad_norm"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (key, ours, theirs)
 
+
+def test_a_compiled_run_trains_what_eager_does_and_resumes_bit_for_bit(
+    cache, uninterrupted, tmp_path
+):
+    """--compile layers (auto's choice on a GPU) on the CPU: per-step losses as the eager run's
+    within float reassociation, and stopped at step 3 and resumed it equals its uninterrupted
+    self exactly (each process compiles the same kernels)."""
+    from torch._dynamo.utils import counters
+
+    compiled, resumed = tmp_path / "compiled", tmp_path / "resumed"
+    started, frames = time.monotonic(), counters["frames"]["ok"]
+    assert main(train_args(cache, compiled, *RESUME_ARGS, "--compile", "layers")) == 0
+    print(f"compiled run, compiling included: {time.monotonic() - started:.1f} s")
+    assert counters["frames"]["ok"] > frames  # dynamo compiled the layers, not ran them eagerly
+    assert json.loads((compiled / "config.json").read_text())["resolved_compile"] == "layers"
+    for ours, theirs in zip(read_metrics(compiled), read_metrics(uninterrupted), strict=True):
+        for key in ("loss", "loss_all", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4), (key, ours, theirs)
+    command = train_args(cache, resumed, *RESUME_ARGS, "--compile", "layers")
+    assert main([*command, "--stop-at-step", "3"]) == 0
+    assert main(command) == 0
+    assert read_metrics(resumed) == read_metrics(compiled)
+
+
+def test_the_chunked_loss_trains_what_the_full_logits_do(cache, uninterrupted, tmp_path, capsys):
+    """--loss-kernel chunked (auto's choice on a GPU) on the CPU: the run's per-step losses and
+    gradient norms as the plain run's, within float32 rounding; where it cannot apply (--fsdp, a
+    distillation term) it is refused in one line."""
+    from pipeline.models.student import build_student
+    from pipeline.tokenizer import load_tokenizer
+    from stage2_train.forward import chunked_loss_blocker
+
+    out = tmp_path / "chunked"
+    assert main(train_args(cache, out, *RESUME_ARGS, "--loss-kernel", "chunked")) == 0
+    assert json.loads((out / "config.json").read_text())["resolved_loss_kernel"] == "chunked"
+    for ours, theirs in zip(read_metrics(out), read_metrics(uninterrupted), strict=True):
+        for key in ("loss", "loss_all", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (key, ours, theirs)
+    capsys.readouterr()
+    refused = tmp_path / "refused"
+    assert main(train_args(cache, refused, "--loss-kernel", "chunked", "--fsdp")) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--loss-kernel chunked: --fsdp shards the head's weight outside the model's forward "
+        "pass; use --loss-kernel plain"
+    )
+    assert not refused.exists()
+    uld = parse_train_config(train_args(cache, refused, "--guidance", "uld"))
+    model = build_student("llama-tiny", load_tokenizer("tinyllama"), 0, 32)
+    assert "reads the student's whole logits" in chunked_loss_blocker(uld, model)
