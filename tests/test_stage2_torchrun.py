@@ -71,6 +71,9 @@ def torchrun(
     )
 
 
+FAST_PATHS = ("--compile", "layers", "--loss-kernel", "chunked", "--adamw-kernel", "fused")
+
+
 def finish(process: subprocess.Popen) -> None:
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
@@ -96,11 +99,14 @@ def runs(tmp_path_factory) -> dict:
     build_cache(cache, documents=documents, docs_per_shard=3, teacher=fake_teacher(teacher))
     audited = audited_env(root)
     whole, parts, sharded = root / "whole", root / "parts", root / "fsdp"
-    # The uninterrupted run, the first half of the stopped one and an FSDP run share the machine.
+    fast = root / "fast"  # the GPU path's switches that run on a CPU, under DDP
+    # The uninterrupted run, the first half of the stopped one, an FSDP run and the fast paths
+    # share the machine.
     first = [
         torchrun(epoch_args(cache, whole)),
         torchrun(epoch_args(cache, parts, "--stop-at-step", "4")),
         torchrun(epoch_args(cache, sharded, "--fsdp", "--save-every", "4")),
+        torchrun(epoch_args(cache, fast, *FAST_PATHS)),
     ]
     for process in first:
         finish(process)
@@ -111,6 +117,7 @@ def runs(tmp_path_factory) -> dict:
         "whole": whole,
         "parts": parts,
         "fsdp": sharded,
+        "fast": fast,
         "teacher": teacher,
         "root": root,
         "documents": documents,
@@ -167,6 +174,20 @@ def test_fsdp_trains_the_same_model_sharded(runs):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)
+
+
+def test_the_fast_paths_train_under_ddp_what_the_plain_run_does(runs):
+    """--compile layers, --loss-kernel chunked (the head's gradient reaches DDP's reducer from
+    outside the model's forward pass) and fused AdamW on 2 ranks: the plain run's trajectory up
+    to float rounding, the same tokens kept."""
+    fast, plain = read_metrics(runs["fast"]), read_metrics(runs["whole"])
+    for a, b in zip(fast, plain, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["kept_fraction"] == b["kept_fraction"]
+    saved = json.loads((runs["fast"] / "config.json").read_text())
+    resolved = [saved[f"resolved_{name}"] for name in ("compile", "loss_kernel", "adamw_kernel")]
+    assert resolved == ["layers", "chunked", "fused"]
 
 
 def test_a_2_rank_checkpoint_resumes_on_1_rank(runs, tmp_path):
