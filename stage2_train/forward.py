@@ -8,6 +8,8 @@
   `CHUNKED_FAMILIES`), no distillation term (those read the logits themselves), and no --fsdp
   (whose sharded head weight exists whole only inside the model's forward pass).
 - auto (default): chunked on a GPU where it applies, plain otherwise.
+
+The distillation's extras of a micro-batch (`extras_of`) go to the device here too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 
 from pipeline.chunked_loss import chunked_token_loss
-from pipeline.distillation import student_token_loss
+from pipeline.distillation import Distillation, student_token_loss
 from pipeline.errors import ConfigError
 from stage2_train.attention import model_inputs, student_logits
 from stage2_train.config import TrainConfig
@@ -81,3 +83,10 @@ def student_forward(
             return None, chunked_token_loss(captured[0], head, labels), None
     finally:
         hook.remove()
+
+
+def extras_of(
+    batch: dict, distillation: Distillation, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """The distillation's extras of a micro-batch (pipeline.distillation), on `device`."""
+    return {name: batch[name].to(device, non_blocking=True) for name in distillation.extra_names}

@@ -29,7 +29,7 @@ from torch import nn
 from pipeline.cache.manifest import load_manifest
 from pipeline.config import to_dict
 from pipeline.cross_entropy import IGNORE_INDEX
-from pipeline.distillation import Distillation, vocabulary_subset_on
+from pipeline.distillation import vocabulary_subset_on
 from pipeline.errors import StoppedBySignal
 from pipeline.flops import StepRate, flop_parameters
 from pipeline.guidance import guided_loss, loss_denominator, mapped_tokens
@@ -53,7 +53,7 @@ from stage2_train.data.loader import batches, make_loader
 from stage2_train.data.plan import DataPlan, cache_fingerprint
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
-from stage2_train.forward import student_forward
+from stage2_train.forward import extras_of, student_forward
 from stage2_train.output import check_output_is_a_run, hold_output
 from stage2_train.parallel import autocast, full_state_dict, gradient_sync, unwrapped, wrap
 from stage2_train.preflight import (
@@ -74,13 +74,6 @@ def selection_generator(config: TrainConfig, step: int, micro: int, rank: int) -
     """Seeded per (seed, step, micro-batch, rank): random selection replays exactly on resume."""
     seed = np.random.SeedSequence([config.seed, step, micro, rank]).generate_state(1)[0]
     return torch.Generator().manual_seed(int(seed))
-
-
-def extras_of(
-    batch: dict, distillation: Distillation, device: torch.device | None = None
-) -> dict[str, torch.Tensor]:
-    """The distillation's extras of a micro-batch (pipeline.distillation), on `device`."""
-    return {name: batch[name].to(device, non_blocking=True) for name in distillation.extra_names}
 
 
 def save_final(
@@ -195,7 +188,8 @@ def _train(
     if config.record_documents:
         documents = JsonLines(config.out / "documents" / f"rank-{runtime.rank}.jsonl", start_step)
     pin = runtime.device.type == "cuda"  # page-locked batches for asynchronous copies
-    stream = batches(make_loader(plan, runtime.rank, data_state, start_step * accumulation, pin))
+    first = start_step * accumulation  # the rank's micro-batches taken so far
+    stream = batches(make_loader(plan, runtime.rank, data_state, first, pin, accumulation))
     progress = tqdm(
         total=stop_step,
         initial=start_step,

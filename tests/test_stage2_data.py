@@ -262,7 +262,8 @@ def test_epoch_order_is_a_pure_function_of_seed_and_epoch(qwen_cache):
 
 def test_a_resumed_loader_continues_exactly(qwen_cache):
     """Positions saved after 3 batches (an odd count, so a different worker is next) restart two
-    workers that yield exactly the batches the uninterrupted loader yielded next."""
+    workers that yield exactly the batches the uninterrupted loader yielded next, also when the
+    resumed one keeps a step of 9 micro-batches ready ahead (the trainer's prefetch)."""
     plan = make_plan(qwen_cache, consumers=2, num_workers=2, seq_len=40)
     state = DataState.fresh(plan, 0)
     reference = []
@@ -271,7 +272,9 @@ def test_a_resumed_loader_continues_exactly(qwen_cache):
     for batch in reference[:3]:
         state.observe(batch)
     state = DataState.from_dict(state.to_dict())
-    resumed = list(itertools.islice(batches(make_loader(plan, 0, state, first=3)), 6))
+    loader = make_loader(plan, 0, state, first=3, step_micro_batches=9)
+    assert loader.prefetch_factor * loader.num_workers >= 9
+    resumed = list(itertools.islice(batches(loader), 6))
     for want, got in zip(reference[3:], resumed, strict=True):
         assert torch.equal(want["input_ids"], got["input_ids"])
         assert torch.equal(want["labels"], got["labels"])

@@ -58,15 +58,24 @@ def batches(loader: DataLoader) -> Iterator[dict]:
 
 
 def make_loader(
-    plan: DataPlan, rank: int, state: DataState, first: int = 0, pin_memory: bool = False
+    plan: DataPlan,
+    rank: int,
+    state: DataState,
+    first: int = 0,
+    pin_memory: bool = False,
+    step_micro_batches: int = 1,
 ) -> DataLoader:
-    """`first`: the rank's micro-batches taken so far (the next one is consumer turn `first`)."""
+    """`first`: the rank's micro-batches taken so far (the next one is consumer turn `first`).
+    The workers keep a whole step's micro-batches (`step_micro_batches`) ready ahead: the trainer
+    takes a step's micro-batches before its first forward pass, so they are made during the
+    previous step instead of while the device waits. What is read never depends on it."""
     dataset = CacheStream(plan, rank, state.positions, first % plan.consumers_per_rank)
+    ahead = max(4, -(-step_micro_batches // plan.workers)) if plan.workers else None
     return DataLoader(
         dataset,
         batch_size=None,
         num_workers=plan.workers,
         pin_memory=pin_memory,
-        prefetch_factor=4 if plan.workers else None,
+        prefetch_factor=ahead,
         worker_init_fn=ignore_interrupts_in_workers,
     )
