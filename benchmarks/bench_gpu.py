@@ -22,6 +22,10 @@ What each row measures:
   warm-up pass, then the best of --repeats passes, synchronized; the same scored-token count.
 - stage 2: `stage2_train/train.py` in-process on the first teacher's cache; tokens/s and MFU are the
   median of metrics.jsonl's per-step `tokens_per_second` and `mfu` after the first third of steps.
+- stage 2 floor: the fastest plain training loop of the same student on batches of the same
+  shape (benchmarks/stage2_floor.py: compiled layers, chunked loss, fused AdamW, bf16 on a GPU;
+  no data path, no selection, no mask), its target tokens/s over the last two thirds of --steps;
+  a line before the table gives `token` / floor.
 - stage 2 switch rows (issue 27): the `token` arm with one of the GPU path's defaults turned off,
   as a ratio to `token` (`token dense`: `--attention dense`, the [B, 1, T, T] mask, against
   flex; `token plain adamw`: torch's default AdamW against the fused one; `token eager`: no
@@ -61,6 +65,7 @@ import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 from stage1_runs import timed_stage1, write_corpus_slice  # noqa: E402
+from stage2_floor import floor_rate, synchronize  # noqa: E402
 
 from pipeline.flops import device_name, device_peak_flops, flop_parameters, mfu  # noqa: E402
 from pipeline.models.hf_tokenizer import save_tokenizer  # noqa: E402
@@ -141,11 +146,6 @@ def build_teacher(folder: Path, shape: dict, device: torch.device, dtype: torch.
     save_tokenizer(load_tokenizer("qwen2.5"), folder)
     del model
     return folder
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def bare_forward_rate(model, batches, scored: int, repeats: int, device) -> float:
@@ -324,6 +324,11 @@ def stage2_rows(args, scratch: Path, device) -> list[Row]:
             Row(f"stage 2 {label}", student, rates[label], rates[label] / rates[baseline],
                 statistics.median(utilization) if utilization else None, peak_memory(device))
         )  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rate, utilization = floor_rate(student, seq_len, micro, accumulation, args.steps, device)
+    rows.append(Row("stage 2 floor", student, rate, None, utilization, peak_memory(device)))
+    print(f"stage 2 token / the floor: {rates['token'] / rate:.3f}")
     # A switch changes speed, not what is trained: the same steps' losses, within bf16 rounding.
     for label, _, baseline in STAGE2_RUNS[2:]:
         difference = np.abs(losses[label] - losses[baseline]).max()

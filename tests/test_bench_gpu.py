@@ -95,9 +95,11 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         ("stage 2 token plain adamw", "llama-tiny"),
         ("stage 2 token eager", "llama-tiny"),
         ("stage 2 token plain loss", "llama-tiny"),
+        ("stage 2 floor", "llama-tiny"),
     ]:
         assert any(line.startswith(what) and model in line for line in out.splitlines()), out
     assert out.count(": passed") == 2 and "FAILED" not in out
+    assert "stage 2 token / the floor: " in out
     # On a CPU `auto` resolves to the switch rows' settings: each trains exactly what `token` does.
     for switch in ("token dense", "token plain adamw", "token eager", "token plain loss"):
         assert f"stage 2 {switch} vs token: max |loss difference| 0.00e+00 over 3 steps" in out
