@@ -75,6 +75,11 @@ def flop_parameters(model: nn.Module) -> int:
     return total if head is not None and head.weight is embedding else total - embedding.numel()
 
 
+# What `StepRate.fields` adds to a metrics record: wall-clock figures, which a resumed run
+# cannot reproduce, unlike every other field.
+RATE_FIELDS = ("tokens_per_second", "mfu", "slot_tokens_per_second", "slot_mfu")
+
+
 class StepRate:
     """Tokens/s and MFU of each logged training step, by wall time since the previous call (or
     since construction): host arithmetic on numbers the caller already has, never a device sync."""
@@ -92,9 +97,6 @@ class StepRate:
         seconds = max(now - self.last, 1e-9)
         self.last = now
         rate, slot_rate = tokens / seconds, slots / seconds
-        return {
-            "tokens_per_second": rate,
-            "mfu": mfu(self.parameters, rate, self.peak),
-            "slot_tokens_per_second": slot_rate,
-            "slot_mfu": mfu(self.parameters, slot_rate, self.peak),
-        }
+        values = (rate, mfu(self.parameters, rate, self.peak))
+        values += (slot_rate, mfu(self.parameters, slot_rate, self.peak))
+        return dict(zip(RATE_FIELDS, values, strict=True))

@@ -23,6 +23,7 @@ from pipeline.distillation import (
 )
 from pipeline.distillation.alm import INDEX, TEACHER, AlmDistillation
 from pipeline.errors import CacheError
+from pipeline.flops import RATE_FIELDS
 from pipeline.models.student import build_student
 from pipeline.tokenizer import load_tokenizer
 from stage2_train.attention import student_logits
@@ -280,7 +281,7 @@ def alm_args(cache: Path, out: Path, *extra: str) -> list[str]:
 def metric_lines(out: Path) -> list[dict]:
     """Every field of metrics.jsonl but the timings."""
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in ("tokens_per_second", "mfu")} for r in lines]
+    return [{k: v for k, v in r.items() if k not in RATE_FIELDS} for r in lines]
 
 
 @pytest.mark.slow  # three runs: about a minute on a shared 2-core machine
