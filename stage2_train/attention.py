@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import ConfigError
+from stage2_train.config import on_device
 from stage2_train.parallel import unwrapped
 
 FLEX = "flex_attention"  # transformers' name of the flex implementation
@@ -28,14 +29,13 @@ FLEX = "flex_attention"  # transformers' name of the flex implementation
 
 def resolve_attention(choice: str, device: torch.device) -> str:
     """`flex` or `dense` for `--attention` on `device`; flex training on a CPU is refused."""
-    if choice == "auto":
-        return "flex" if device.type == "cuda" else "dense"
-    if choice == "flex" and device.type != "cuda":
+    attention = on_device(choice, device, gpu="flex", cpu="dense")
+    if attention == "flex" and device.type != "cuda":
         raise ConfigError(
             "--attention flex trains on a GPU only (PyTorch's flex_attention has no backward pass "
             "on the CPU): use --attention dense, or auto"
         )
-    return choice
+    return attention
 
 
 def use_attention(model: nn.Module, attention: str) -> None:

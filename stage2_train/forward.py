@@ -21,7 +21,7 @@ from pipeline.chunked_loss import chunked_token_loss
 from pipeline.distillation import Distillation, student_token_loss
 from pipeline.errors import ConfigError
 from stage2_train.attention import model_inputs, student_logits
-from stage2_train.config import TrainConfig
+from stage2_train.config import TrainConfig, on_device
 from stage2_train.parallel import unwrapped
 
 # transformers model types whose causal-LM logits are lm_head(hidden states) and nothing more
@@ -50,9 +50,7 @@ def resolve_loss_kernel(config: TrainConfig, student: nn.Module, device: torch.d
     blocker = chunked_loss_blocker(config, student)
     if config.loss_kernel == "chunked" and blocker:
         raise ConfigError(f"--loss-kernel chunked: {blocker}; use --loss-kernel plain")
-    if config.loss_kernel == "auto":
-        return "chunked" if device.type == "cuda" and blocker is None else "plain"
-    return config.loss_kernel
+    return on_device(config.loss_kernel, device, gpu="plain" if blocker else "chunked", cpu="plain")
 
 
 def student_forward(

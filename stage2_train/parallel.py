@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import ConfigError
+from stage2_train.config import on_device
 from stage2_train.distributed import Runtime
 
 
@@ -20,9 +21,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def resolve_compile(choice: str, device: torch.device) -> str:
     """`layers` or `off` for `--compile` on `device`."""
-    if choice == "auto":
-        return "layers" if device.type == "cuda" else "off"
-    return choice
+    return on_device(choice, device, gpu="layers", cpu="off")
 
 
 def compile_layers(model: nn.Module, compile_student: str) -> None:

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from stage2_train.config import TrainConfig
+from stage2_train.config import TrainConfig, on_device
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -21,9 +21,7 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 def resolve_adamw_kernel(choice: str, device: torch.device) -> str:
     """`fused` or `plain` for `--adamw-kernel` on `device`."""
-    if choice == "auto":
-        return "fused" if device.type == "cuda" else "plain"
-    return choice
+    return on_device(choice, device, gpu="fused", cpu="plain")
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig, kernel: str) -> torch.optim.AdamW:
