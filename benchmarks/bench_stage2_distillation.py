@@ -6,11 +6,11 @@ One optimizer step as stage 2 runs it (forward, per-token loss, selection or dis
 backward, AdamW) on a from-scratch student with the tinyllama vocabulary, on one packed batch from
 the real data path: the shipped corpus with a seeded top-K cache scored "by" the student's own
 tokenizer (so KLD's identity alignment applies; the cost does not depend on the values) and
-seeded space log-probabilities for ALM. Every term takes the student's log normalizer from the
-cross-entropy (pipeline.distillation.log_normalizer); the extra work is a topk (uld), a gather
-(kld) or, for alm, the space mask's mass in the cross-entropy's own pass over the vocabulary
-(pipeline.cross_entropy.token_loss_and_subset_logprob) and the chunk sums. Modes run in turn, best of --repeats each; wall
-and CPU time are both shown (CPU time is steadier on a shared machine).
+seeded space log-probabilities for ALM. Every term reads the student's distribution through the
+cross-entropy's own pass over the vocabulary (pipeline.head_outputs, `--loss-kernel plain`): log
+Z from the cross-entropy, plus a topk (uld), a gather (kld) or, for alm, the space mask's mass
+and the chunk sums. Modes run in turn, best of --repeats each; wall and CPU time are both shown
+(CPU time is steadier on a shared machine).
 
     python benchmarks/bench_stage2_distillation.py [--preset llama-small] [--topk-probs 32]
 """
@@ -28,11 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the
 
 from timing import interleaved_best_times, print_header, print_load_average  # noqa: E402
 
-from pipeline.distillation import student_token_loss, vocabulary_subset_on  # noqa: E402
+from pipeline.distillation import vocabulary_subset_on  # noqa: E402
 from pipeline.distillation.alm import AlmDistillation  # noqa: E402
 from pipeline.distillation.kld import TopkKLDistillation  # noqa: E402
 from pipeline.distillation.uld import UniversalLogitDistillation  # noqa: E402
 from pipeline.guidance import GuidanceSettings, guided_loss  # noqa: E402
+from pipeline.head_outputs import HeadReads, head_outputs  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.space_mask import space_mask  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
@@ -61,10 +62,14 @@ def training_step(model, optimizer, batch, mode: str, term) -> None:
     """The trainer's objective for one micro-batch: eq. 3's loss, plus weight x the term's mean."""
     logits = student_logits(model, batch, torch.device("cpu"))
     guided = "none" if term is not None else mode  # a distillation trains every token
-    subset = vocabulary_subset_on(term, torch.device("cpu"))  # the trainer makes it once per run
-    student_loss, subset_logprob = student_token_loss(logits, batch["labels"], subset)
+    reads, extras = HeadReads(), None
+    if term is not None:
+        extras = {name: batch[name] for name in term.extra_names}
+        # the trainer makes the subset once per run
+        reads = term.reads(extras, vocabulary_subset_on(term, torch.device("cpu")))
+    student = head_outputs(logits, batch["labels"], reads)
     result = guided_loss(
-        student_loss,
+        student.loss,
         batch["teacher_loss"],
         batch["labels"] >= 0,
         GuidanceSettings(mode=guided),
@@ -72,9 +77,8 @@ def training_step(model, optimizer, batch, mode: str, term) -> None:
     )
     objective = result.loss_eq3
     if term is not None:
-        extras = {name: batch[name] for name in term.extra_names}
         units = term.units(batch["labels"], extras).clamp(min=1)
-        total = term.loss_sum(logits, student_loss, batch["labels"], extras, subset_logprob)
+        total = term.loss_sum(student, batch["labels"], extras)
         objective = objective + term.weight * total / units
     objective.backward()
     optimizer.step()

@@ -149,8 +149,8 @@ class TrainConfig:
     loss_kernel: LossKernel = option(
         "auto",
         help="chunked: the per-token loss from the last hidden states and the head's weight in "
-        "row chunks, never the whole micro-batch's logits (Llama, Mistral, Qwen2/3 students; "
-        "not with a distillation mode or --fsdp); plain: the model's logits, then the loss; "
+        "row chunks, never the whole micro-batch's logits (Llama, Mistral, Qwen2/3 students, "
+        "not with --fsdp); plain: the model's logits, then the loss; "
         "auto: chunked on a GPU where it applies (docs/gpu-path.md)",
     )
     compile: CompileStudent = option(

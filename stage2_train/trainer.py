@@ -33,6 +33,7 @@ from pipeline.distillation import vocabulary_subset_on
 from pipeline.errors import StoppedBySignal
 from pipeline.flops import StepRate, flop_parameters
 from pipeline.guidance import guided_loss, loss_denominator, mapped_tokens
+from pipeline.head_outputs import HeadReads
 from pipeline.io import atomic_write_json, staged_folder
 from pipeline.metrics import METRICS_NAME
 from pipeline.models.hf_tokenizer import save_tokenizer
@@ -233,13 +234,17 @@ def _train(
         for micro, batch in enumerate(micro_batches):
             labels = batch["labels"].to(runtime.device, non_blocking=True)
             teacher = batch["teacher_loss"].to(runtime.device, non_blocking=True)
+            extras = reads = None
+            if distillation is not None:
+                extras = extras_of(batch, distillation, runtime.device)
+                reads = distillation.reads(extras, subset)
             with gradient_sync(model, micro == accumulation - 1):
                 kernel = meta["resolved_loss_kernel"]
-                logits, student_loss, subset_logprob = student_forward(
-                    model, batch, labels, subset, compute, kernel, runtime.device
+                student = student_forward(
+                    model, batch, labels, reads or HeadReads(), compute, kernel, runtime.device
                 )
                 result = guided_loss(
-                    student_loss,
+                    student.loss,
                     teacher,
                     labels != IGNORE_INDEX,
                     settings,
@@ -248,10 +253,7 @@ def _train(
                 )
                 objective = result.kept_loss_sum * scale
                 if distillation is not None:
-                    extras = extras_of(batch, distillation, runtime.device)
-                    term = distillation.loss_sum(
-                        logits, student_loss, labels, extras, subset_logprob
-                    )
+                    term = distillation.loss_sum(student, labels, extras)
                     objective = objective + distillation.weight * term * distill_scale
                     totals[6] += term.detach().double()
                     totals[7] += units[micro]

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.cross_entropy import token_loss
 from pipeline.distillation import AlignedRead
 from pipeline.distillation.kld import TopkKLDistillation, topk_kl
 from pipeline.distillation.topk import IDS, PROBS, REST, paired_topk
 from pipeline.distillation.uld import UniversalLogitDistillation, uld_distance
+from pipeline.head_outputs import head_outputs, safe_ids, valid_ids
 
 STUDENT = torch.tensor([0.5, 0.25, 0.15, 0.10])
 
@@ -25,15 +25,29 @@ def logits_of(probs) -> torch.Tensor:
     return torch.as_tensor(probs, dtype=torch.float32).log()
 
 
+def uld_of(logits, probs, rest) -> torch.Tensor:
+    """`uld_distance` from the whole logits: what the term reads of them (the top min(K, V), log Z)."""
+    top = logits.topk(min(probs.shape[-1], logits.shape[-1]), dim=-1).values
+    return uld_distance(top, logits.logsumexp(-1), probs, torch.as_tensor(rest))
+
+
+def kl_of(logits, probs, ids, rest) -> torch.Tensor:
+    """`topk_kl` from the whole logits: what the term reads of them (the ids' logits, log Z)."""
+    vocabulary = logits.shape[-1]
+    at_ids = logits.gather(-1, safe_ids(ids, vocabulary))
+    valid = valid_ids(ids, vocabulary)
+    return topk_kl(at_ids, logits.logsumexp(-1), valid, probs, torch.as_tensor(rest))
+
+
 def test_uld_is_wasserstein_1_of_sorted_top_k_plus_the_rest_by_hand():
     # student sorted top-2 = 0.5, 0.25 (rest 0.25); teacher top-2 = 0.6, 0.3 (rest 0.1)
-    d = uld_distance(logits_of(STUDENT), torch.tensor([0.6, 0.3]), torch.tensor(0.1))
+    d = uld_of(logits_of(STUDENT), torch.tensor([0.6, 0.3]), torch.tensor(0.1))
     assert d.item() == pytest.approx(0.1 + 0.05 + 0.15, abs=1e-6)
     # order of the student's vocabulary does not matter: ranks are compared, not ids
-    shuffled = uld_distance(logits_of(STUDENT[[2, 0, 3, 1]]), torch.tensor([0.6, 0.3]), 0.1)
+    shuffled = uld_of(logits_of(STUDENT[[2, 0, 3, 1]]), torch.tensor([0.6, 0.3]), 0.1)
     assert shuffled.item() == pytest.approx(d.item(), abs=1e-6)
     # a student vocabulary smaller than K is padded with zeros, as ULD pads: |.7-.5|+0+|0-.2|
-    small = uld_distance(logits_of([0.3, 0.7]), torch.tensor([0.5, 0.3, 0.2]), torch.tensor(0.0))
+    small = uld_of(logits_of([0.3, 0.7]), torch.tensor([0.5, 0.3, 0.2]), torch.tensor(0.0))
     assert small.item() == pytest.approx(0.4, abs=1e-6)
 
 
@@ -52,21 +66,21 @@ def test_uld_is_the_full_distance_when_k_covers_the_vocabulary_and_a_lower_bound
     teacher = torch.softmax(torch.randn(5, 20) * 2, dim=-1)
     full = boizard_uld(torch.softmax(logits, -1), teacher)
     top = teacher.sort(dim=-1, descending=True).values
-    exact = uld_distance(logits, top, torch.zeros(5))  # K = 20 >= both vocabularies
+    exact = uld_of(logits, top, torch.zeros(5))  # K = 20 >= both vocabularies
     torch.testing.assert_close(exact, full, atol=1e-6, rtol=0)
     for k in (1, 4, 8):
-        cut = uld_distance(logits, top[:, :k], 1 - top[:, :k].sum(-1))
+        cut = uld_of(logits, top[:, :k], 1 - top[:, :k].sum(-1))
         assert (cut <= full + 1e-6).all()
         assert (cut >= (top[:, :k] - torch.softmax(logits, -1).topk(k).values).abs().sum(-1)).all()
 
 
 def test_kld_is_kl_student_to_teacher_over_top_k_ids_and_the_rest_by_hand():
     # teacher top-2 ids 2 and 0 with 0.6 and 0.3, rest 0.1; student there 0.15 and 0.5, rest 0.35
-    kl = topk_kl(logits_of(STUDENT), torch.tensor([0.6, 0.3]), torch.tensor([2, 0]), 0.1)
+    kl = kl_of(logits_of(STUDENT), torch.tensor([0.6, 0.3]), torch.tensor([2, 0]), 0.1)
     expected = 0.15 * math.log(0.15 / 0.6) + 0.5 * math.log(0.5 / 0.3) + 0.35 * math.log(3.5)
     assert kl.item() == pytest.approx(expected, abs=1e-6)
     # an id past the student's logits (a padded teacher head) joins the rest: 0.1 + 0.3
-    kl = topk_kl(logits_of(STUDENT), torch.tensor([0.6, 0.3]), torch.tensor([2, 7]), 0.1)
+    kl = kl_of(logits_of(STUDENT), torch.tensor([0.6, 0.3]), torch.tensor([2, 7]), 0.1)
     expected = 0.15 * math.log(0.15 / 0.6) + 0.85 * math.log(0.85 / 0.4)
     assert kl.item() == pytest.approx(expected, abs=1e-6)
 
@@ -78,13 +92,13 @@ def test_kld_is_the_full_kl_when_k_covers_the_vocabulary_and_a_lower_bound_below
     student = torch.log_softmax(logits, -1)
     full = (student.exp() * (student - teacher.log())).sum(-1)  # KL(p_S || p_T), eq. 5's order
     probs, ids = teacher.sort(dim=-1, descending=True)
-    exact = topk_kl(logits, probs, ids, torch.zeros(6))
+    exact = kl_of(logits, probs, ids, torch.zeros(6))
     torch.testing.assert_close(exact, full, atol=1e-5, rtol=0)
     for k in (1, 3, 6):
-        cut = topk_kl(logits, probs[:, :k], ids[:, :k], 1 - probs[:, :k].sum(-1))
+        cut = kl_of(logits, probs[:, :k], ids[:, :k], 1 - probs[:, :k].sum(-1))
         assert (cut >= -1e-6).all() and (cut <= full + 1e-5).all()
     # a teacher bucket stored as 0 (below float16) costs a finite log-ratio
-    zero = topk_kl(logits, torch.tensor([[1.0, 0.0]] * 6), ids[:, :2], torch.zeros(6))
+    zero = kl_of(logits, torch.tensor([[1.0, 0.0]] * 6), ids[:, :2], torch.zeros(6))
     assert torch.isfinite(zero).all()
 
 
@@ -146,7 +160,8 @@ def descend(distillation, weight: float, distance) -> list[tuple[float, float]]:
     history = []
     for _ in range(40):
         logits = model(inputs)
-        term = distillation.loss_sum(logits, token_loss(logits, labels), labels, extras, None)
+        student = head_outputs(logits, labels, distillation.reads(extras, None))
+        term = distillation.loss_sum(student, labels, extras)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + weight * term / units
         optimizer.zero_grad()
         loss.backward()

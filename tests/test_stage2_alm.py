@@ -15,15 +15,11 @@ import torch
 
 from pipeline.cache.manifest import load_manifest
 from pipeline.cross_entropy import IGNORE_INDEX
-from pipeline.distillation import (
-    AlignedRead,
-    fill_value,
-    student_token_loss,
-    vocabulary_subset_on,
-)
+from pipeline.distillation import AlignedRead, fill_value, vocabulary_subset_on
 from pipeline.distillation.alm import INDEX, TEACHER, AlmDistillation
 from pipeline.errors import CacheError
 from pipeline.flops import RATE_FIELDS
+from pipeline.head_outputs import head_outputs
 from pipeline.models.student import build_student
 from pipeline.tokenizer import load_tokenizer
 from stage2_train.attention import student_logits
@@ -239,8 +235,8 @@ def test_alm_loss_equals_a_plain_loop_over_chunks(mode, width, context):
     expected, count = reference_alm(docs, logits, labels, merge, append)
     assert count >= 2 and int(alm.units(labels, extras)) == count
     logits.requires_grad_()
-    student_loss, space = student_token_loss(logits, labels, vocabulary_subset_on(alm, DEVICE))
-    got = alm.loss_sum(logits, student_loss, labels, extras, space)
+    reads = alm.reads(extras, vocabulary_subset_on(alm, DEVICE))
+    got = alm.loss_sum(head_outputs(logits, labels, reads), labels, extras)
     assert abs(float(got.detach()) - expected) <= 1e-5 * max(1.0, abs(expected))
     got.backward()
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
@@ -300,6 +296,21 @@ def test_alm_trains_and_resumes_bit_for_bit(caches, tmp_path):
     assert saved["alm_temperature"] == 100.0 and saved["alm_merge_threshold"] == 0.1
 
 
+def test_the_chunked_pass_trains_what_the_full_logits_do(caches, tmp_path):
+    """--loss-kernel chunked (auto's choice on a GPU): the space mask's log-probability and the
+    cross-entropy from the chunked pass train the run the plain pass trains, within float32
+    rounding."""
+    args = ("--num-workers", "0", "--max-steps", "3")
+    runs = {}
+    for kernel in ("plain", "chunked"):
+        out = tmp_path / kernel
+        assert main(alm_args(caches["space"], out, *args, "--loss-kernel", kernel)) == 0
+        runs[kernel] = metric_lines(out)
+    for ours, theirs in zip(runs["chunked"], runs["plain"], strict=True):
+        for key in ("loss", "grad_norm", "distill_loss"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (key, ours, theirs)
+
+
 def test_a_cache_without_space_logprob_is_refused_unless_naive(caches, tmp_path, capsys):
     assert main(alm_args(caches["plain"], tmp_path / "out")) == 2
     err = capsys.readouterr().err.strip()
@@ -333,8 +344,8 @@ def test_alm_decreases_on_a_repeated_batch(caches):
     terms = []
     for _ in range(6):
         logits = student_logits(model, batch, torch.device("cpu"))
-        student_loss, space = student_token_loss(logits, batch["labels"], subset)
-        term = alm.loss_sum(logits, student_loss, batch["labels"], extras, space) / units
+        student = head_outputs(logits, batch["labels"], alm.reads(extras, subset))
+        term = alm.loss_sum(student, batch["labels"], extras) / units
         term.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -164,6 +164,23 @@ def test_uld_lambda_weights_the_term(caches, runs, tmp_path):
     assert json.loads((heavier.out / "config.json").read_text())["uld_lambda"] == 1.5
 
 
+@pytest.mark.parametrize(("mode", "cache"), CASES)
+def test_the_chunked_pass_trains_what_the_full_logits_do(mode, cache, caches, runs, tmp_path):
+    """--loss-kernel chunked (auto's choice on a GPU): the term read from the chunked pass
+    (the student's top k or the teacher ids' logits, log Z) trains the run the plain pass
+    trains, step by step within float32 rounding."""
+    out = tmp_path / "chunked"
+    args = train_args(caches[cache], out, *ARGS, "--guidance", mode, "--loss-kernel", "chunked")
+    assert main(args) == 0
+    assert json.loads((out / "config.json").read_text())["resolved_loss_kernel"] == "chunked"
+    plain = runs[mode, cache].out
+    for ours, theirs in zip(read_metrics(out), read_metrics(plain), strict=True):
+        for key in ("loss", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (key, ours, theirs)
+    for ours, theirs in zip(distill_losses(out), distill_losses(plain), strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "cache"), CASES)
 def test_stopped_and_resumed_run_is_bit_identical(mode, cache, caches, tmp_path):

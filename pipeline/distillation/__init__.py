@@ -2,7 +2,8 @@
 needs more of the teacher than one loss per token (the paper's logit-distillation baselines,
 Table 1 and appendix B, and ALM). Each is a `Distillation`: which cache columns it reads, what it
 gives every student token from one read (`extras`, built in the data path with the alignment
-already computed), and its loss from the student's logits and those extras in the trainer.
+already computed), what it reads of the student's distribution (`reads`: never the whole logits,
+so that `--loss-kernel chunked` can serve it), and its loss from those and the extras.
 
 The data path carries each extra beside the teacher loss: extras are *target-aligned* (value i
 belongs to student token i as a prediction target, like `teacher_loss`), so in a micro-batch the
@@ -18,7 +19,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pipeline.cross_entropy import IGNORE_INDEX, token_loss, token_loss_and_subset_logprob
+from pipeline.head_outputs import HeadOutputs, HeadReads
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,8 @@ class Distillation(Protocol):
     cache_columns: tuple[str, ...]  # list columns read beside the loss path's columns
     extra_names: tuple[str, ...]  # the keys `extras` returns (each a key of the micro-batch)
     weight: float  # the term's weight beside the cross-entropy (its mean over units is logged)
-    # bool [V] or None: the vocabulary subset whose log-probability `loss_sum` reads at every slot
-    # (`subset_logprob`), computed in the cross-entropy's own pass over the vocabulary
+    # bool [V] or None: the vocabulary subset whose log-probability the term reads at every slot
+    # (ALM's student space mask); on the device once per run (`vocabulary_subset_on`)
     vocabulary_subset: np.ndarray | None
 
     def extras(self, read: AlignedRead) -> dict[str, np.ndarray]:
@@ -60,20 +61,17 @@ class Distillation(Protocol):
         """How many terms this micro-batch adds to the step's distillation mean (0-dim int64,
         from the data alone, so a step's denominator is known before any forward pass)."""
 
+    def reads(self, extras: dict[str, torch.Tensor], subset: torch.Tensor | None) -> HeadReads:
+        """What `loss_sum` reads of the student's distribution in this micro-batch; `subset` is
+        `vocabulary_subset_on(self)`."""
+
     def loss_sum(
-        self,
-        logits: torch.Tensor,
-        student_loss: torch.Tensor,
-        labels: torch.Tensor,
-        extras: dict[str, torch.Tensor],
-        subset_logprob: torch.Tensor | None,
+        self, student: HeadOutputs, labels: torch.Tensor, extras: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """The distillation term summed over this micro-batch's units (0-dim, with gradient),
         before `weight`; the trainer divides the step's sum by the step's units (all ranks).
-        `student_loss` is the trainer's per-token cross-entropy (with its gradient): with the
-        label's logit it gives the normalizer log Z, so a term need not make another pass over
-        the vocabulary for it; `subset_logprob` is log p(vocabulary_subset) per slot (None
-        without a subset). Both come from `student_token_loss`."""
+        `student` holds the trainer's per-token cross-entropy and what `reads` asked for, from
+        the one pass over the vocabulary that computes the cross-entropy."""
 
 
 def fill_value(dtype: np.dtype):
@@ -95,25 +93,3 @@ def vocabulary_subset_on(
     if subset is None:
         return None
     return torch.from_numpy(subset.astype(np.float32)).to(device)
-
-
-def student_token_loss(
-    logits: torch.Tensor, labels: torch.Tensor, subset: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The trainer's per-token cross-entropy and, given the distillation's vocabulary subset
-    (`vocabulary_subset_on`), the subset's log-probability at every slot, from one pass over the
-    vocabulary."""
-    if subset is None:
-        return token_loss(logits, labels), None
-    return token_loss_and_subset_logprob(logits, labels, subset)
-
-
-def log_normalizer(
-    logits: torch.Tensor, student_loss: torch.Tensor, labels: torch.Tensor
-) -> torch.Tensor:
-    """log Z = logsumexp(logits) at every target slot [...], from the trainer's cross-entropy
-    (-log p(label) = log Z - logit[label]) instead of another pass over the vocabulary; its
-    gradient is the softmax's, through the cross-entropy. Finite but meaningless elsewhere."""
-    target = labels != IGNORE_INDEX
-    picked = logits.float().gather(-1, torch.where(target, labels, 0).unsqueeze(-1)).squeeze(-1)
-    return student_loss + picked

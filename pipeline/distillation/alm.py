@@ -31,6 +31,7 @@ from pipeline.cache.schema import SPACE_LOGPROB
 from pipeline.cross_entropy import IGNORE_INDEX
 from pipeline.distillation import AlignedRead
 from pipeline.distillation.alm_chunks import teacher_chunks
+from pipeline.head_outputs import HeadOutputs, HeadReads
 
 INDEX = "alm_chunk_index"  # int32 per token: its index within its chunk, -1 outside a kept one
 TEACHER = "alm_teacher_logprob"  # float32 at a chunk's last token: the teacher's chunk log-prob
@@ -81,7 +82,7 @@ def student_chunk_logprobs(student_loss: torch.Tensor, labels: torch.Tensor, ind
 
     The log-probabilities are -student_loss, the trainer's cross-entropy, and the space
     log-probability comes from the same pass over the vocabulary
-    (pipeline.distillation.student_token_loss).
+    (pipeline.head_outputs).
     """
     target = labels != IGNORE_INDEX
     token = torch.where(target, -student_loss, 0.0).double()
@@ -135,21 +136,19 @@ class AlmDistillation:
         closes = closing_slots(labels, extras[INDEX], extras[TEACHER], mode_parts(self.mode)[1])
         return closes.sum()
 
+    def reads(self, extras: dict[str, torch.Tensor], subset: torch.Tensor | None) -> HeadReads:
+        return HeadReads(subset=subset)
+
     def loss_sum(
-        self,
-        logits: torch.Tensor,
-        student_loss: torch.Tensor,
-        labels: torch.Tensor,
-        extras: dict[str, torch.Tensor],
-        subset_logprob: torch.Tensor | None,
+        self, student: HeadOutputs, labels: torch.Tensor, extras: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         index, teacher = extras[INDEX], extras[TEACHER]
         closes = closing_slots(labels, index, teacher, mode_parts(self.mode)[1])
-        student = student_chunk_logprobs(student_loss, labels, index, subset_logprob)
+        chunk = student_chunk_logprobs(student.loss, labels, index, student.subset_logprob)
         # Unused slots get a harmless -1 on both sides, so no NaN reaches the gradient.
-        student = torch.where(closes, student, -1.0)
+        chunk = torch.where(closes, chunk, -1.0)
         teacher = torch.where(closes, teacher.double(), -1.0)
-        per_chunk = binary_ce(teacher, student, self.temperature)
+        per_chunk = binary_ce(teacher, chunk, self.temperature)
         return torch.where(closes, per_chunk, 0.0).sum().float()
 
 

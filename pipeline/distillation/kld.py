@@ -19,6 +19,7 @@ import torch
 
 from pipeline.cache.schema import TOPK_IDS, TOPK_PROBS, TOPK_REST
 from pipeline.distillation.topk import IDS, PROBS, REST, PairedTopkTerm
+from pipeline.head_outputs import HeadReads, valid_ids
 
 # A teacher bucket below float16's smallest step (the cache's resolution) reads as this, so that
 # a bucket stored as 0 costs a large but finite log-ratio.
@@ -27,23 +28,19 @@ STUDENT_FLOOR = 1e-30  # the student's rest when its top ids hold all its mass, 
 
 
 def topk_kl(
-    logits: torch.Tensor,
+    student_at_ids: torch.Tensor,
+    log_z: torch.Tensor,
+    valid: torch.Tensor,
     teacher_probs: torch.Tensor,
-    teacher_ids: torch.Tensor,
     teacher_rest: torch.Tensor,
-    log_z: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per position [...], KL(student || teacher) over the buckets above, in float32: logits
-    [..., V], the teacher's top-K probabilities and ids [..., K] and rest [...]. An id outside the
-    student's logits (a padded teacher head, or -1) is no bucket of its own: its teacher mass joins
-    the rest. The teacher's buckets are floored at TEACHER_FLOOR and renormalized. `log_z`
-    [..., 1], the log normalizer when the caller has it (pipeline.distillation.log_normalizer)."""
-    logits = logits.float()
-    valid = (teacher_ids >= 0) & (teacher_ids < logits.shape[-1])
-    ids = torch.where(valid, teacher_ids, 0).long()
-    if log_z is None:
-        log_z = torch.logsumexp(logits, -1, keepdim=True)
-    student_log = torch.gather(logits, -1, ids) - log_z
+    """Per position [...], KL(student || teacher) over the buckets above, in float32: the
+    student's logits of the teacher's top-K ids [..., K] and its log normalizer [...], where
+    those ids are among the student's logits [..., K] (an id outside them, a padded teacher head
+    or -1, is no bucket of its own: its teacher mass joins the rest), and the teacher's top-K
+    probabilities [..., K] and rest [...]. The teacher's buckets are floored at TEACHER_FLOOR
+    and renormalized."""
+    student_log = student_at_ids - log_z[..., None]
     student = torch.where(valid, student_log.exp(), 0.0)
     student_rest = (1 - student.sum(-1)).clamp(min=STUDENT_FLOOR)
     teacher = torch.where(valid, teacher_probs, 0.0)
@@ -67,5 +64,9 @@ class TopkKLDistillation(PairedTopkTerm):
     cache_columns: tuple[str, ...] = (TOPK_PROBS, TOPK_IDS, TOPK_REST)
     extra_names: tuple[str, ...] = (PROBS, IDS, REST)
 
-    def per_token(self, logits, probs, rest, extras, log_z):
-        return topk_kl(logits, probs, extras[IDS], rest, log_z)
+    def reads(self, extras, subset):
+        return HeadReads(ids=extras[IDS])
+
+    def per_token(self, student, probs, rest, extras):
+        valid = valid_ids(extras[IDS], student.vocabulary)
+        return topk_kl(student.at_ids, student.log_z, valid, probs, rest)

@@ -18,7 +18,8 @@ import torch
 
 from pipeline.cache.schema import TOPK_IDS, TOPK_PROBS, TOPK_REST
 from pipeline.cross_entropy import IGNORE_INDEX
-from pipeline.distillation import AlignedRead, log_normalizer
+from pipeline.distillation import AlignedRead
+from pipeline.head_outputs import HeadOutputs
 
 # the extras' keys in a micro-batch: per student token, the paired teacher position's values
 PROBS = "teacher_topk_probs"  # (tokens, K) float16, descending; NaN: no paired distribution
@@ -74,26 +75,19 @@ class PairedTopkTerm:
         return paired(labels, extras).sum()
 
     def loss_sum(
-        self,
-        logits: torch.Tensor,
-        student_loss: torch.Tensor,
-        labels: torch.Tensor,
-        extras: dict[str, torch.Tensor],
-        subset_logprob: None,
+        self, student: HeadOutputs, labels: torch.Tensor, extras: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        where = paired(labels, extras)  # paired tokens are targets: log Z from the CE is valid
+        where = paired(labels, extras)  # paired tokens are targets, where log Z is exact
         probs, rest = teacher_side(extras, where)
-        log_z = log_normalizer(logits, student_loss, labels).unsqueeze(-1)
-        return torch.where(where, self.per_token(logits, probs, rest, extras, log_z), 0.0).sum()
+        return torch.where(where, self.per_token(student, probs, rest, extras), 0.0).sum()
 
     def per_token(
         self,
-        logits: torch.Tensor,
+        student: HeadOutputs,
         probs: torch.Tensor,
         rest: torch.Tensor,
         extras: dict[str, torch.Tensor],
-        log_z: torch.Tensor,
     ) -> torch.Tensor:
-        """The term at every position [...] (finite everywhere; masked by the caller); `log_z`
-        [..., 1] is the student's log normalizer."""
+        """The term at every position [...] (finite everywhere; masked by the caller) from what
+        `reads` asked of the student."""
         raise NotImplementedError

@@ -22,25 +22,22 @@ import torch.nn.functional as F
 
 from pipeline.cache.schema import TOPK_PROBS, TOPK_REST
 from pipeline.distillation.topk import PROBS, REST, PairedTopkTerm
+from pipeline.head_outputs import HeadReads
 
 
 def uld_distance(
-    logits: torch.Tensor,
+    student_top: torch.Tensor,
+    log_z: torch.Tensor,
     teacher_probs: torch.Tensor,
     teacher_rest: torch.Tensor,
-    log_z: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per position [...], the sorted-distribution distance above between softmax(logits) [..., V]
-    and the teacher's descending top-K [..., K] with its rest mass [...], in float32. The student's
-    top K come from torch.topk (no sort of the vocabulary); a student vocabulary smaller than K is
-    padded with zero probabilities, as ULD pads the shorter distribution. `log_z` [..., 1], the
-    log normalizer when the caller has it (pipeline.distillation.log_normalizer)."""
-    logits = logits.float()
+    """Per position [...], the sorted-distribution distance above in float32 between the student,
+    given as its largest logits in descending order [..., min(K, V)] and its log normalizer
+    [...], and the teacher's descending top-K [..., K] with its rest mass [...]. A student
+    vocabulary smaller than K is padded with zero probabilities, as ULD pads the shorter
+    distribution."""
     k = teacher_probs.shape[-1]
-    top = torch.topk(logits, min(k, logits.shape[-1]), dim=-1).values
-    if log_z is None:
-        log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
-    student = torch.exp(top - log_z)
+    student = torch.exp(student_top - log_z[..., None])
     student = F.pad(student, (0, k - student.shape[-1]))
     student_rest = (1 - student.sum(-1)).clamp(min=0)
     return (student - teacher_probs).abs().sum(-1) + (student_rest - teacher_rest).abs()
@@ -56,5 +53,8 @@ class UniversalLogitDistillation(PairedTopkTerm):
     cache_columns: tuple[str, ...] = (TOPK_PROBS, TOPK_REST)  # no ids: ranks need none
     extra_names: tuple[str, ...] = (PROBS, REST)
 
-    def per_token(self, logits, probs, rest, extras, log_z):
-        return uld_distance(logits, probs, rest, log_z)
+    def reads(self, extras, subset):
+        return HeadReads(top=extras[PROBS].shape[-1])  # the student's top K, no sort of V
+
+    def per_token(self, student, probs, rest, extras):
+        return uld_distance(student.top, student.log_z, probs, rest)
