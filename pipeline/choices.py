@@ -21,6 +21,7 @@ TextSplit = Literal["file", "line"]
 OnBadRecord = Literal["error", "skip"]
 TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]  # a teacher's weights
 ComputeDtype = Literal["auto", "float32", "bfloat16"]  # stage 2 autocast
+FsdpParamDtype = Literal["auto", "bfloat16", "float32"]  # stage 2 --fsdp: FSDP2's param_dtype
 ScoringBackend = Literal["hf", "vllm"]
 LossDtype = Literal["float16", "float32"]
 Packing = Literal["documents", "stream"]  # stage 2: how documents fill training sequences

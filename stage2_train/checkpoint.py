@@ -45,7 +45,7 @@ from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
 from stage2_train.forward import resolve_loss_kernel
-from stage2_train.parallel import resolve_compile
+from stage2_train.parallel import resolve_compile, resolve_fsdp_param_dtype
 from stage2_train.schedule import resolve_adamw_kernel
 
 MARKER = "COMPLETE"
@@ -198,6 +198,7 @@ RESOLVED_BEFORE = {
     "adamw_kernel": "plain",
     "compile": "off",
     "loss_kernel": "plain",
+    "fsdp_param_dtype": "float32",
 }
 
 
@@ -208,6 +209,7 @@ def resolved_options(config: TrainConfig, student: nn.Module, device: torch.devi
         "resolved_adamw_kernel": resolve_adamw_kernel(config.adamw_kernel, device),
         "resolved_compile": resolve_compile(config.compile, device),
         "resolved_loss_kernel": resolve_loss_kernel(config, student, device),
+        "resolved_fsdp_param_dtype": resolve_fsdp_param_dtype(config, device),
     }
 
 

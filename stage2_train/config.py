@@ -14,6 +14,7 @@ from pipeline.choices import (
     ChunkStudentAggregate,
     CompileStudent,
     ComputeDtype,
+    FsdpParamDtype,
     GuidanceMode,
     LossKernel,
     LossNormalization,
@@ -56,6 +57,7 @@ RESUMABLE_CHANGES = frozenset(
         "adamw_kernel",
         "compile",
         "loss_kernel",
+        "fsdp_param_dtype",
     }
 )
 
@@ -218,6 +220,13 @@ class TrainConfig:
         help="compute dtype: bfloat16 autocast needs a GPU; auto is bfloat16 on GPU, float32 "
         "on CPU "
         "(weights and optimizer state stay float32)",
+    )
+    fsdp_param_dtype: FsdpParamDtype = option(
+        "auto",
+        help="--fsdp: the dtype FSDP2 gathers the parameters in and the forward and backward "
+        "passes run in (MixedPrecisionPolicy); gradients are reduced in float32 and the "
+        "optimizer keeps float32 weights either way; auto: bfloat16 where the compute dtype is "
+        "bfloat16 (a GPU), float32 elsewhere (docs/gpu-path.md)",
     )
     shard_cache: str = option(
         "",

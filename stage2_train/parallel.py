@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import ConfigError
-from stage2_train.config import on_device
+from stage2_train.config import TrainConfig, on_device
 from stage2_train.distributed import Runtime
 
 
@@ -39,9 +39,24 @@ def compile_layers(model: nn.Module, compile_student: str) -> None:
         layer.compile()
 
 
-def wrap(model: nn.Module, runtime: Runtime, fsdp: bool, compile_student: str) -> nn.Module:
+def resolve_fsdp_param_dtype(config: TrainConfig, device: torch.device) -> str:
+    """`bfloat16` or `float32` for `--fsdp-param-dtype` (float32 without --fsdp: the parameters
+    as they are); an explicit bfloat16 without --fsdp is refused."""
+    if not config.fsdp:
+        if config.fsdp_param_dtype == "bfloat16":
+            raise ConfigError("--fsdp-param-dtype bfloat16 applies to --fsdp; add --fsdp or drop it")
+        return "float32"
+    return on_device(
+        config.fsdp_param_dtype, device, gpu=compute_dtype(device, config.dtype), cpu="float32"
+    )
+
+
+def wrap(
+    model: nn.Module, runtime: Runtime, fsdp: bool, compile_student: str, param_dtype: str
+) -> nn.Module:
     """Move to the device, compile its layers if asked (`resolve_compile`); DDP across ranks, or
-    FSDP (per decoder layer, then the root)."""
+    FSDP (per decoder layer, then the root) gathering its parameters in `param_dtype`
+    (`resolve_fsdp_param_dtype`) and reducing gradients in float32."""
     model = model.to(runtime.device)
     compile_layers(model, compile_student)
     if fsdp:
@@ -50,11 +65,14 @@ def wrap(model: nn.Module, runtime: Runtime, fsdp: bool, compile_student: str) -
                 "--fsdp shards the student across ranks: run it under torchrun "
                 "with --nproc-per-node 2 or more"
             )
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy()  # the parameters' own float32 throughout
+        if param_dtype == "bfloat16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in decoder_layers(model):
-            fully_shard(layer)
-        return fully_shard(model)
+            fully_shard(layer, mp_policy=policy)
+        return fully_shard(model, mp_policy=policy)
     if runtime.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -76,11 +94,16 @@ def gradient_sync(model: nn.Module, enabled: bool):
         yield
 
 
+def compute_dtype(device: torch.device, dtype: str) -> str:
+    """What `--dtype` computes in on `device`: bfloat16 (autocast) or float32."""
+    if dtype == "bfloat16" and device.type != "cuda":
+        raise ConfigError("--dtype bfloat16 needs a GPU; on CPU use --dtype float32 (or auto)")
+    return on_device(dtype, device, gpu="bfloat16", cpu="float32")
+
+
 def autocast(runtime: Runtime, dtype: str):
     """bfloat16 autocast on GPU; CPU runs in float32."""
-    if dtype == "bfloat16" and runtime.device.type != "cuda":
-        raise ConfigError("--dtype bfloat16 needs a GPU; on CPU use --dtype float32 (or auto)")
-    if runtime.device.type == "cuda" and dtype in ("auto", "bfloat16"):
+    if compute_dtype(runtime.device, dtype) == "bfloat16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

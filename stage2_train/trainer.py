@@ -153,7 +153,9 @@ def _train(
     meta |= resolved_options(config, student, runtime.device)
     use_attention(student, meta["resolved_attention"])
     check_student_fits(config, student.config, runtime.device)
-    model = wrap(student, runtime, config.fsdp, meta["resolved_compile"])
+    model = wrap(
+        student, runtime, config.fsdp, meta["resolved_compile"], meta["resolved_fsdp_param_dtype"]
+    )
     optimizer = make_optimizer(model, config, meta["resolved_adamw_kernel"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda index: lr_at(index + 1, config) / config.lr

@@ -72,6 +72,7 @@ def torchrun(
 
 
 FAST_PATHS = ("--compile", "layers", "--loss-kernel", "chunked", "--adamw-kernel", "fused")
+FSDP_BF16 = ("--fsdp", "--fsdp-param-dtype", "bfloat16")  # auto's choice on a GPU
 
 
 def finish(process: subprocess.Popen) -> None:
@@ -100,24 +101,34 @@ def runs(tmp_path_factory) -> dict:
     audited = audited_env(root)
     whole, parts, sharded = root / "whole", root / "parts", root / "fsdp"
     fast = root / "fast"  # the GPU path's switches that run on a CPU, under DDP
-    # The uninterrupted run, the first half of the stopped one, an FSDP run and the fast paths
-    # share the machine.
+    half, half_parts = root / "fsdp-bf16", root / "fsdp-bf16-parts"  # FSDP2 bfloat16 parameters
+    # The uninterrupted runs, the first halves of the stopped ones, an FSDP run and the fast
+    # paths share the machine.
     first = [
         torchrun(epoch_args(cache, whole)),
         torchrun(epoch_args(cache, parts, "--stop-at-step", "4")),
         torchrun(epoch_args(cache, sharded, "--fsdp", "--save-every", "4")),
         torchrun(epoch_args(cache, fast, *FAST_PATHS)),
+        torchrun(epoch_args(cache, half, *FSDP_BF16)),
+        torchrun(epoch_args(cache, half_parts, *FSDP_BF16, "--stop-at-step", "4")),
     ]
     for process in first:
         finish(process)
     stopped_metrics = (parts / "metrics.jsonl").read_text()
-    finish(torchrun(epoch_args(cache, parts), env=audited))
+    resumed = [
+        torchrun(epoch_args(cache, parts), env=audited),
+        torchrun(epoch_args(cache, half_parts, *FSDP_BF16)),
+    ]
+    for process in resumed:
+        finish(process)
     return {
         "cache": cache,
         "whole": whole,
         "parts": parts,
         "fsdp": sharded,
         "fast": fast,
+        "fsdp-bf16": half,
+        "fsdp-bf16-parts": half_parts,
         "teacher": teacher,
         "root": root,
         "documents": documents,
@@ -174,6 +185,26 @@ def test_fsdp_trains_the_same_model_sharded(runs):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)
+
+
+def test_fsdp_with_bfloat16_parameters_trains_the_float32_trajectory_and_resumes_exactly(runs):
+    """--fsdp-param-dtype bfloat16 (FSDP2's MixedPrecisionPolicy: bfloat16 all-gathers and
+    compute, float32 gradient reduction and weights): the float32 FSDP run's trajectory within
+    bfloat16 rounding (measured: losses within 4e-4 and gradient norms within 4e-3 relative over
+    8 steps), not the same numbers (the policy is in effect), and a stopped and resumed run equals
+    the uninterrupted one bit for bit."""
+    half, whole = read_metrics(runs["fsdp-bf16"]), read_metrics(runs["fsdp"])
+    assert half[0]["loss"] != whole[0]["loss"]
+    for a, b in zip(half, whole, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=3e-2)
+        assert a["kept_fraction"] == b["kept_fraction"]
+    assert read_metrics(runs["fsdp-bf16-parts"]) == half
+    saved = json.loads((runs["fsdp-bf16"] / "config.json").read_text())
+    assert saved["resolved_fsdp_param_dtype"] == "bfloat16"
+    assert json.loads((runs["fsdp"] / "config.json").read_text())["resolved_fsdp_param_dtype"] == (
+        "float32"
+    )
 
 
 def test_the_fast_paths_train_under_ddp_what_the_plain_run_does(runs):

@@ -456,6 +456,31 @@ def test_flex_training_on_a_cpu_stops_in_one_line_before_writing(cache, tmp_path
     assert not out.exists()
 
 
+def test_fsdp_parameters_follow_the_compute_dtype_and_bfloat16_ones_need_fsdp(
+    cache, tmp_path, capsys
+):
+    """--fsdp-param-dtype auto: bfloat16 where FSDP computes in bfloat16 (a GPU with --dtype auto
+    or bfloat16), float32 elsewhere; bfloat16 without --fsdp is refused in one line. (Training
+    with it: test_stage2_torchrun.py.)"""
+    from stage2_train.parallel import resolve_fsdp_param_dtype
+
+    def resolved(*extra: str, device: str) -> str:
+        config = parse_train_config(train_args(cache, tmp_path / "unused", *extra))
+        return resolve_fsdp_param_dtype(config, torch.device(device))
+
+    assert resolved("--fsdp", device="cuda") == "bfloat16"
+    assert resolved("--fsdp", "--dtype", "float32", device="cuda") == "float32"
+    assert resolved("--fsdp", device="cpu") == "float32"
+    assert resolved("--fsdp", "--fsdp-param-dtype", "bfloat16", device="cpu") == "bfloat16"
+    assert resolved(device="cuda") == "float32"  # no --fsdp: the parameters as they are
+    out = tmp_path / "run"
+    assert main(train_args(cache, out, "--fsdp-param-dtype", "bfloat16")) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--fsdp-param-dtype bfloat16 applies to --fsdp; add --fsdp or drop it"
+    )
+    assert not out.exists()
+
+
 def test_the_resolved_attention_is_saved_and_a_resume_must_match_it(
     cache, uninterrupted, tmp_path, capsys
 ):
@@ -464,6 +489,7 @@ def test_the_resolved_attention_is_saved_and_a_resume_must_match_it(
     assert (saved["adamw_kernel"], saved["resolved_adamw_kernel"]) == ("auto", "plain")
     assert (saved["compile"], saved["resolved_compile"]) == ("auto", "off")
     assert (saved["loss_kernel"], saved["resolved_loss_kernel"]) == ("auto", "plain")
+    assert (saved["fsdp_param_dtype"], saved["resolved_fsdp_param_dtype"]) == ("auto", "float32")
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)
     checkpoint = out / "checkpoints" / "step-6" / "checkpoint.json"
