@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import io
 import json
-import resource
 import shutil
 import statistics
 import sys
@@ -64,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
+from peak_memory import peak_memory, reset_peak  # noqa: E402
 from stage1_runs import timed_stage1, write_corpus_slice  # noqa: E402
 from stage2_floor import floor_rate, synchronize  # noqa: E402
 
@@ -202,12 +202,6 @@ def cache_rows(cache: Path) -> list[dict]:
     ]
 
 
-def peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 @contextlib.contextmanager
 def polled_device_memory(device: torch.device):
     """{"peak": bytes} of device memory in use above the level at entry, polled; None on CPU."""
@@ -263,8 +257,7 @@ def stage1_rows(args, scratch: Path, corpus: Path, device, dtype: str) -> tuple[
         cached = cache_rows(out)
         token_ids = [np.asarray(r["token_ids"], dtype=np.int64) for r in cached]
         batches, scored = device_batches(token_ids, max_length, stride, batch_tokens, device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_peak(device)
         bare_rate = bare_forward_rate(model, batches, scored, args.repeats, device)
         bare_peak = peak_memory(device)
         del batches
@@ -303,8 +296,7 @@ def stage2_rows(args, scratch: Path, device) -> list[Row]:
     rows, rates, losses = [], {}, {}
     for label, options, baseline in STAGE2_RUNS:
         out = scratch / f"stage2-{label.replace(' ', '-')}"
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_peak(device)
         command = [
             "--cache", str(cache), "--student", student, "--student-tokenizer", "tinyllama",
             "--out", str(out), "--max-steps", str(args.steps), "--warmup-steps", "1",
@@ -324,8 +316,7 @@ def stage2_rows(args, scratch: Path, device) -> list[Row]:
             Row(f"stage 2 {label}", student, rates[label], rates[label] / rates[baseline],
                 statistics.median(utilization) if utilization else None, peak_memory(device))
         )  # fmt: skip
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     rate, utilization = floor_rate(student, seq_len, micro, accumulation, args.steps, device)
     rows.append(Row("stage 2 floor", student, rate, None, utilization, peak_memory(device)))
     print(f"stage 2 token / the floor: {rates['token'] / rate:.3f}")

@@ -3,7 +3,8 @@
 
 - loss: one training step's loss and backward pass over a sequence of --positions positions,
   `--loss-kernel plain` (the head's float32 logits for every position, then log-softmax) against
-  `chunked` (pipeline.chunked_loss), at a 32k and a 152k vocabulary (TinyLlama's and Qwen2.5's).
+  `chunked` (pipeline.chunked_loss), at a 32k and a 152k vocabulary (TinyLlama's and Qwen2.5's),
+  and at 152k with what ULD reads beside the loss (the student's top 32 and log Z).
   The memory of logits does not depend on the hidden size, so a small one (--hidden) keeps the
   matrix products short.
 - attention: the decoder of a llama-small-shaped student (its head's logits left out) over a
@@ -23,61 +24,59 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
 
+from peak_memory import in_use, peak_memory, reset_peak
+
 VOCABULARIES = (32_000, 151_936)
 SEQ_LENS = (1024, 2048, 4096)
+ULD_TOP = 32  # a distillation's reads: ULD's student top k at the cache's usual --topk-probs
 DOCUMENT = 256  # tokens per packed document in the attention case
 
 
 class Growth:
-    """Peak memory above the level at `start()`: CUDA's allocator peak on a GPU, the process's
-    resident high-water mark on a CPU."""
+    """Peak memory above the level at `start()` (benchmarks/peak_memory.py)."""
 
     def __init__(self, device):
         import torch
 
-        self.torch, self.device = torch, torch.device(device)
+        self.device = torch.device(device)
 
     def start(self) -> None:
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
-            self.torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = self.torch.cuda.memory_allocated(self.device)
-        else:
-            self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        reset_peak(self.device)
+        self.base = in_use(self.device)
 
     def mib(self) -> float:
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize(self.device)
-            peak = self.torch.cuda.max_memory_allocated(self.device)
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return (peak - self.base) / 2**20
+        return (peak_memory(self.device) - self.base) / 2**20
 
 
-def loss_case(device: str, kernel: str, vocabulary: int, positions: int, hidden_size: int):
+def loss_case(
+    device: str, kernel: str, vocabulary: int, positions: int, hidden_size: int, top: int
+) -> float:
     import torch
 
-    from pipeline.chunked_loss import chunked_token_loss
-    from pipeline.cross_entropy import token_loss
+    from pipeline.chunked_loss import chunked_head_outputs
+    from pipeline.head_outputs import HeadReads, head_outputs
 
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(positions, hidden_size, generator=generator).to(device)
     weight = (torch.randn(vocabulary, hidden_size, generator=generator) / 16).to(device)
     labels = torch.randint(0, vocabulary, (positions,), generator=generator).to(device)
     hidden.requires_grad_(), weight.requires_grad_()
+    reads = HeadReads(top=top)  # top > 0: ULD's reads of the student (its top k and log Z)
     growth = Growth(device)
     growth.start()
     with torch.autocast(growth.device.type, torch.bfloat16, enabled=growth.device.type == "cuda"):
         if kernel == "plain":
-            loss = token_loss(hidden @ weight.T, labels)
+            student = head_outputs(hidden @ weight.T, labels, reads)
         else:
-            loss = chunked_token_loss(hidden, weight, labels)
-    loss.sum().backward()
+            student = chunked_head_outputs(hidden, weight, labels, reads)
+    objective = student.loss.sum()
+    if top:
+        objective = objective + (student.top - student.log_z[:, None]).exp().sum()
+    objective.backward()
     return growth.mib()
 
 
@@ -139,12 +138,13 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"device {device}; peak MiB above the case's inputs, each case in a fresh process")
     print(f"{'case':<42} {'plain':>9} {'fast':>9} {'fast/plain':>11}")
-    for vocabulary in VOCABULARIES:
+    print(f"(loss cases: {args.positions} positions, hidden size {args.hidden})")
+    for vocabulary, top in [(v, 0) for v in VOCABULARIES] + [(VOCABULARIES[-1], ULD_TOP)]:
         plain, chunked = (
-            measured(["loss", device, kernel, vocabulary, args.positions, args.hidden])
+            measured(["loss", device, kernel, vocabulary, args.positions, args.hidden, top])
             for kernel in ("plain", "chunked")
         )
-        what = f"loss, vocabulary {vocabulary:,}, {args.positions} positions"
+        what = f"loss{f' + top-{top} reads' if top else ''}, vocabulary {vocabulary:,}"
         print(f"{what:<42} {plain:>9,.0f} {chunked:>9,.0f} {chunked / plain:>11.3f}")
     for seq_len in SEQ_LENS:
         dense, flex = (measured(["attention", device, kind, seq_len]) for kind in ("dense", "flex"))
