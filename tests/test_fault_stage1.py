@@ -217,6 +217,16 @@ def finished_shards(out: Path) -> dict[str, int]:
     return {shard.name: shard.stat().st_mtime_ns for shard in shards}
 
 
+def gone_within(pids: list[int], seconds: float) -> bool:
+    """Whether every one of `pids` has ended within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def wait_until_gone(*titles: bytes, timeout: float = 60.0) -> None:
     """Ray ends a dead driver's actors (and with them their engines) in its own time."""
     deadline = time.monotonic() + timeout

@@ -34,7 +34,7 @@ from pipeline.cache.verify import verify_cache
 from stage1_score.cluster import PROBE_SECONDS
 from stage1_score.run import main
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
-from tests.test_fault_stage1 import frozen, wait_for
+from tests.test_fault_stage1 import frozen, gone_within, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = REPO / "stage1_score" / "run.py"
@@ -110,15 +110,6 @@ def marked_pids(mark: str, title: bytes = b"") -> list[int]:
         except OSError:
             continue
     return pids
-
-
-def gone_within(pids: list[int], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while any(Path(f"/proc/{pid}").exists() for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 # --- an address where nothing answers -------------------------------------------------------

@@ -20,7 +20,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from tests.test_fault_stage1 import (
     SCORER,
     busy,
     finished_shards,
+    gone_within,
     marked_pids,
     marked_ray_cluster,
     mid_run,
@@ -169,12 +169,8 @@ def test_killed_vllm_run_resumes_keeping_its_finished_shards(
     process.wait(timeout=30)
     # Ray ends the dead driver's actors, and with them their engines: nothing may linger.
     wait_until_gone(SCORER, ENGINE)
-    deadline = time.monotonic() + 60  # the processes seen at the kill, whatever their mark
-    while (
-        alive := [pid for pid in seen if psutil.pid_exists(pid)]
-    ) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert alive == []
+    # the processes seen at the kill, whatever their mark
+    assert gone_within(seen, 60.0), [pid for pid in seen if psutil.pid_exists(pid)]
     assert not (out / "manifest.json").exists()  # killed mid-run, not after it
     kept = finished_shards(out)
     assert 2 <= len(kept) < NUM_DOCS // DOCS_PER_SHARD
