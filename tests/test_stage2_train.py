@@ -505,7 +505,8 @@ def test_the_resolved_attention_is_saved_and_a_resume_must_match_it(
 
 def test_the_fused_adamw_kernel_trains_what_the_plain_one_does(cache, uninterrupted, tmp_path):
     """--adamw-kernel fused (auto's choice on a GPU) on the CPU: the same per-step losses as the
-    plain run within float rounding, and the optimizer really is torch's fused one."""
+    plain run within float rounding, the optimizer really is torch's fused one, and a fused run
+    stopped at step 3 and resumed equals its uninterrupted self exactly."""
     from pipeline.models.student import build_student
     from pipeline.tokenizer import load_tokenizer
     from stage2_train.schedule import make_optimizer
@@ -521,6 +522,16 @@ def test_the_fused_adamw_kernel_trains_what_the_plain_one_does(cache, uninterrup
     for ours, theirs in zip(fused, plain, strict=True):
         for key in ("loss", "loss_all", "grad_norm"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (key, ours, theirs)
+    assert_resumes_bit_for_bit(cache, tmp_path / "resumed", fused, "--adamw-kernel", "fused")
+
+
+def assert_resumes_bit_for_bit(cache: Path, out: Path, whole: list[dict], *switch: str) -> None:
+    """A run with `switch` stopped at step 3 and resumed logs `whole`, its uninterrupted
+    metrics, exactly."""
+    command = train_args(cache, out, *RESUME_ARGS, *switch)
+    assert main([*command, "--stop-at-step", "3"]) == 0
+    assert main(command) == 0
+    assert read_metrics(out) == whole
 
 
 def test_a_compiled_run_trains_what_eager_does_and_resumes_bit_for_bit(
@@ -540,16 +551,13 @@ def test_a_compiled_run_trains_what_eager_does_and_resumes_bit_for_bit(
     for ours, theirs in zip(read_metrics(compiled), read_metrics(uninterrupted), strict=True):
         for key in ("loss", "loss_all", "grad_norm"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-4), (key, ours, theirs)
-    command = train_args(cache, resumed, *RESUME_ARGS, "--compile", "layers")
-    assert main([*command, "--stop-at-step", "3"]) == 0
-    assert main(command) == 0
-    assert read_metrics(resumed) == read_metrics(compiled)
+    assert_resumes_bit_for_bit(cache, resumed, read_metrics(compiled), "--compile", "layers")
 
 
 def test_the_chunked_loss_trains_what_the_full_logits_do(cache, uninterrupted, tmp_path, capsys):
     """--loss-kernel chunked (auto's choice on a GPU) on the CPU: the run's per-step losses and
-    gradient norms as the plain run's, within float32 rounding; where it cannot apply (--fsdp) it
-    is refused in one line. (The distillation terms' chunked runs: test_stage2_distillation.py,
+    gradient norms as the plain run's, within float32 rounding, and stopped at step 3 and resumed
+    its own exactly; where it cannot apply (--fsdp) it is refused in one line. (The distillation terms' chunked runs: test_stage2_distillation.py,
     test_stage2_alm.py.)"""
     out = tmp_path / "chunked"
     assert main(train_args(cache, out, *RESUME_ARGS, "--loss-kernel", "chunked")) == 0
@@ -557,6 +565,8 @@ def test_the_chunked_loss_trains_what_the_full_logits_do(cache, uninterrupted, t
     for ours, theirs in zip(read_metrics(out), read_metrics(uninterrupted), strict=True):
         for key in ("loss", "loss_all", "grad_norm"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (key, ours, theirs)
+    chunked = ("--loss-kernel", "chunked")
+    assert_resumes_bit_for_bit(cache, tmp_path / "resumed", read_metrics(out), *chunked)
     capsys.readouterr()
     refused = tmp_path / "refused"
     assert main(train_args(cache, refused, "--loss-kernel", "chunked", "--fsdp")) == 2
