@@ -47,3 +47,11 @@ TORCH_DTYPES: tuple[str, ...] = get_args(TorchDtype)
 LOSS_DTYPE_NAMES: tuple[str, ...] = get_args(LossDtype)
 PACKINGS: tuple[str, ...] = get_args(Packing)
 ALM_MODES: tuple[str, ...] = get_args(AlmMode)
+
+
+def on_device(choice: str, device, gpu: str, cpu: str) -> str:
+    """What a switch's `auto` means on `device` (a torch.device): `gpu` on CUDA, `cpu` elsewhere;
+    any other choice stands as given."""
+    if choice != "auto":
+        return choice
+    return gpu if device.type == "cuda" else cpu

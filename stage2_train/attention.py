@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipeline.choices import on_device
 from pipeline.errors import ConfigError
-from stage2_train.config import on_device
 from stage2_train.parallel import unwrapped
 
 FLEX = "flex_attention"  # transformers' name of the flex implementation

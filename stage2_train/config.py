@@ -332,13 +332,5 @@ class TrainConfig:
         return fingerprint(to_dict(self))
 
 
-def on_device(choice: str, device, gpu: str, cpu: str) -> str:
-    """What a switch's `auto` means on `device` (a torch.device): `gpu` on CUDA, `cpu` elsewhere;
-    any other choice stands as given."""
-    if choice != "auto":
-        return choice
-    return gpu if device.type == "cuda" else cpu
-
-
 def parse_train_config(argv: list[str] | None = None) -> TrainConfig:
     return parse_config(TrainConfig, argv, DESCRIPTION, SECTION)

@@ -19,12 +19,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipeline.choices import on_device
 from pipeline.chunked_loss import chunked_head_outputs
 from pipeline.distillation import Distillation
 from pipeline.errors import ConfigError
 from pipeline.head_outputs import HeadOutputs, HeadReads, head_outputs
 from stage2_train.attention import model_inputs, student_logits
-from stage2_train.config import TrainConfig, on_device
+from stage2_train.config import TrainConfig
 from stage2_train.parallel import unwrapped
 
 # transformers model types whose causal-LM logits are lm_head(hidden states) and nothing more

@@ -9,8 +9,9 @@ import contextlib
 import torch
 from torch import nn
 
+from pipeline.choices import on_device
 from pipeline.errors import ConfigError
-from stage2_train.config import TrainConfig, on_device
+from stage2_train.config import TrainConfig
 from stage2_train.distributed import Runtime
 
 

@@ -8,7 +8,8 @@ import math
 import torch
 from torch import nn
 
-from stage2_train.config import TrainConfig, on_device
+from pipeline.choices import on_device
+from stage2_train.config import TrainConfig
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
