@@ -17,6 +17,11 @@ What each row measures:
   tokens/s is the worker's steady rate of scored tokens from the final progress line.
 - stage 1 +space: the same job with `--space-logprob` (ALM's column, docs/cache-columns.md), for
   the first teacher, as a ratio to stage 1 without it.
+- stage 1 switch rows (issue 28): the same job for the first teacher with one of the head's GPU
+  defaults turned off, as a ratio to stage 1 (`plain head`: `--head-kernel plain`, an fp32
+  log-softmax per chunk, against the fused reductions; `fixed chunks`: `--head-chunks fixed`,
+  2^24 logits per chunk, against chunks sized from free memory); each is preceded by the largest
+  difference of its stored losses from stage 1's, which a switch must leave within rounding.
 - bare forward: the same model loaded the same way, the same windows and padded batches (taken
   from the cache's token ids) already on the device, `model(...).logits` and nothing else; one
   warm-up pass, then the best of --repeats passes, synchronized; the same scored-token count.
@@ -103,6 +108,14 @@ TEACHERS = {
 }  # fmt: skip
 # Windows, batches and steps per shape: (max_length, stride, batch_tokens, docs per shard).
 STAGE1 = {"gpu": (2048, 1024, 16384, 256), "tiny": (128, 64, 512, 8)}
+SPACE = ("--space-logprob",)
+# Rows of the first teacher beside `stage 1 (hf)`, each a ratio to it: the ALM column's cost, and
+# each switch of the head's GPU path turned to its plain value (issue 28).
+STAGE1_VARIANTS = (
+    ("+space", SPACE),
+    ("plain head", ("--head-kernel", "plain")),
+    ("fixed chunks", ("--head-chunks", "fixed")),
+)
 DEFAULTS = {"gpu": {"docs": 2048, "steps": 12}, "tiny": {"docs": 16, "steps": 4}}
 # stage-2 student preset, seq_len, micro-batch size, micro-batches per step, loader workers
 STAGE2 = {"gpu": ("tinyllama-1.1b", 2048, 4, 4, 2), "tiny": ("llama-tiny", 64, 2, 2, 0)}
@@ -245,13 +258,22 @@ def stage1_rows(args, scratch: Path, corpus: Path, device, dtype: str) -> tuple[
         with polled_device_memory(device) as polled:
             _, _, worker_rates = timed_stage1(command)
         stage1_rate = sum(worker_rates)
-        first = not rows  # the first teacher: also the ALM column's cost (issue 19)
-        if first:
-            space_out = str(scratch / f"cache-{name}-space")
-            with polled_device_memory(device) as polled_space:
-                space_command = [space_out if arg == str(out) else arg for arg in command]
-                space_rate = sum(timed_stage1([*space_command, "--space-logprob"])[2])
-            shutil.rmtree(space_out)
+        first = not rows  # the first teacher: also the ALM column's and each switch's cost
+        variants = []
+        for label, options in STAGE1_VARIANTS if first else ():
+            variant_out = scratch / f"cache-{name}-{label.replace(' ', '-')}"
+            variant_command = [str(variant_out) if arg == str(out) else arg for arg in command]
+            with polled_device_memory(device) as polled_variant:
+                variant_rate = sum(timed_stage1([*variant_command, *options])[2])
+            if options != SPACE:  # a switch changes speed, not the cache: the stored losses
+                difference = max(
+                    float(np.nanmax(np.abs(np.asarray(a["loss"], np.float32) -
+                                           np.asarray(b["loss"], np.float32))))
+                    for a, b in zip(cache_rows(variant_out), cache_rows(out), strict=True)
+                )  # fmt: skip
+                print(f"stage 1 {label} vs stage 1: max |stored loss difference| {difference:.2e}")
+            shutil.rmtree(variant_out)
+            variants.append((f"stage 1 {label}", variant_rate, polled_variant["peak"]))
         model = load_teacher_model(resolve_teacher(str(folder)), dtype, str(device))
         parameters = flop_parameters(model)
         cached = cache_rows(out)
@@ -279,11 +301,11 @@ def stage1_rows(args, scratch: Path, corpus: Path, device, dtype: str) -> tuple[
             Row("bare forward", name, bare_rate, 1.0,
                 mfu(parameters, bare_rate, peak, training=False), bare_peak),
         ]  # fmt: skip
-        if first:
-            rows.append(
-                Row("stage 1 +space", name, space_rate, space_rate / stage1_rate,
-                    mfu(parameters, space_rate, peak, training=False), polled_space["peak"])
-            )  # fmt: skip
+        rows += [
+            Row(what, name, rate, rate / stage1_rate, mfu(parameters, rate, peak, training=False),
+                variant_peak)
+            for what, rate, variant_peak in variants
+        ]  # fmt: skip
         shutil.rmtree(folder)  # disk: a 7B folder is 15 GB; stage 2 needs only the cache
     return rows, checks
 
@@ -344,8 +366,8 @@ def print_table(rows: list[Row], device) -> None:
             f"{'n/a' if row.peak_bytes is None else f'{row.peak_bytes / 2**30:.2f}':>12}  {name}"
         )
     print(
-        "ratio: stage 1 / bare forward of the same teacher; stage 1 +space (--space-logprob) / "
-        "stage 1; stage 2 arm / stage 2 none; a stage 2 switch row / stage 2 token (whose "
+        "ratio: stage 1 / bare forward of the same teacher; stage 1 +space (--space-logprob) and "
+        "a stage 1 switch row / stage 1; stage 2 arm / stage 2 none; a stage 2 switch row / stage 2 token (whose "
         "defaults are the GPU path's on a GPU, the same as the switch rows' on a CPU). Targets: stage 1 >= 0.95, +space >= 0.99 on a "
         "GPU, stage 2 MFU >= 55%, token >= 0.97."
     )

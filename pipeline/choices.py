@@ -29,6 +29,8 @@ Attention = Literal["auto", "flex", "dense"]  # stage 2: how the document mask r
 AdamwKernel = Literal["auto", "fused", "plain"]  # stage 2: torch's AdamW implementation
 CompileStudent = Literal["auto", "layers", "off"]  # stage 2: torch.compile of the student
 LossKernel = Literal["auto", "chunked", "plain"]  # stage 2: how the per-token loss is computed
+HeadKernel = Literal["auto", "fused", "plain"]  # stage 1: how the head's columns are computed
+HeadChunks = Literal["auto", "sized", "fixed"]  # stage 1: how many rows a head chunk holds
 # stage 2 --guidance alm: tokenkit's alm_mode values (merge chunks by the teacher's space
 # probability, append each side's space log-probability), naive = neither
 AlmMode = Literal[

@@ -10,7 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, topk_id_dtype
-from pipeline.choices import LossDtype, OnBadRecord, ScoringBackend, TextSplit, TorchDtype
+from pipeline.choices import (
+    HeadChunks,
+    HeadKernel,
+    LossDtype,
+    OnBadRecord,
+    ScoringBackend,
+    TextSplit,
+    TorchDtype,
+)
 from pipeline.config import option
 from pipeline.corpus import CorpusOptions
 from pipeline.scoring.windows import default_stride, validate_window
@@ -94,6 +102,19 @@ class ScoreConfig:
     )
     batch_tokens: int = option(
         16384, help="hf backend: padded tokens per forward batch (rows x longest window)"
+    )
+    head_kernel: HeadKernel = option(
+        "auto",
+        help="hf backend: how the loss and the optional columns come from the head's logits: "
+        "fused: reductions over the logits as they are, compiled on a GPU (no fp32 copy); plain: "
+        "an fp32 log-softmax of each chunk; auto: fused on a GPU, plain on a CPU; the same "
+        "columns up to fp32 rounding (docs/gpu-path.md)",
+    )
+    head_chunks: HeadChunks = option(
+        "auto",
+        help="hf backend: rows of logits per head chunk: fixed: 2^24 logits (110 rows at a 152k "
+        "vocabulary); sized: from the device's free memory at each batch; auto: sized on a "
+        "GPU, fixed on a CPU",
     )
     num_workers: int = option(
         0,

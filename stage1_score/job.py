@@ -199,6 +199,8 @@ def run(config: ScoreConfig) -> CacheManifest:
                 max_length=job.max_length,
                 stride=job.stride,
                 batch_tokens=config.batch_tokens,
+                head_kernel=config.head_kernel,
+                head_chunks=config.head_chunks,
                 loss_dtype=config.loss_dtype,
                 settings=job.identity["settings"],
                 out=out if isinstance(out, str) else out.resolve(),

@@ -51,6 +51,8 @@ class WorkerSpec:
     vllm_cpu_kvcache_gib: int = 1
     vllm_enforce_eager: bool = False
     settings: dict | None = None  # the cache's result settings: which optional columns to compute
+    head_kernel: str = "auto"  # hf backend (pipeline.scoring.head)
+    head_chunks: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ def load_scorer(spec: WorkerSpec, extras: HeadExtras | None = None):
         stride=spec.stride,
         batch_tokens=spec.batch_tokens,
         extras=extras,
+        head_kernel=spec.head_kernel,
+        head_chunks=spec.head_chunks,
     )
 
 

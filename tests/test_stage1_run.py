@@ -142,16 +142,20 @@ def test_two_workers_build_a_verified_cache_equal_to_the_teacher(built, teacher,
     assert windowed > NUM_DOCS // 2
 
 
-def test_topk_probs_8_and_space_logprob_are_cached_and_equal_the_teacher(
+def test_topk_probs_8_and_space_logprob_are_cached_by_the_fused_head_and_equal_the_teacher(
     ray_cluster, teacher, corpus, tmp_path
 ):
     from pipeline.cache.stats import cache_stats
     from pipeline.space_mask import space_mask
 
     out = tmp_path / "cache"
-    assert main(args(teacher, corpus, out, "--topk-probs", "8", "--space-logprob")) == 0
+    # the head's GPU switches (auto's choices there), through the job to its workers
+    switches = ("--head-kernel", "fused", "--head-chunks", "sized")
+    assert main(args(teacher, corpus, out, "--topk-probs", "8", "--space-logprob", *switches)) == 0
     manifest, problems = verify_cache(out)
     assert problems == []
+    backend = json.loads((out / "stage1-run.json").read_text())["backend"]
+    assert (backend["head_kernel"], backend["head_chunks"]) == ("fused", "sized")
     tokenizer = load_tokenizer(str(teacher))
     mask, identity = space_mask(tokenizer, tokenizer.vocab_size)
     assert manifest.settings["topk_probs"] == 8 and manifest.settings["topk_id_dtype"] == "uint16"

@@ -1,28 +1,40 @@
-"""Optional views of the teacher's next-token distribution, computed from the logits chunk the
-loss is computed from (pipeline.scoring.hf): no second forward pass, no extra full-vocabulary
-tensor beyond one chunk, no per-token Python loop. Columns and conventions: docs/cache-columns.md.
+"""The columns stage 1 computes from the teacher's head, a chunk of scored positions at a time:
+the loss, and the optional views of the teacher's next-token distribution (no second forward
+pass, no per-token Python loop). Columns and conventions: docs/cache-columns.md.
 
 For a scored position t (the distribution p = softmax(logits) that predicts token t, the one whose
--log p(token t) is `loss[t]`), in fp32 from the same logits as the loss:
+-log p(token t) is `loss[t]`), in fp32:
   - topk_probs[t]: the K largest p(v), descending (torch.topk, so ties keep the lower id first);
   - topk_ids[t]:   their token ids;
   - topk_rest[t]:  1 - sum(topk_probs[t]), the mass outside the K (clamped at 0);
-  - space_logprob[t]: log sum_{v in S} p(v) with S the space mask (pipeline.space_mask).
+  - space_logprob[t]: log sum_{v in S} p(v) with S the space mask (pipeline.space_mask), at least
+    log of fp32's smallest normal (-87.3).
 Unscored positions (token 0, and a one-token document) hold NaN probabilities and id -1 here; the
 writer stores their top-k entries as nulls.
+
+Two kernels compute them (`--head-kernel`, docs/gpu-path.md):
+  - plain: the chunk's logits copied to fp32, log-softmax (another fp32 chunk), the loss and the
+    views read from it (pipeline.cross_entropy, the student's definition);
+  - fused: reductions over the logits as they are (bf16 on a GPU): log Z, the target's logit and
+    the space mask's log-sum-exp, and torch.topk of the logits, so no fp32 copy of the chunk is
+    made where the pass is compiled (on CUDA; elsewhere it runs eagerly).
+The two agree within fp32 rounding, far inside the cache's fp16 storage (tests/test_stage1_head.py).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, TOPK_REST
-from pipeline.cross_entropy import token_log_probs_and_loss
+from pipeline.cross_entropy import token_log_probs_and_loss, token_loss
 
 MAX_TOPK = 128
+TINY = torch.finfo(torch.float32).tiny  # the space mass's floor (docs/cache-columns.md)
 
 
 @dataclass(frozen=True)
@@ -49,50 +61,103 @@ class HeadExtras:
         return names + ((SPACE_LOGPROB,) if self.space_mask is not None else ())
 
 
-class ExtrasBuffer:
-    """Device tensors of one batch's scored positions, filled a logits chunk at a time."""
+def plain_columns(
+    logits: torch.Tensor, targets: torch.Tensor, topk: int, space: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The columns of a chunk [rows, V] from its fp32 log-softmax (`--head-kernel plain`); the
+    loss alone is pipeline.cross_entropy.token_loss, bit for bit, with or without the views."""
+    if not topk and space is None:
+        return {"loss": token_loss(logits, targets)}
+    log_probs, loss = token_log_probs_and_loss(logits, targets)
+    columns = {"loss": loss}
+    if topk:
+        values, ids = torch.topk(log_probs, topk, dim=-1, sorted=True)
+        probs = values.exp()
+        columns |= {TOPK_PROBS: probs, TOPK_IDS: ids}
+        columns[TOPK_REST] = (1.0 - probs.sum(dim=-1)).clamp_(min=0.0)
+    if space is not None:
+        # the mask's mass as one product with its indicator; a mass under fp32's smallest
+        # normal reads as that bound
+        mass = log_probs.exp_() @ space.to(log_probs.dtype)
+        columns[SPACE_LOGPROB] = mass.clamp_(TINY, 1.0).log_()
+    return columns
 
-    def __init__(self, extras: HeadExtras, rows: int, vocab_size: int, device: torch.device):
-        self.extras = extras
-        k = extras.topk
-        self.out: dict[str, torch.Tensor] = {}
-        if k:
-            if k > vocab_size:
-                raise ValueError(f"topk {k} exceeds the teacher's {vocab_size} outputs")
-            self.out[TOPK_PROBS] = torch.empty(rows, k, dtype=torch.float32, device=device)
-            self.out[TOPK_REST] = torch.empty(rows, dtype=torch.float32, device=device)
-            if extras.topk_ids:
-                self.out[TOPK_IDS] = torch.empty(rows, k, dtype=torch.int64, device=device)
+
+def fused_columns(
+    logits: torch.Tensor, targets: torch.Tensor, topk: int, space: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The same columns as `plain_columns` from reductions over the logits in their own dtype
+    (`--head-kernel fused`): loss = log Z - logit[target], the top-k probabilities
+    exp(logit - log Z) of torch.topk of the logits, and log p(S) = logsumexp over S - log Z.
+    Compiled, each reduction reads the chunk once, upcasting as it goes."""
+    log_z = torch.logsumexp(logits.float(), dim=-1)
+    picked = logits.gather(-1, targets[:, None]).squeeze(-1).float()
+    columns = {"loss": log_z - picked}
+    if topk:
+        values, ids = torch.topk(logits, topk, dim=-1, sorted=True)
+        probs = (values.float() - log_z[:, None]).exp()
+        columns |= {TOPK_PROBS: probs, TOPK_IDS: ids}
+        columns[TOPK_REST] = (1.0 - probs.sum(dim=-1)).clamp(min=0.0)
+    if space is not None:
+        in_space = torch.logsumexp(logits.float().masked_fill(~space, float("-inf")), dim=-1)
+        columns[SPACE_LOGPROB] = (in_space - log_z).clamp(min=math.log(TINY), max=0.0)
+    return columns
+
+
+@functools.cache
+def compiled_fused_columns():
+    """`fused_columns` under torch.compile (once per process; shapes dynamic, so the last,
+    shorter chunk of a batch does not recompile)."""
+    return torch.compile(fused_columns, dynamic=True)
+
+
+def head_kernel_function(kernel: str, device: torch.device):
+    """What computes a chunk's columns for `--head-kernel` `kernel` (plain or fused) on
+    `device`: fused is compiled on CUDA, eager elsewhere."""
+    if kernel == "plain":
+        return plain_columns
+    return compiled_fused_columns() if device.type == "cuda" else fused_columns
+
+
+class HeadColumns:
+    """The columns of a scorer's batches (the loss and the extras asked for) by `--head-kernel`
+    `kernel` on `device`, for a head of `vocab_size` outputs; the space mask goes to the device
+    once, here."""
+
+    def __init__(self, extras: HeadExtras, vocab_size: int, device: torch.device, kernel: str):
+        if extras.topk > vocab_size:
+            raise ValueError(f"topk {extras.topk} exceeds the teacher's {vocab_size} outputs")
         self.space = None
         if extras.space_mask is not None:
             if len(extras.space_mask) != vocab_size:
                 raise ValueError(
                     f"space mask of {len(extras.space_mask)} ids for a head of {vocab_size}"
                 )
-            self.space = torch.from_numpy(extras.space_mask.astype(np.float32)).to(device)
-            self.out[SPACE_LOGPROB] = torch.empty(rows, dtype=torch.float32, device=device)
+            self.space = torch.from_numpy(extras.space_mask).to(device)
+        self.extras, self.device = extras, device
+        self.compute = head_kernel_function(kernel, device)
 
-    def fill(self, chunk: slice, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The chunk's extras from its logits; returns its loss against `targets`, bit for bit
-        token_loss's, read from the same log-softmax (so no view adds a log-sum-exp)."""
-        log_probs, loss = token_log_probs_and_loss(logits, targets)
-        if self.extras.topk:
-            values, ids = torch.topk(log_probs, self.extras.topk, dim=-1, sorted=True)
-            probs = values.exp()
-            self.out[TOPK_PROBS][chunk] = probs
-            self.out[TOPK_REST][chunk] = (1.0 - probs.sum(dim=-1)).clamp_(min=0.0)
+    def buffer(self, rows: int) -> dict[str, torch.Tensor]:
+        """Empty device tensors for `rows` scored positions, by column."""
+        k, device = self.extras.topk, self.device
+        out = {"loss": torch.empty(rows, dtype=torch.float32, device=device)}
+        if k:
+            out[TOPK_PROBS] = torch.empty(rows, k, dtype=torch.float32, device=device)
+            out[TOPK_REST] = torch.empty(rows, dtype=torch.float32, device=device)
             if self.extras.topk_ids:
-                self.out[TOPK_IDS][chunk] = ids
+                out[TOPK_IDS] = torch.empty(rows, k, dtype=torch.int64, device=device)
         if self.space is not None:
-            # the mask's mass as one product with its indicator; a mass under fp32's smallest
-            # normal (log p < -87.3) reads as that bound (docs/cache-columns.md)
-            mass = log_probs.exp_() @ self.space
-            tiny = torch.finfo(mass.dtype).tiny
-            self.out[SPACE_LOGPROB][chunk] = mass.clamp_(tiny, 1.0).log_()
-        return loss
+            out[SPACE_LOGPROB] = torch.empty(rows, dtype=torch.float32, device=device)
+        return out
 
-    def numpy(self) -> dict[str, np.ndarray]:
-        return {name: value.cpu().numpy() for name, value in self.out.items()}
+    def fill(
+        self, out: dict[str, torch.Tensor], chunk: slice, logits: torch.Tensor, targets: torch.Tensor
+    ) -> None:
+        """The columns of the rows `chunk` of `out` from their logits."""
+        columns = self.compute(logits, targets, self.extras.topk, self.space)
+        for name, values in columns.items():
+            if name in out:  # ids computed but not kept (--no-topk-ids)
+                out[name][chunk] = values
 
 
 def empty_columns(extras: HeadExtras, lengths: list[int]) -> dict[str, list[np.ndarray]]:

@@ -2,8 +2,10 @@
 
 Per batch of windows (pipeline.scoring.windows, pipeline.scoring.batching): one forward pass of the
 decoder body, right-padded with an attention mask; then the output head is applied only to the
-positions whose next token is scored, a chunk of rows at a time, and each loss is the fp32
-cross-entropy of pipeline.cross_entropy, the definition the student is trained with too.
+positions whose next token is scored, a chunk of rows at a time, and each chunk's loss and views
+are computed by `--head-kernel` (pipeline.scoring.head). Chunks (`--head-chunks`) hold a fixed
+2^24 logits, or are sized from the device's free memory at each batch, so that a large vocabulary
+does not cost a head matrix product (re-reading the whole head weight) per hundred rows.
 Full-vocabulary log-probabilities of all positions (batch x length x vocabulary) are never
 materialized.
 
@@ -14,19 +16,41 @@ scored in chunks. Same input, same thread count -> bit-identical losses on the C
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from pipeline.cross_entropy import token_loss
+from pipeline.choices import on_device
 from pipeline.scoring.batching import plan_batches
-from pipeline.scoring.head import ExtrasBuffer, HeadExtras, empty_columns
+from pipeline.scoring.head import HeadColumns, HeadExtras, empty_columns
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
 
-# Rows of logits computed at once: rows x vocabulary stays near 2**24 floats (64 MiB in fp32).
+# --head-chunks fixed: rows of logits computed at once, rows x vocabulary near 2**24 floats
+# (64 MiB in fp32; 110 rows at a 152k vocabulary).
 LOGIT_BUDGET = 1 << 24
+# --head-chunks sized: a chunk may take this share of the free memory, at this many bytes per
+# logit (the plain kernel's model-dtype logits, fp32 copy and fp32 log-softmax; fused needs less).
+HEAD_MEMORY_SHARE = 0.5
+BYTES_PER_LOGIT = 12
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free now: CUDA's free device memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def head_chunk_rows(vocab_size: int, chunks: str, free: int | None = None) -> int:
+    """Rows per head chunk for `--head-chunks` `chunks` (fixed or sized), given `free` bytes
+    (sized only): never fewer than the fixed budget's."""
+    fixed = max(1, LOGIT_BUDGET // vocab_size)
+    if chunks == "fixed":
+        return fixed
+    return max(fixed, int(free * HEAD_MEMORY_SHARE) // (vocab_size * BYTES_PER_LOGIT))
 
 
 def scored_positions(windows: WindowTable, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -68,6 +92,8 @@ class HFScorer:
         batch_tokens: int,
         device: str | None = None,
         extras: HeadExtras | None = None,
+        head_kernel: str = "auto",
+        head_chunks: str = "auto",
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_teacher_model(teacher, dtype, str(self.device))
@@ -75,9 +101,12 @@ class HFScorer:
         self.body = self.model.base_model
         self.head = self.model.get_output_embeddings()
         self.vocab_size = self.head.weight.shape[0]
-        self.chunk_rows = max(1, LOGIT_BUDGET // self.vocab_size)
         self.plain_head = self._head_reproduces_logits()
         self.extras = extras or HeadExtras()
+        # auto: the fast path on a GPU; on a CPU the plain one, whose caches are those of before
+        self.head_kernel = on_device(head_kernel, self.device, gpu="fused", cpu="plain")
+        self.head_chunks = on_device(head_chunks, self.device, gpu="sized", cpu="fixed")
+        self.columns = HeadColumns(self.extras, self.vocab_size, self.device, self.head_kernel)
 
     def describe(self) -> dict:
         import transformers
@@ -88,6 +117,8 @@ class HFScorer:
             "torch_version": torch.__version__,
             "model_dtype": str(self.model.dtype).removeprefix("torch."),
             "head": "chunked" if self.plain_head else "model forward",
+            "head_kernel": self.head_kernel,
+            "head_chunks": self.head_chunks,
         }
 
     @torch.inference_mode()
@@ -150,15 +181,10 @@ class HFScorer:
             ).logits
             hidden = logits[row, position]
             project = torch.nn.Identity()
-        out = torch.empty(len(targets), dtype=torch.float32, device=self.device)
-        extras = None
-        if self.extras.active:
-            extras = ExtrasBuffer(self.extras, len(targets), self.vocab_size, self.device)
-        for begin in range(0, len(targets), self.chunk_rows):
-            chunk = slice(begin, begin + self.chunk_rows)
-            logits = project(hidden[chunk])
-            if extras is None:
-                out[chunk] = token_loss(logits, targets[chunk])
-            else:
-                out[chunk] = extras.fill(chunk, logits, targets[chunk])
-        return {"loss": out.cpu().numpy()} | (extras.numpy() if extras is not None else {})
+        free = free_memory(self.device) if self.head_chunks == "sized" else None
+        rows = head_chunk_rows(self.vocab_size, self.head_chunks, free)
+        out = self.columns.buffer(len(targets))
+        for begin in range(0, len(targets), rows):
+            chunk = slice(begin, begin + rows)
+            self.columns.fill(out, chunk, project(hidden[chunk]), targets[chunk])
+        return {name: values.cpu().numpy() for name, values in out.items()}

@@ -1,0 +1,134 @@
+"""Stage 1's head switches (pipeline/scoring/head.py, pipeline/scoring/hf.py, docs/gpu-path.md):
+`--head-kernel fused` caches what `plain` caches, every column within the cache's float16
+storage, for a byte-level and a SentencePiece teacher; the compiled fused pass (a GPU's) equals
+the eager one; `--head-chunks sized` takes its rows from free memory and changes no column; what
+`auto` resolved to is recorded with the worker."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.scoring.head import (
+    HeadExtras,
+    compiled_fused_columns,
+    fused_columns,
+    plain_columns,
+)
+from pipeline.scoring.hf import LOGIT_BUDGET, HFScorer, head_chunk_rows
+from pipeline.scoring.teacher import resolve_teacher
+from pipeline.space_mask import space_mask
+from pipeline.tokenizer import load_tokenizer
+from tests.stage1_helpers import make_tiny_teacher
+
+TEXTS = [
+    "Question: Tom has 3 apples\nand buys 12 more.\tHow many? Answer: 15 " * 3,
+    "x",
+    "Ünïcödé, emoji 🙂 and  two  spaces.",
+    "Let $f(x) = x^2 + 3x$. Then $f'(x) = 2x + 3$, so the minimum is at $x = -3/2$. " * 4,
+]
+MAX_LENGTH, STRIDE = 16, 6
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("teachers")
+    return {name: make_tiny_teacher(root / name, name) for name in ("smollm2", "tinyllama")}
+
+
+def columns_of(folder, **switches) -> tuple[HFScorer, dict[str, np.ndarray]]:
+    """Every column (loss, top-8, space) of TEXTS, documents concatenated."""
+    tokenizer = load_tokenizer(str(folder))
+    ids = [e.ids for e in tokenizer.encode_batch(TEXTS)]
+    extras = HeadExtras(topk=8, space_mask=space_mask(tokenizer, tokenizer.vocab_size)[0])
+    scorer = HFScorer(
+        resolve_teacher(str(folder)), dtype="float32", max_length=MAX_LENGTH, stride=STRIDE,
+        batch_tokens=64, device="cpu", extras=extras, **switches,
+    )  # fmt: skip
+    columns = scorer.score_columns(ids)
+    return scorer, {name: np.concatenate(parts) for name, parts in columns.items()}
+
+
+def as_stored(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).astype(np.float32)
+
+
+def assert_within_one_float16_step(ours: np.ndarray, theirs: np.ndarray, name: str) -> None:
+    """Equal as the cache stores them (float16), up to a rounding that lands on the neighbouring
+    float16 value; NaN (unscored) in the same places."""
+    ours, theirs = as_stored(ours), as_stored(theirs)
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(theirs))
+    scored = ~np.isnan(theirs)
+    ours, theirs = ours[scored], theirs[scored]
+    step = np.spacing(np.maximum(np.abs(ours), np.abs(theirs)).astype(np.float16))
+    apart = np.abs(ours - theirs) > step.astype(np.float32)
+    assert not apart.any(), f"{name}: {apart.sum()} values more than one float16 step apart"
+
+
+@pytest.mark.parametrize("name", ["smollm2", "tinyllama"])  # byte-level, SentencePiece
+def test_the_fused_head_caches_every_column_the_plain_one_does(teachers, name):
+    plain_scorer, plain = columns_of(teachers[name], head_kernel="plain")
+    fused_scorer, fused = columns_of(teachers[name], head_kernel="fused")
+    assert plain_scorer.describe()["head_kernel"] == "plain"
+    assert fused_scorer.describe()["head_kernel"] == "fused"
+    assert fused.keys() == plain.keys() == {
+        "loss", "topk_probs", "topk_ids", "topk_rest", "space_logprob"
+    }  # fmt: skip
+    for column in ("loss", "topk_probs", "topk_rest", "space_logprob"):
+        assert_within_one_float16_step(fused[column], plain[column], column)
+        # and before storage, the two arithmetics of one quantity differ by fp32 rounding only
+        np.testing.assert_allclose(fused[column], plain[column], rtol=1e-5, atol=0)
+    # the same ids in the same ranks, but where two probabilities tie as stored (torch.topk
+    # breaks ties of the logits and of the log-probabilities alike, by the lower id)
+    swapped = fused["topk_ids"] != plain["topk_ids"]
+    assert (swapped.sum() <= 0.01 * swapped.size), swapped.sum()
+    stored = as_stored(plain["topk_probs"])
+    ranks = np.nonzero(swapped)
+    for row, rank in zip(*ranks, strict=True):
+        tied = stored[row] == stored[row, rank]
+        assert tied.sum() >= 2 and fused["topk_ids"][row, rank] in plain["topk_ids"][row, tied]
+
+
+def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
+    """What a GPU runs (torch.compile of fused_columns; the CPU compiles it too) against the
+    eager pass and the plain log-softmax, in fp32 and from bf16 logits, on a chunk with a last
+    row of its own size (dynamic shapes: no recompile per chunk)."""
+    generator = torch.Generator().manual_seed(0)
+    space = torch.rand(1000, generator=generator) < 0.3
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (37, 5):
+            logits = (torch.randn(rows, 1000, generator=generator) * 4).to(dtype)
+            targets = torch.randint(0, 1000, (rows,), generator=generator)
+            compiled = compiled_fused_columns()(logits, targets, 8, space)
+            eager = fused_columns(logits, targets, 8, space)
+            plain = plain_columns(logits, targets, 8, space)
+            for name, value in plain.items():
+                for other in (compiled, eager):
+                    if name == "topk_ids":
+                        assert torch.equal(other[name], value)
+                    else:
+                        torch.testing.assert_close(other[name], value, rtol=1e-5, atol=1e-5)
+
+
+def test_sized_chunks_take_their_rows_from_free_memory_and_change_no_column(teachers):
+    vocabulary = 151_936
+    fixed = LOGIT_BUDGET // vocabulary
+    assert head_chunk_rows(vocabulary, "fixed") == fixed == 110
+    # half of 40 GiB free at 12 bytes a logit: 11,776 rows of a 152k head
+    assert head_chunk_rows(vocabulary, "sized", free=40 * 2**30) == 20 * 2**30 // (vocabulary * 12)
+    assert head_chunk_rows(vocabulary, "sized", free=2**20) == fixed  # never below the fixed
+    fixed_scorer, by_fixed = columns_of(teachers["smollm2"], head_chunks="fixed")
+    sized_scorer, by_sized = columns_of(teachers["smollm2"], head_chunks="sized")
+    assert (fixed_scorer.describe()["head_chunks"], sized_scorer.describe()["head_chunks"]) == (
+        "fixed", "sized"
+    )  # fmt: skip
+    for name, values in by_fixed.items():
+        np.testing.assert_allclose(by_sized[name], values, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_auto_is_the_plain_path_on_a_cpu(teachers):
+    scorer, _ = columns_of(teachers["smollm2"])
+    assert (scorer.describe()["head_kernel"], scorer.describe()["head_chunks"]) == (
+        "plain", "fixed"
+    )  # fmt: skip
