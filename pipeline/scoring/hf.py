@@ -77,6 +77,15 @@ def padded_batch(
     return input_ids, mask.astype(np.int64)
 
 
+def to_host(columns: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Each column as a numpy array: on a GPU every copy is started, then waited for once."""
+    on_gpu = any(values.is_cuda for values in columns.values())
+    columns = {name: values.to("cpu", non_blocking=True) for name, values in columns.items()}
+    if on_gpu:
+        torch.cuda.synchronize()
+    return {name: values.numpy() for name, values in columns.items()}
+
+
 class HFScorer:
     """Scores token sequences with a transformers causal LM; one instance per worker."""
 
@@ -187,4 +196,4 @@ class HFScorer:
         for begin in range(0, len(targets), rows):
             chunk = slice(begin, begin + rows)
             self.columns.fill(out, chunk, project(hidden[chunk]), targets[chunk])
-        return {name: values.cpu().numpy() for name, values in out.items()}
+        return to_host(out)
