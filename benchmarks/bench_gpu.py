@@ -19,12 +19,14 @@ What each row measures:
   the first teacher, as a ratio to stage 1 without it.
 - stage 1 +topk 32: the same with `--topk-probs 32` (the distillations' column), as a ratio to
   stage 1.
-- stage 1 switch rows (issue 28): the same job for the first teacher with one of the head's GPU
+- stage 1 switch rows (issue 28): the same job for the first teacher with one of stage 1's GPU
   defaults turned off, as a ratio to stage 1 (`plain head`: `--head-kernel plain`, an fp32
   log-softmax per chunk, against the fused reductions; `fixed chunks`: `--head-chunks fixed`,
-  2^24 logits per chunk, against chunks sized from free memory). Each of these rows is preceded by
-  the largest difference of its stored losses from stage 1's: the columns leave the loss as it
-  is, and a switch within rounding.
+  2^24 logits per chunk, against chunks sized from free memory; `serial units`: `--unit-overlap
+  off`, a worker's units one after another, against tokenizing and writing one unit while another
+  is scored; the gpu shapes give the one worker 8 units). Each of these rows is preceded by the
+  largest difference of its stored losses from stage 1's: the columns leave the loss as it is,
+  and a switch within rounding.
 - bare forward: the same model loaded the same way, the same windows and padded batches (taken
   from the cache's token ids) already on the device, `model(...).logits` and nothing else; one
   warm-up pass, then the best of --repeats passes, synchronized; the same scored-token count.
@@ -112,13 +114,14 @@ TEACHERS = {
 # Windows, batches and steps per shape: (max_length, stride, batch_tokens, docs per shard).
 STAGE1 = {"gpu": (2048, 1024, 16384, 256), "tiny": (128, 64, 512, 8)}
 # Rows of the first teacher beside `stage 1 (hf)`, each a ratio to it: the cost of ALM's column
-# and of the distillations' top 32, and each switch of the head's GPU path turned to its plain
+# and of the distillations' top 32, and each switch of stage 1's GPU path turned to its plain
 # value (issue 28). None may change a stored loss.
 STAGE1_VARIANTS = (
     ("+space", ("--space-logprob",)),
     ("+topk 32", ("--topk-probs", "32")),
     ("plain head", ("--head-kernel", "plain")),
     ("fixed chunks", ("--head-chunks", "fixed")),
+    ("serial units", ("--unit-overlap", "off")),
 )
 DEFAULTS = {"gpu": {"docs": 2048, "steps": 12}, "tiny": {"docs": 16, "steps": 4}}
 # stage-2 student preset, seq_len, micro-batch size, micro-batches per step, loader workers

@@ -35,6 +35,7 @@ CompileStudent = Literal["auto", "layers", "off"]  # stage 2: torch.compile of t
 LossKernel = Literal["auto", "chunked", "plain"]  # stage 2: how the per-token loss is computed
 HeadKernel = Literal["auto", "fused", "plain"]  # stage 1: how the head's columns are computed
 HeadChunks = Literal["auto", "sized", "fixed"]  # stage 1: how many rows a head chunk holds
+UnitOverlap = Literal["auto", "on", "off"]  # stage 1: a unit's CPU work beside another's scoring
 # stage 2 --guidance alm: tokenkit's alm_mode values (merge chunks by the teacher's space
 # probability, append each side's space log-probability), naive = neither
 AlmMode = Literal[

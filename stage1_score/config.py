@@ -18,6 +18,7 @@ from pipeline.choices import (
     ScoringBackend,
     TeacherDtype,
     TextSplit,
+    UnitOverlap,
 )
 from pipeline.config import option
 from pipeline.corpus import CorpusOptions
@@ -119,6 +120,12 @@ class ScoreConfig:
         help="hf backend: rows of logits per head chunk: fixed: 2^24 logits (110 rows at a 152k "
         "vocabulary); sized: from the device's free memory at each batch; auto: sized on a "
         "GPU, fixed on a CPU",
+    )
+    unit_overlap: UnitOverlap = option(
+        "auto",
+        help="on: each worker holds two units at once, scoring one on the teacher while it "
+        "tokenizes the next and writes the last (one unit on the device at a time); off: one unit "
+        "after another; auto: on with GPU workers, off on CPUs; the cache is the same either way",
     )
     num_workers: int = option(
         0,

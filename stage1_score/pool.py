@@ -125,9 +125,18 @@ class WorkerPool:
         self.started_ray = connect_ray(self.config.ray_address)
         log.info(describe_cluster())
         workers, cpus, gpus = size_pool(self.config)
-        log.info(f"starting {workers} worker(s) with {cpus} CPU(s) and {gpus} GPU(s) each")
+        overlap = self.config.unit_overlap
+        if overlap == "auto":  # on where the teacher is on a GPU and the CPU work is idle beside it
+            overlap = "on" if gpus else "off"
+        log.info(
+            f"starting {workers} worker(s) with {cpus} CPU(s) and {gpus} GPU(s) each, unit "
+            f"overlap {overlap}"
+        )
         # SPREAD: nodes share the actors (and the writes), so a lost node takes as few as possible.
+        # With overlap, an actor runs its units in flight in threads of its own (UnitScorer keeps
+        # one on the teacher at a time).
         self._actor_class = ray.remote(UnitScorer).options(
+            max_concurrency=UNITS_IN_FLIGHT_PER_WORKER if overlap == "on" else 1,
             num_cpus=cpus,
             num_gpus=gpus,
             max_restarts=0,
@@ -153,6 +162,7 @@ class WorkerPool:
             )
         log.info("workers on nodes: " + ", ".join(f"w{a.index} {a.node}" for a in self.actors))
         self.info = {"workers": workers, "cpus_per_worker": cpus, "gpus_per_worker": gpus}
+        self.info["unit_overlap"] = overlap
         self.info["backend"] = started[0]["backend"]
 
     def _launch(self) -> None:
@@ -256,6 +266,7 @@ class WorkerPool:
             "worker": actor.index,
             "node": actor.node,
             "attempts": self.losses[unit.index] + 1,
+            "phases": result.phases,
         }
         log.info(
             f"unit {unit.index}: {counted(result.shard.rows, 'document')} scored by worker "

@@ -7,8 +7,10 @@ sidecar. A worker killed at any point leaves either nothing new or a finished un
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.cache.manifest import ShardRecord
@@ -60,6 +62,16 @@ class UnitResult:
     shard: ShardRecord
     seconds: float
     worker: int
+    # [start, end] in the worker node's monotonic seconds of "tokenize", "score" and "write"
+    phases: dict[str, list[float]] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def phase(phases: dict[str, list[float]], name: str):
+    """Record the block's [start, end] as `phases[name]`."""
+    start = time.monotonic()
+    yield
+    phases[name] = [round(start, 3), round(time.monotonic(), 3)]
 
 
 def head_extras(spec: WorkerSpec, tokenizer) -> HeadExtras:
@@ -114,6 +126,9 @@ class UnitScorer:
         self.worker = worker
         self._tokenizer = None
         self._scorer = None
+        # One unit on the teacher at a time; with --unit-overlap on (a threaded actor holding two
+        # units) the other unit's tokenizing and writing run beside it.
+        self._device = threading.Lock()
 
     def _load(self) -> None:
         if self._scorer is not None:
@@ -143,40 +158,43 @@ class UnitScorer:
 
     def score_unit(self, unit: WorkUnit) -> UnitResult:
         self._load()
-        started = time.monotonic()
-        encodings = self._tokenizer.encode_batch(unit.texts)
+        started, phases = time.monotonic(), {}
+        with phase(phases, "tokenize"):
+            encodings = self._tokenizer.encode_batch(unit.texts)
         total = sum(len(e) for e in encodings)
         scorable = sum(max(len(e) - 1, 0) for e in encodings)  # token 0 has no prediction
         report = _ProgressLog(self.worker, unit.index, scorable, self.spec.progress_seconds)
         ids = [e.ids for e in encodings]
-        if self._extras.active:
-            columns = self._scorer.score_columns(ids, progress=report)
-            losses = columns.pop("loss")
-        else:
-            columns, losses = {}, self._scorer.score(ids, progress=report)
-        table = build_unit_table(
-            unit.doc_ids,
-            unit.texts,
-            unit.text_sha256,
-            encodings,
-            losses,
-            self.spec.loss_dtype,
-            columns,
-            self.spec.settings,
-        )
-        name = shard_name(unit.index)
-        footer = {
-            "unit": unit.index,
-            "run_fingerprint": self.spec.run_fingerprint,
-            "content_sha256": unit.content_sha256,
-            "schema_version": SCHEMA_VERSION,
-        }
-        size, digest = write_shard(child(self.spec.out, name), table, footer)
-        record = ShardRecord(unit.index, name, len(unit), total, size, digest)
-        write_sidecar(
-            self.spec.out, Sidecar(record, self.spec.run_fingerprint, unit.content_sha256)
-        )
-        return UnitResult(record, time.monotonic() - started, self.worker)
+        with self._device, phase(phases, "score"):
+            if self._extras.active:
+                columns = self._scorer.score_columns(ids, progress=report)
+                losses = columns.pop("loss")
+            else:
+                columns, losses = {}, self._scorer.score(ids, progress=report)
+        with phase(phases, "write"):
+            table = build_unit_table(
+                unit.doc_ids,
+                unit.texts,
+                unit.text_sha256,
+                encodings,
+                losses,
+                self.spec.loss_dtype,
+                columns,
+                self.spec.settings,
+            )
+            name = shard_name(unit.index)
+            footer = {
+                "unit": unit.index,
+                "run_fingerprint": self.spec.run_fingerprint,
+                "content_sha256": unit.content_sha256,
+                "schema_version": SCHEMA_VERSION,
+            }
+            size, digest = write_shard(child(self.spec.out, name), table, footer)
+            record = ShardRecord(unit.index, name, len(unit), total, size, digest)
+            write_sidecar(
+                self.spec.out, Sidecar(record, self.spec.run_fingerprint, unit.content_sha256)
+            )
+        return UnitResult(record, time.monotonic() - started, self.worker, phases)
 
 
 class _ProgressLog:

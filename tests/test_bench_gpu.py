@@ -89,6 +89,7 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         ("stage 1 +topk 32", "qwen2.5-1.5b-like"),
         ("stage 1 plain head", "qwen2.5-1.5b-like"),
         ("stage 1 fixed chunks", "qwen2.5-1.5b-like"),
+        ("stage 1 serial units", "qwen2.5-1.5b-like"),
         ("bare forward", "qwen2.5-1.5b-like"),
         ("stage 1 (hf)", "qwen2.5-7b-like"),
         ("bare forward", "qwen2.5-7b-like"),
@@ -105,7 +106,7 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     assert "stage 2 token / the floor: " in out
     # The columns leave the stored loss as it is; on a CPU `auto` resolves to the switch rows'
     # settings: each caches exactly what stage 1 does, and trains exactly what `token` does.
-    for switch in ("+space", "+topk 32", "plain head", "fixed chunks"):
+    for switch in ("+space", "+topk 32", "plain head", "fixed chunks", "serial units"):
         assert f"stage 1 {switch} vs stage 1: max |stored loss difference| 0.00e+00" in out
     for switch in ("token dense", "token plain adamw", "token eager", "token plain loss"):
         assert f"stage 2 {switch} vs token: max |loss difference| 0.00e+00 over 3 steps" in out

@@ -278,11 +278,13 @@ def test_driver_killed_mid_run_then_rerun_equals_the_uninterrupted_cache(
     assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept
 
 
+# with --unit-overlap on, the killed worker held two units at once, both to be scored again
+@pytest.mark.parametrize("overlap", ["off", "on"])
 def test_worker_killed_mid_unit_recovers_or_fails_clearly_and_rerun_is_identical(
-    ray_address, teacher, corpus, reference, tmp_path
+    ray_address, teacher, corpus, reference, tmp_path, overlap
 ):
     out, log = tmp_path / "cache", tmp_path / "run.log"
-    command = args(teacher, corpus, out, ray_address)
+    command = [*args(teacher, corpus, out, ray_address), "--unit-overlap", overlap]
     process = start_run(command, log)
     wait_for(lambda: finished_units(out), "a finished unit", process, log)
 

@@ -7,6 +7,7 @@ it. Failures that happen before any worker starts are tested without Ray.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shutil
@@ -211,6 +212,42 @@ def test_rerun_is_byte_identical_and_recomputes_only_a_missing_shard(built):
         p.name for p in out.glob("shard-*.parquet") if p.stat().st_mtime_ns != untouched[p.name]
     }
     assert changed == {"shard-000002.parquet"}
+
+
+def overlaps(a: list[float], b: list[float]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def test_overlapped_units_cache_the_same_bytes_with_writing_beside_scoring(built, tmp_path):
+    """--unit-overlap on (auto's choice with GPU workers): one worker holds two units at once,
+    one on the teacher while the other is tokenized or written, and the cache is byte for byte
+    the one built one unit after another (auto on CPUs: no two units of a worker overlap)."""
+    built_out, command, first = built
+    serial = json.loads((built_out / "stage1-run.json").read_text())
+    assert serial["unit_overlap"] == "off"
+    for worker in {u["worker"] for u in serial["units"].values()}:
+        spans = [
+            [u["phases"]["tokenize"][0], u["phases"]["write"][1]]
+            for u in serial["units"].values()
+            if u["worker"] == worker
+        ]
+        assert not any(overlaps(a, b) for a, b in itertools.combinations(spans, 2)), spans
+    out = tmp_path / "overlapped"
+    overlapped = [str(out) if arg == str(built_out) else arg for arg in command]
+    assert main([*overlapped, "--num-workers", "1", "--unit-overlap", "on"]) == 0
+    assert snapshot(out) == first
+    record = json.loads((out / "stage1-run.json").read_text())
+    assert record["unit_overlap"] == "on" and record["workers"] == 1
+    phases = [u["phases"] for u in record["units"].values()]
+    scoring = [p["score"] for p in phases]
+    assert not any(overlaps(a, b) for a, b in itertools.combinations(scoring, 2))  # one at a time
+    beside = [
+        (i, j)
+        for i, p in enumerate(phases)
+        for j, q in enumerate(phases)
+        if i != j and (overlaps(p["write"], q["score"]) or overlaps(p["tokenize"], q["score"]))
+    ]
+    assert beside, phases
 
 
 def test_other_settings_refuse_to_mix_until_overwrite(built, tmp_path, capsys):
