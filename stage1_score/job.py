@@ -37,7 +37,6 @@ from pipeline.versions import software_versions
 from stage1_score.cluster import (
     check_output_outside,
     check_ray_reachable,
-    connect_ray,
     relative_to_shipped,
     shipped_working_dir,
 )
@@ -49,7 +48,7 @@ from stage1_score.output import (
     prepare_output,
     remove_temporaries,
 )
-from stage1_score.pool import ScoringError, WorkerPool, worker_dtype
+from stage1_score.pool import ScoringError, WorkerPool
 from stage1_score.progress import Progress
 from stage1_score.units import WorkUnit, plan_units
 from stage1_score.worker import WorkerSpec
@@ -170,37 +169,14 @@ def _head(config: ScoreConfig, teacher_config, tokenizer) -> tuple[int, dict | N
     return size, space_mask(tokenizer, size)[1]
 
 
-def with_teacher_dtype(job: Plan, dtype: str) -> Plan:
-    """The plan with --dtype as the workers will load the teacher, in the cache's identity."""
-    teacher = job.identity["teacher"] | {"dtype": dtype}
-    return replace(job, identity=job.identity | {"teacher": teacher})
-
-
 def run(config: ScoreConfig) -> CacheManifest:
     """Score the corpus into `config.out`; returns the manifest written there."""
-    # Ray is joined once a unit needs scoring, or before, when --dtype auto asks the cluster
-    # whether its workers get GPUs; an address where nobody answers is refused first, in seconds,
-    # before the output folder is touched.
+    # Ray is joined only once a unit needs scoring; an address where nobody answers is refused
+    # first, in seconds, before the output folder is touched.
     check_ray_reachable(config.ray_address)
     job = plan(config)
-    started_ray = False
-    try:
-        if config.dtype == "auto":
-            started_ray = connect_ray(config.ray_address)
-            job = with_teacher_dtype(job, worker_dtype(config.dtype))
-        return _run(job)
-    finally:
-        if started_ray:
-            import ray
-
-            ray.shutdown()
-
-
-def _run(job: Plan) -> CacheManifest:
-    config = job.config
-    dtype = job.identity["teacher"]["dtype"]
     log.info(
-        f"teacher {config.teacher} ({config.backend}, {dtype}), windows of "
+        f"teacher {config.teacher} ({config.backend}, {config.dtype}), windows of "
         f"{job.max_length} tokens every {job.stride}; corpus {config.corpus} "
         f"({counted(len(job.corpus.sources), 'source')}, {job.corpus.total_bytes:,} bytes)"
     )
@@ -219,7 +195,7 @@ def _run(job: Plan) -> CacheManifest:
                 teacher=teacher,
                 tokenizer=config.tokenizer,
                 backend=config.backend,
-                dtype=dtype,
+                dtype=config.dtype,
                 max_length=job.max_length,
                 stride=job.stride,
                 batch_tokens=config.batch_tokens,

@@ -39,25 +39,12 @@ class ScoringError(VocagnoError):
     """A worker failed in a way that is not the input's fault (it died, ran out of memory...)."""
 
 
-def cluster_resources() -> tuple[int, int]:
-    """(CPUs, GPUs) of the Ray cluster joined. A worker gets one GPU where there are any."""
+def size_pool(config: ScoreConfig) -> tuple[int, int, int]:
+    """(workers, CPUs per worker, GPUs per worker) from the options and the cluster's resources."""
     import ray
 
     resources = ray.cluster_resources()
-    return int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
-
-
-def worker_dtype(dtype: str) -> str:
-    """--dtype as the workers load the teacher (Ray joined): auto is bfloat16 where they get
-    GPUs, float32 on CPUs, as stage 2's --dtype auto computes."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if cluster_resources()[1] else "float32"
-
-
-def size_pool(config: ScoreConfig) -> tuple[int, int, int]:
-    """(workers, CPUs per worker, GPUs per worker) from the options and the cluster's resources."""
-    total_cpus, total_gpus = cluster_resources()
+    total_cpus, total_gpus = int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
     if total_gpus:
         workers, cpus, gpus = config.num_workers or total_gpus, config.cpus_per_worker or 1, 1
     else:

@@ -182,27 +182,9 @@ def test_topk_probs_8_and_space_logprob_are_cached_by_the_fused_head_and_equal_t
             np.testing.assert_allclose(rest, 1 - expected.sum(1), atol=2e-3)
 
 
-def test_dtype_auto_is_bfloat16_where_the_workers_get_gpus(monkeypatch):
-    """What the driver resolves --dtype auto to from the cluster it joined (stage 2's --dtype
-    auto computes alike); any other choice stands."""
-    from stage1_score import pool
-
-    monkeypatch.setattr(pool, "cluster_resources", lambda: (16, 2))
-    assert pool.worker_dtype("auto") == "bfloat16"
-    assert pool.worker_dtype("float32") == "float32"
-    assert pool.worker_dtype("checkpoint") == "checkpoint"
-    monkeypatch.setattr(pool, "cluster_resources", lambda: (16, 0))
-    assert pool.worker_dtype("auto") == "float32"
-
-
 def test_rerun_is_byte_identical_and_recomputes_only_a_missing_shard(built):
     out, command, first = built
     assert main(command) == 0
-    assert snapshot(out) == first
-    # --dtype auto (the default) is float32 on CPU workers, in the identity: a cache made with
-    # the former default, --dtype float32, is the same cache
-    assert json.loads((out / "manifest.json").read_text())["teacher"]["dtype"] == "float32"
-    assert main([*command, "--dtype", "float32"]) == 0
     assert snapshot(out) == first
     untouched = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.parquet")}
     (out / "shard-000002.parquet").unlink()

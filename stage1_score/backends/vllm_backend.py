@@ -120,7 +120,7 @@ class VLLMScorer:
         self.engine = LLM(
             model=model,
             revision=kwargs.get("revision"),
-            dtype="auto" if dtype == "checkpoint" else dtype,  # vLLM's auto: the checkpoint's
+            dtype=dtype,
             max_model_len=max_length + 1,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=False,
