@@ -109,7 +109,7 @@ class ScoreConfig:
         help="hf backend: how the loss and the optional columns come from the head's logits: "
         "fused: reductions over the logits as they are, compiled on a GPU (no fp32 copy); plain: "
         "an fp32 log-softmax of each chunk; auto: fused on a GPU, plain on a CPU; the same "
-        "columns up to fp32 rounding (docs/gpu-path.md)",
+        "columns up to fp32 rounding (docs/stage1-gpu-path.md)",
     )
     head_chunks: HeadChunks = option(
         "auto",
