@@ -78,7 +78,7 @@ def plain_columns(
     if space is not None:
         # the mask's mass as one product with its indicator; a mass under fp32's smallest
         # normal reads as that bound
-        mass = log_probs.exp_() @ space.to(log_probs.dtype)
+        mass = log_probs.exp_() @ space.to(log_probs.dtype)  # a float32 indicator: no copy
         columns[SPACE_LOGPROB] = mass.clamp_(TINY, 1.0).log_()
     return columns
 
@@ -133,7 +133,10 @@ class HeadColumns:
                 raise ValueError(
                     f"space mask of {len(extras.space_mask)} ids for a head of {vocab_size}"
                 )
-            self.space = torch.from_numpy(extras.space_mask).to(device)
+            # in the form the kernel reads, so no chunk converts it: plain multiplies the
+            # probabilities by a float indicator, fused masks the logits with a bool one
+            mask = extras.space_mask if kernel == "fused" else extras.space_mask.astype(np.float32)
+            self.space = torch.from_numpy(mask).to(device)
         self.extras, self.device = extras, device
         self.compute = head_kernel_function(kernel, device)
 
