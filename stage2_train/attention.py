@@ -1,6 +1,7 @@
 """Document-masked attention for context-true packing. A batch from `--packing documents` carries
 `segment_ids` (one id per document piece, 0 = padding) and `position_ids` (restarting at 0 per
-piece); the student then attends causally within a piece only. `--attention` says how:
+piece); the student then attends causally within a piece only (pipeline.document_attention).
+`--attention` says how:
 
 - dense: a block-diagonal boolean mask [B, 1, T, T] (True = may attend), which transformers hands
   to SDPA as is. SDPA then leaves its flash kernel, computes the whole square and keeps the mask
@@ -21,10 +22,9 @@ import torch
 from torch import nn
 
 from pipeline.choices import on_device
+from pipeline.document_attention import FLEX, document_block_mask, document_mask
 from pipeline.errors import ConfigError
 from stage2_train.parallel import unwrapped
-
-FLEX = "flex_attention"  # transformers' name of the flex implementation
 
 
 def resolve_attention(choice: str, device: torch.device) -> str:
@@ -46,29 +46,6 @@ def use_attention(model: nn.Module, attention: str) -> None:
         model.set_attn_implementation(FLEX)
     except (ValueError, ImportError) as exc:  # an architecture transformers has no flex path for
         raise ConfigError(f"--attention flex: {exc}; use --attention dense") from None
-
-
-def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """[B, 1, T, T] bool: query i may attend to key j <= i of the same segment."""
-    length = segment_ids.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (same & causal)[:, None]
-
-
-def document_block_mask(segment_ids: torch.Tensor):
-    """The same mask as `document_mask`, as flex_attention's BlockMask. On a GPU its builder is
-    compiled, which never materializes the T x T grid."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_document_causal(batch, head, query, key):
-        return (segment_ids[batch, query] == segment_ids[batch, key]) & (key <= query)
-
-    size, length = segment_ids.shape
-    return create_block_mask(
-        same_document_causal, size, None, length, length, segment_ids.device,
-        _compile=segment_ids.is_cuda,
-    )  # fmt: skip
 
 
 def model_inputs(model: nn.Module, batch: dict, device: torch.device) -> dict:

@@ -14,10 +14,11 @@ import torch
 
 from pipeline.cross_entropy import IGNORE_INDEX
 from pipeline.distillation import AlignedRead
+from pipeline.document_attention import document_mask
 from pipeline.errors import ConfigError
 from pipeline.models.student import build_student
 from pipeline.tokenizer import load_tokenizer
-from stage2_train.attention import document_mask, student_logits
+from stage2_train.attention import student_logits
 from stage2_train.config import parse_train_config
 from stage2_train.data import document_packing
 from stage2_train.data.document_packing import DocumentStream, split_context
