@@ -29,8 +29,6 @@ import torch  # noqa: E402
 
 from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
 from pipeline.log import configure  # noqa: E402
-from pipeline.scoring.batching import plan_batches  # noqa: E402
-from pipeline.scoring.hf import padded_batch  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.scoring.windows import plan_document_windows  # noqa: E402
 from pipeline.shipped import shipped_corpus  # noqa: E402
@@ -73,12 +71,10 @@ def main() -> int:
         model = worker._scorer.model
         ids = [e.ids for e in worker._tokenizer.encode_batch(unit.texts)]
         windows = plan_document_windows([len(i) for i in ids], args.max_length, args.stride)
-        batches = [
-            padded_batch(ids, windows, rows)
-            for rows in plan_batches(windows.length, args.batch_tokens)
-        ]
+        scorer = worker._scorer  # the worker's own batches: its layout, inputs and mask
+        batches = [scorer.batch_inputs(ids, windows, layout)[0] for layout in scorer.layouts(windows)]
         scored = int(windows.scored.sum())
-        padded = sum(b[0].size for b in batches)
+        padded = sum(b["input_ids"].numel() for b in batches)
         print(
             f"{args.docs} documents, {scored} scored tokens, {len(batches)} batches, "
             f"{padded} padded positions ({1 - windows.length.sum() / padded:.1%} padding), "
@@ -111,12 +107,8 @@ def main() -> int:
 
         @torch.inference_mode()
         def bare_forward() -> None:
-            for input_ids, mask in batches:
-                _ = model(
-                    input_ids=torch.from_numpy(input_ids),
-                    attention_mask=torch.from_numpy(mask),
-                    use_cache=False,
-                ).logits
+            for inputs in batches:
+                _ = model(**inputs, use_cache=False).logits
 
         sides["bare forward"] = bare_forward
         for run in sides.values():  # warm up every path once

@@ -25,13 +25,14 @@ FsdpParamDtype = Literal["auto", "bfloat16", "float32"]  # stage 2 --fsdp: FSDP2
 ScoringBackend = Literal["hf", "vllm"]
 LossDtype = Literal["float16", "float32"]
 Packing = Literal["documents", "stream"]  # stage 2: how documents fill training sequences
-Attention = Literal["auto", "flex", "dense"]  # stage 2: how the document mask reaches attention
+Attention = Literal["auto", "flex", "dense"]  # how a document mask reaches attention (both stages)
 AdamwKernel = Literal["auto", "fused", "plain"]  # stage 2: torch's AdamW implementation
 CompileStudent = Literal["auto", "layers", "off"]  # stage 2: torch.compile of the student
 LossKernel = Literal["auto", "chunked", "plain"]  # stage 2: how the per-token loss is computed
 HeadKernel = Literal["auto", "fused", "plain"]  # stage 1: how the head's columns are computed
 HeadChunks = Literal["auto", "sized", "fixed"]  # stage 1: how many rows a head chunk holds
 UnitOverlap = Literal["auto", "on", "off"]  # stage 1: a unit's CPU work beside another's scoring
+RowPacking = Literal["auto", "packed", "padded"]  # stage 1: how windows fill a batch's rows
 # stage 2 --guidance alm: tokenkit's alm_mode values (merge chunks by the teacher's space
 # probability, append each side's space log-probability), naive = neither
 AlmMode = Literal[

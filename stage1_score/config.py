@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, topk_id_dtype
 from pipeline.choices import (
+    Attention,
     HeadChunks,
     HeadKernel,
     LossDtype,
     OnBadRecord,
+    RowPacking,
     ScoringBackend,
     TextSplit,
     TorchDtype,
@@ -102,7 +104,9 @@ class ScoreConfig:
         "newline or is special, at every scored token (float16; hf backend; docs/cache-columns.md)",
     )
     batch_tokens: int = option(
-        16384, help="hf backend: padded tokens per forward batch (rows x longest window)"
+        16384,
+        help="hf backend: tokens per forward batch, padding included (rows x the longest window, "
+        "or rows x max-length when packed)",
     )
     head_kernel: HeadKernel = option(
         "auto",
@@ -116,6 +120,17 @@ class ScoreConfig:
         help="hf backend: rows of logits per head chunk: fixed: 2^24 logits (110 rows at a 152k "
         "vocabulary); sized: from the device's free memory at each batch; auto: sized on a "
         "GPU, fixed on a CPU",
+    )
+    row_packing: RowPacking = option(
+        "auto",
+        help="hf backend: packed: windows share rows of max-length tokens, each attending to "
+        "itself only (no padding); padded: a window per row, right-padded; auto: packed on a GPU "
+        "where the teacher honours a document mask (checked at load), padded on a CPU",
+    )
+    attention: Attention = option(
+        "auto",
+        help="hf backend, packed rows: how the document mask reaches attention: flex "
+        "(flex_attention's block mask), dense (a [B, 1, T, T] mask); auto: flex on a GPU",
     )
     unit_overlap: UnitOverlap = option(
         "auto",

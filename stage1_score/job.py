@@ -201,6 +201,8 @@ def run(config: ScoreConfig) -> CacheManifest:
                 batch_tokens=config.batch_tokens,
                 head_kernel=config.head_kernel,
                 head_chunks=config.head_chunks,
+                row_packing=config.row_packing,
+                attention=config.attention,
                 loss_dtype=config.loss_dtype,
                 settings=job.identity["settings"],
                 out=out if isinstance(out, str) else out.resolve(),

@@ -55,6 +55,8 @@ class WorkerSpec:
     settings: dict | None = None  # the cache's result settings: which optional columns to compute
     head_kernel: str = "auto"  # hf backend (pipeline.scoring.head)
     head_chunks: str = "auto"
+    row_packing: str = "auto"
+    attention: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,8 @@ def load_scorer(spec: WorkerSpec, extras: HeadExtras | None = None):
         extras=extras,
         head_kernel=spec.head_kernel,
         head_chunks=spec.head_chunks,
+        row_packing=spec.row_packing,
+        attention=spec.attention,
     )
 
 

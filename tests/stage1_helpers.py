@@ -1,5 +1,6 @@
 """Tiny, randomly initialized teachers with the shipped real tokenizers, as complete HF folders,
-and a direct transformers forward pass to check stage-1 losses against."""
+a direct transformers forward pass to check stage-1 losses against, and the scorer's columns of a
+few hard texts with the comparisons its switches are held to."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.io import read_bytes
+from pipeline.scoring.head import HeadExtras
+from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.teacher import resolve_teacher
 from pipeline.shipped import shipped_corpus, shipped_tokenizer_file
+from pipeline.space_mask import space_mask
 from pipeline.tokenizer import load_tokenizer, shipped_tokenizers
 
 SHIPPED_CORPUS = shipped_corpus("eval")
@@ -113,3 +118,56 @@ def windowed_direct_logprobs(model, ids: np.ndarray, max_length: int, stride: in
         out[scored_until:end] = logprobs[scored_until - start - 1 : end - start - 1]
         scored_until, start = end, start + stride
     return out
+
+
+# A byte-level and a SentencePiece teacher score these in windows of 16 (stride 6): long
+# documents, a one-token one, odd whitespace and non-ASCII.
+HEAD_TEXTS = [
+    "Question: Tom has 3 apples\nand buys 12 more.\tHow many? Answer: 15 " * 3,
+    "x",
+    "Ünïcödé, emoji 🙂 and  two  spaces.",
+    "Let $f(x) = x^2 + 3x$. Then $f'(x) = 2x + 3$, so the minimum is at $x = -3/2$. " * 4,
+]
+MAX_LENGTH, STRIDE = 16, 6
+
+
+def columns_of(
+    folder, texts: list[str] = HEAD_TEXTS, **switches
+) -> tuple[HFScorer, dict[str, np.ndarray]]:
+    """Every column (loss, top-8, space) of `texts`, documents concatenated."""
+    tokenizer = load_tokenizer(str(folder))
+    ids = [e.ids for e in tokenizer.encode_batch(texts)]
+    extras = HeadExtras(topk=8, space_mask=space_mask(tokenizer, tokenizer.vocab_size)[0])
+    scorer = HFScorer(
+        resolve_teacher(str(folder)), dtype="float32", max_length=MAX_LENGTH, stride=STRIDE,
+        batch_tokens=64, device="cpu", extras=extras, **switches,
+    )  # fmt: skip
+    columns = scorer.score_columns(ids)
+    return scorer, {name: np.concatenate(parts) for name, parts in columns.items()}
+
+
+def as_stored(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).astype(np.float32)
+
+
+def assert_within_one_float16_step(ours: np.ndarray, theirs: np.ndarray, name: str) -> None:
+    """Equal as the cache stores them (float16), up to a rounding that lands on the neighbouring
+    float16 value; NaN (unscored) in the same places."""
+    ours, theirs = as_stored(ours), as_stored(theirs)
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(theirs))
+    scored = ~np.isnan(theirs)
+    ours, theirs = ours[scored], theirs[scored]
+    step = np.spacing(np.maximum(np.abs(ours), np.abs(theirs)).astype(np.float16))
+    apart = np.abs(ours - theirs) > step.astype(np.float32)
+    assert not apart.any(), f"{name}: {apart.sum()} values more than one float16 step apart"
+
+
+def assert_same_topk_ids_but_ties(ours: dict, theirs: dict) -> None:
+    """The same top-k ids in the same ranks, but where two probabilities tie as stored (torch.topk
+    breaks ties of the logits and of the log-probabilities alike, by the lower id)."""
+    swapped = ours["topk_ids"] != theirs["topk_ids"]
+    assert (swapped.sum() <= 0.01 * swapped.size), swapped.sum()
+    stored = as_stored(theirs["topk_probs"])
+    for row, rank in zip(*np.nonzero(swapped), strict=True):
+        tied = stored[row] == stored[row, rank]
+        assert tied.sum() >= 2 and ours["topk_ids"][row, rank] in theirs["topk_ids"][row, tied]

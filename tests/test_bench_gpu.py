@@ -1,4 +1,4 @@
-"""benchmarks/bench_gpu.py cannot rot: its model building and bare-forward timing run here at tiny
+"""benchmarks/bench_gpu.py cannot rot: its model building and its floors' timing run here at tiny
 shapes (fast), and its whole main at tiny shapes on the CPU (slow: a local Ray and two stages)."""
 
 from __future__ import annotations
@@ -15,23 +15,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_gpu  # noqa: E402
 
-from pipeline.scoring.teacher import load_teacher_model, resolve_teacher  # noqa: E402
+from pipeline.scoring.hf import HFScorer  # noqa: E402
+from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from tests.stage1_helpers import direct_losses, windowed_direct_losses  # noqa: E402
 
 
-def test_tiny_teacher_bare_forward_and_direct_losses(tmp_path, monkeypatch):
+def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
     cpu = torch.device("cpu")
     shape = bench_gpu.TEACHERS["tiny"]["qwen2.5-1.5b-like"]
     folder = bench_gpu.build_teacher(tmp_path / "teacher", shape, cpu, torch.float32)
-    model = load_teacher_model(resolve_teacher(str(folder)), "float32", "cpu")
+    scorer = HFScorer(
+        resolve_teacher(str(folder)), dtype="float32", max_length=32, stride=16, batch_tokens=64,
+        device="cpu", head_kernel="fused",
+    )  # fmt: skip
+    model = scorer.model
     assert model.config.vocab_size == shape["vocab_size"] >= load_tokenizer("qwen2.5").vocab_size
     ids = [np.arange(1, n, dtype=np.int64) * 7 for n in (40, 90, 15)]
-    batches, scored = bench_gpu.device_batches(ids, 32, 16, 64, cpu)
-    assert scored == sum(len(i) - 1 for i in ids)
-    assert_rate_is_scored_tokens_per_second_of_the_best_timed_pass(
-        model, batches, scored, monkeypatch
-    )
+    # Every side runs on the worker's batches and counts every teacher token, as the job does.
+    timed = {}
+
+    def count(one_pass, tokens, repeats, device):
+        timed[one_pass.__name__] = tokens
+        one_pass()
+        return 1.0
+
+    with monkeypatch.context() as patch:
+        patch.setattr(bench_gpu, "best_rate", count)
+        rates = bench_gpu.forward_rates(scorer, ids, 1, cpu)
+    assert set(rates) == {"bare forward", "body", "body + fused head"}
+    assert timed == dict.fromkeys(("bare_forward", "body", "body_and_fused_head"), 39 + 89 + 14)
+    assert_rate_is_tokens_per_second_of_the_best_timed_pass(monkeypatch)
 
     # 89 tokens in windows of 32 with a stride of 16: the reference is the windows module's plain
     # loop of unpadded forward passes, and the first window's tokens see the whole prefix.
@@ -55,26 +69,22 @@ def resident_high_water_mark() -> int:
     return int(re.search(r"^VmHWM:\s+(\d+) kB$", status, re.MULTILINE).group(1)) * 1024
 
 
-def assert_rate_is_scored_tokens_per_second_of_the_best_timed_pass(
-    model, batches, scored: int, monkeypatch
-) -> None:
-    """On a fake clock that only the forward passes advance, each pass taking a chosen time:
-    the rate is the scored tokens over the fastest timed pass, not the (faster) warm-up."""
-    repeats, cpu = 3, torch.device("cpu")
-    seconds_per_batch = [0.5, 4.0, 2.0, 3.0]  # the warm-up pass, then the timed ones
+def assert_rate_is_tokens_per_second_of_the_best_timed_pass(monkeypatch) -> None:
+    """On a fake clock that only the passes advance, each pass taking a chosen time: the rate is
+    the tokens over the fastest timed pass, not the (faster) warm-up."""
+    repeats, tokens, cpu = 3, 1000, torch.device("cpu")
+    seconds_per_pass = [0.5, 4.0, 2.0, 3.0]  # the warm-up pass, then the timed ones
     clock = {"now": 100.0, "calls": 0}
 
-    def timed_model(**inputs):
-        out = model(**inputs)
-        clock["now"] += seconds_per_batch[clock["calls"] // len(batches)]
+    def one_pass():
+        clock["now"] += seconds_per_pass[clock["calls"]]
         clock["calls"] += 1
-        return out
 
     with monkeypatch.context() as patch:
         patch.setattr(bench_gpu.time, "perf_counter", lambda: clock["now"])
-        rate = bench_gpu.bare_forward_rate(timed_model, batches, scored, repeats, cpu)
-    assert clock["calls"] == (1 + repeats) * len(batches)  # every batch in every pass
-    assert rate == pytest.approx(scored / (min(seconds_per_batch[1:]) * len(batches)))
+        rate = bench_gpu.best_rate(one_pass, tokens, repeats, cpu)
+    assert clock["calls"] == 1 + repeats
+    assert rate == pytest.approx(tokens / min(seconds_per_pass[1:]))
 
 
 @pytest.mark.slow
@@ -90,9 +100,14 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         ("stage 1 plain head", "qwen2.5-1.5b-like"),
         ("stage 1 fixed chunks", "qwen2.5-1.5b-like"),
         ("stage 1 serial units", "qwen2.5-1.5b-like"),
+        ("stage 1 padded rows", "qwen2.5-1.5b-like"),
         ("bare forward", "qwen2.5-1.5b-like"),
+        ("body ", "qwen2.5-1.5b-like"),
+        ("body + fused head", "qwen2.5-1.5b-like"),
         ("stage 1 (hf)", "qwen2.5-7b-like"),
         ("bare forward", "qwen2.5-7b-like"),
+        ("body ", "qwen2.5-7b-like"),
+        ("body + fused head", "qwen2.5-7b-like"),
         ("stage 2 none", "llama-tiny"),
         ("stage 2 token", "llama-tiny"),
         ("stage 2 token dense", "llama-tiny"),
@@ -106,7 +121,8 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     assert "stage 2 token / the floor: " in out
     # The columns leave the stored loss as it is; on a CPU `auto` resolves to the switch rows'
     # settings: each caches exactly what stage 1 does, and trains exactly what `token` does.
-    for switch in ("+space", "+topk 32", "plain head", "fixed chunks", "serial units"):
+    assert "stage 1 / bare forward, qwen2.5-7b-like: " in out
+    for switch in ("+space", "+topk 32", "plain head", "fixed chunks", "serial units", "padded rows"):
         assert f"stage 1 {switch} vs stage 1: max |stored loss difference| 0.00e+00" in out
     for switch in ("token dense", "token plain adamw", "token eager", "token plain loss"):
         assert f"stage 2 {switch} vs token: max |loss difference| 0.00e+00 over 3 steps" in out

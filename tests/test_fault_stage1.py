@@ -102,6 +102,18 @@ def reference(ray_address, teacher, corpus, tmp_path_factory) -> dict[str, bytes
     return snapshot(out)
 
 
+PACKED = ("--row-packing", "packed", "--attention", "dense")
+
+
+@pytest.fixture(scope="module")
+def packed_reference(ray_address, teacher, corpus, tmp_path_factory) -> dict[str, bytes]:
+    """The uninterrupted run's cache with packed rows (whose losses differ from padded rows' by
+    fp32 rounding, so its own reference)."""
+    out = tmp_path_factory.mktemp("packed-reference") / "cache"
+    assert main([*args(teacher, corpus, out, ray_address), *PACKED]) == 0
+    return snapshot(out)
+
+
 def start_run(command: list[str], log: Path) -> subprocess.Popen:
     """The run, started as a shell script's background job (`run.py &`, how CI runners and batch
     scripts often start it) is: with SIGINT ignored, an ignored signal staying so across exec.
@@ -278,13 +290,20 @@ def test_driver_killed_mid_run_then_rerun_equals_the_uninterrupted_cache(
     assert {name: (out / name).stat().st_mtime_ns for name in kept} == kept
 
 
-# with --unit-overlap on, the killed worker held two units at once, both to be scored again
-@pytest.mark.parametrize("overlap", ["off", "on"])
+# with --unit-overlap on, the killed worker held two units at once, both to be scored again; and
+# with packed rows too (both GPU defaults)
+@pytest.mark.parametrize(
+    "switches",
+    [("--unit-overlap", "off"), ("--unit-overlap", "on"), ("--unit-overlap", "on", *PACKED)],
+    ids=["serial", "overlap", "overlap-packed"],
+)
 def test_worker_killed_mid_unit_recovers_or_fails_clearly_and_rerun_is_identical(
-    ray_address, teacher, corpus, reference, tmp_path, overlap
+    ray_address, teacher, corpus, reference, packed_reference, tmp_path, switches
 ):
+    if "packed" in switches:
+        reference = packed_reference
     out, log = tmp_path / "cache", tmp_path / "run.log"
-    command = [*args(teacher, corpus, out, ray_address), "--unit-overlap", overlap]
+    command = [*args(teacher, corpus, out, ray_address), *switches]
     process = start_run(command, log)
     wait_for(lambda: finished_units(out), "a finished unit", process, log)
 

@@ -11,59 +11,23 @@ import pytest
 import torch
 
 from pipeline.scoring.head import (
-    HeadExtras,
     compiled_fused_columns,
     fused_columns,
     plain_columns,
 )
-from pipeline.scoring.hf import LOGIT_BUDGET, HFScorer, head_chunk_rows
-from pipeline.scoring.teacher import resolve_teacher
-from pipeline.space_mask import space_mask
-from pipeline.tokenizer import load_tokenizer
-from tests.stage1_helpers import make_tiny_teacher
-
-TEXTS = [
-    "Question: Tom has 3 apples\nand buys 12 more.\tHow many? Answer: 15 " * 3,
-    "x",
-    "Ünïcödé, emoji 🙂 and  two  spaces.",
-    "Let $f(x) = x^2 + 3x$. Then $f'(x) = 2x + 3$, so the minimum is at $x = -3/2$. " * 4,
-]
-MAX_LENGTH, STRIDE = 16, 6
+from pipeline.scoring.hf import LOGIT_BUDGET, head_chunk_rows
+from tests.stage1_helpers import (
+    assert_same_topk_ids_but_ties,
+    assert_within_one_float16_step,
+    columns_of,
+    make_tiny_teacher,
+)
 
 
 @pytest.fixture(scope="module")
 def teachers(tmp_path_factory):
     root = tmp_path_factory.mktemp("teachers")
     return {name: make_tiny_teacher(root / name, name) for name in ("smollm2", "tinyllama")}
-
-
-def columns_of(folder, **switches) -> tuple[HFScorer, dict[str, np.ndarray]]:
-    """Every column (loss, top-8, space) of TEXTS, documents concatenated."""
-    tokenizer = load_tokenizer(str(folder))
-    ids = [e.ids for e in tokenizer.encode_batch(TEXTS)]
-    extras = HeadExtras(topk=8, space_mask=space_mask(tokenizer, tokenizer.vocab_size)[0])
-    scorer = HFScorer(
-        resolve_teacher(str(folder)), dtype="float32", max_length=MAX_LENGTH, stride=STRIDE,
-        batch_tokens=64, device="cpu", extras=extras, **switches,
-    )  # fmt: skip
-    columns = scorer.score_columns(ids)
-    return scorer, {name: np.concatenate(parts) for name, parts in columns.items()}
-
-
-def as_stored(values: np.ndarray) -> np.ndarray:
-    return values.astype(np.float16).astype(np.float32)
-
-
-def assert_within_one_float16_step(ours: np.ndarray, theirs: np.ndarray, name: str) -> None:
-    """Equal as the cache stores them (float16), up to a rounding that lands on the neighbouring
-    float16 value; NaN (unscored) in the same places."""
-    ours, theirs = as_stored(ours), as_stored(theirs)
-    np.testing.assert_array_equal(np.isnan(ours), np.isnan(theirs))
-    scored = ~np.isnan(theirs)
-    ours, theirs = ours[scored], theirs[scored]
-    step = np.spacing(np.maximum(np.abs(ours), np.abs(theirs)).astype(np.float16))
-    apart = np.abs(ours - theirs) > step.astype(np.float32)
-    assert not apart.any(), f"{name}: {apart.sum()} values more than one float16 step apart"
 
 
 @pytest.mark.parametrize("name", ["smollm2", "tinyllama"])  # byte-level, SentencePiece
@@ -79,16 +43,7 @@ def test_the_fused_head_caches_every_column_the_plain_one_does(teachers, name):
         assert_within_one_float16_step(fused[column], plain[column], column)
         # and before storage, the two arithmetics of one quantity differ by fp32 rounding only
         np.testing.assert_allclose(fused[column], plain[column], rtol=1e-5, atol=0)
-    # the same ids in the same ranks, but where two probabilities tie as stored (torch.topk
-    # breaks ties of the logits and of the log-probabilities alike, by the lower id)
-    swapped = fused["topk_ids"] != plain["topk_ids"]
-    assert (swapped.sum() <= 0.01 * swapped.size), swapped.sum()
-    stored = as_stored(plain["topk_probs"])
-    ranks = np.nonzero(swapped)
-    for row, rank in zip(*ranks, strict=True):
-        tied = stored[row] == stored[row, rank]
-        assert tied.sum() >= 2 and fused["topk_ids"][row, rank] in plain["topk_ids"][row, tied]
-
+    assert_same_topk_ids_but_ties(fused, plain)
 
 def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
     """What a GPU runs (torch.compile of fused_columns; the CPU compiles it too) against the

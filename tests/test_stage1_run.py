@@ -232,6 +232,28 @@ def test_overlapped_units_cache_the_same_bytes_with_writing_beside_scoring(built
     assert beside, phases
 
 
+def test_packed_rows_cache_what_padded_rows_do_and_are_recorded(built, tmp_path):
+    """--row-packing packed (auto's choice on a GPU), through the job to its workers: every column
+    but the loss byte for byte the padded cache's, the loss within fp32 rounding, and the resolved
+    layout in stage1-run.json (auto on a CPU: padded)."""
+    built_out, command, _ = built
+    padded = json.loads((built_out / "stage1-run.json").read_text())["backend"]
+    assert (padded["row_packing"], padded["attention"]) == ("padded", None)
+    out = tmp_path / "packed"
+    packed_command = [str(out) if arg == str(built_out) else arg for arg in command]
+    assert main([*packed_command, "--row-packing", "packed", "--attention", "dense"]) == 0
+    backend = json.loads((out / "stage1-run.json").read_text())["backend"]
+    assert (backend["row_packing"], backend["attention"]) == ("packed", "dense")
+    manifest, problems = verify_cache(out)
+    assert problems == []
+    for shard in manifest.shards:
+        ours = pq.read_table(out / shard.file)
+        theirs = pq.read_table(built_out / shard.file)
+        assert ours.drop(["loss"]).equals(theirs.drop(["loss"]))
+        for a, b in zip(ours["loss"].to_pylist(), theirs["loss"].to_pylist(), strict=True):
+            np.testing.assert_allclose(np.array(a, np.float32), np.array(b, np.float32), rtol=1e-5)
+
+
 def test_other_settings_refuse_to_mix_until_overwrite(built, tmp_path, capsys):
     source, command, _ = built
     out = tmp_path / "cache"

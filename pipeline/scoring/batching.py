@@ -1,8 +1,32 @@
-"""Batches of windows under a token budget, grouped by length so that padding stays small."""
+"""Batches of windows under a token budget: padded (one window per row, grouped by length so that
+padding stays small) or packed (several windows per row, each attending to itself only).
+
+A batch's `BatchLayout` says where each of its windows sits; pipeline.scoring.hf builds the
+forward pass's inputs and finds the scored positions from it, the same way for both.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Window `windows[i]` of a batch fills row `row[i]`, columns [offset[i], offset[i] + its
+    length), of an array of shape (rows, length)."""
+
+    windows: np.ndarray
+    row: np.ndarray
+    offset: np.ndarray
+    rows: int
+    length: int
+
+    @property
+    def slots(self) -> int:
+        """Token positions the forward pass computes, padding included."""
+        return self.rows * self.length
 
 
 def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
@@ -22,3 +46,56 @@ def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
         batches.append(order[begin : begin + rows])
         begin += rows
     return batches
+
+
+def padded_layouts(lengths: np.ndarray, batch_tokens: int) -> list[BatchLayout]:
+    """`plan_batches` as layouts: a window per row, right-padded to the batch's longest."""
+    return [
+        BatchLayout(
+            windows=batch, row=np.arange(len(batch)), offset=np.zeros(len(batch), np.int64),
+            rows=len(batch), length=int(lengths[batch].max()),
+        )  # fmt: skip
+        for batch in plan_batches(lengths, batch_tokens)
+    ]
+
+
+def pack_rows(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, offset) of each window in rows of `capacity` tokens: first fit, longest first.
+
+    Deterministic (ties in index order). A loop over windows, not tokens: each step is one
+    vectorized search of the rows' free space."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) and lengths.max() > capacity:
+        raise ValueError(f"a window of {lengths.max()} tokens does not fit a row of {capacity}")
+    row = np.empty(len(lengths), dtype=np.int64)
+    offset = np.empty(len(lengths), dtype=np.int64)
+    used = np.zeros(len(lengths), dtype=np.int64)  # at most one row per window
+    rows = 0
+    for window in np.argsort(-lengths, kind="stable"):
+        fits = np.flatnonzero(used[:rows] + lengths[window] <= capacity)
+        target = int(fits[0]) if len(fits) else rows
+        rows = max(rows, target + 1)
+        row[window], offset[window] = target, used[target]
+        used[target] += lengths[window]
+    return row, offset
+
+
+def packed_layouts(lengths: np.ndarray, row_length: int, batch_tokens: int) -> list[BatchLayout]:
+    """Windows packed into rows of `row_length` tokens (`pack_rows`), `batch_tokens // row_length`
+    rows (at least one) per batch; within a row, windows in row-offset order."""
+    row, offset = pack_rows(lengths, row_length)
+    per_batch = max(1, batch_tokens // row_length)
+    order = np.lexsort((offset, row))  # by row, then position in the row
+    rows = int(row.max(initial=-1)) + 1
+    bounds = np.searchsorted(row[order], np.arange(-(-rows // per_batch) + 1) * per_batch)
+    layouts = []
+    for first, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        members = order[begin:end]
+        used = row[members] - first * per_batch
+        layouts.append(
+            BatchLayout(
+                windows=members, row=used, offset=offset[members], rows=int(used.max()) + 1,
+                length=row_length,
+            )  # fmt: skip
+        )
+    return layouts

@@ -1,13 +1,20 @@
 """Hugging Face transformers backend: the reference for correctness, on any machine.
 
 Per batch of windows (pipeline.scoring.windows, pipeline.scoring.batching): one forward pass of the
-decoder body, right-padded with an attention mask; then the output head is applied only to the
-positions whose next token is scored, a chunk of rows at a time, and each chunk's loss and views
-are computed by `--head-kernel` (pipeline.scoring.head). Chunks (`--head-chunks`) hold a fixed
-2^24 logits, or are sized from the device's free memory at each batch, so that a large vocabulary
-does not cost a head matrix product (re-reading the whole head weight) per hundred rows.
-Full-vocabulary log-probabilities of all positions (batch x length x vocabulary) are never
-materialized.
+decoder body; then the output head is applied only to the positions whose next token is scored, a
+chunk of rows at a time, and each chunk's loss and views are computed by `--head-kernel`
+(pipeline.scoring.head). Chunks (`--head-chunks`) hold a fixed 2^24 logits, or are sized from the
+device's free memory at each batch, so that a large vocabulary does not cost a head matrix product
+(re-reading the whole head weight) per hundred rows. Full-vocabulary log-probabilities of all
+positions (batch x length x vocabulary) are never materialized.
+
+`--row-packing` says how windows fill the batch's rows: `padded`, one window per row,
+right-padded, with a 2-D attention mask; `packed`, several windows per row of `max_length`
+tokens, each attending causally to itself only (pipeline.document_attention: a dense
+[B, 1, T, T] mask, or flex_attention's block mask under `--attention flex`) with its positions
+restarting at 0, so that every window is scored with exactly its own context. A teacher whose
+forward pass does not honour that (checked at load on a probe) is refused for `packed`, and
+`auto` keeps it padded.
 
 A model whose logits are not simply `head(body(x))` (soft-capping, scaling) is detected at load by
 comparing both ways on a probe sequence; such a model falls back to its own forward pass, still
@@ -23,7 +30,9 @@ import numpy as np
 import torch
 
 from pipeline.choices import on_device
-from pipeline.scoring.batching import plan_batches
+from pipeline.document_attention import FLEX, document_block_mask, document_mask
+from pipeline.errors import ConfigError
+from pipeline.scoring.batching import BatchLayout, packed_layouts, padded_layouts
 from pipeline.scoring.head import HeadColumns, HeadExtras, empty_columns
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
@@ -35,6 +44,12 @@ LOGIT_BUDGET = 1 << 24
 # logit (the plain kernel's model-dtype logits, fp32 copy and fp32 log-softmax; fused needs less).
 HEAD_MEMORY_SHARE = 0.5
 BYTES_PER_LOGIT = 12
+WARM_UP_TOKENS = 64
+# Largest relative difference of a probe's fp32 hidden states, two windows packed in one row
+# against each alone, that still counts as the same context: rounding, far below what attending
+# to a neighbouring window or taking its positions changes (a sizeable share of the norm). Half
+# precision weights get 50 times more (bf16 rounds at 4e-3).
+PACKING_TOLERANCE = 1e-3
 
 
 def free_memory(device: torch.device) -> int:
@@ -53,28 +68,42 @@ def head_chunk_rows(vocab_size: int, chunks: str, free: int | None = None) -> in
     return max(fixed, int(free * HEAD_MEMORY_SHARE) // (vocab_size * BYTES_PER_LOGIT))
 
 
-def scored_positions(windows: WindowTable, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row in batch, position in row) of every position whose next token is scored."""
+def scored_positions(windows: WindowTable, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(row in batch, position in row) of every position whose next token is scored, window by
+    window in the layout's order."""
+    rows = layout.windows
     start, score_from, end = windows.start[rows], windows.score_from[rows], windows.end[rows]
     counts = end - score_from
-    row = np.repeat(np.arange(len(rows)), counts)
-    first = np.repeat(score_from - start - 1, counts)  # the position that predicts token f
+    row = np.repeat(layout.row, counts)
+    first = np.repeat(layout.offset + score_from - start - 1, counts)  # predicts token f
     offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
     return row, first + offset
 
 
-def padded_batch(
-    token_ids: list[np.ndarray], windows: WindowTable, rows: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """(input ids, attention mask), int64 and right-padded, of the windows `rows`."""
-    lengths = windows.length[rows]
-    input_ids = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
-    for i, row in enumerate(rows):
-        input_ids[i, : lengths[i]] = token_ids[windows.doc[row]][
-            windows.start[row] : windows.end[row]
-        ]
-    mask = np.arange(input_ids.shape[1])[None, :] < lengths[:, None]
-    return input_ids, mask.astype(np.int64)
+def layout_arrays(
+    token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input ids, segment ids, position ids), int64 arrays of the layout's shape: window i of the
+    layout holds segment i + 1 (0: padding) and positions 0, 1, ... of its own."""
+    shape = (layout.rows, layout.length)
+    input_ids, segment_ids, position_ids = (np.zeros(shape, dtype=np.int64) for _ in range(3))
+    for segment, (window, row, offset) in enumerate(
+        zip(layout.windows, layout.row, layout.offset, strict=True), start=1
+    ):
+        length = windows.length[window]
+        place = (row, slice(offset, offset + length))
+        input_ids[place] = token_ids[windows.doc[window]][windows.start[window] : windows.end[window]]
+        segment_ids[place] = segment
+        position_ids[place] = np.arange(length)
+    return input_ids, segment_ids, position_ids
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`: from pinned memory without a wait on a GPU."""
+    tensor = torch.from_numpy(values)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def to_host(columns: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -103,6 +132,8 @@ class HFScorer:
         extras: HeadExtras | None = None,
         head_kernel: str = "auto",
         head_chunks: str = "auto",
+        row_packing: str = "auto",
+        attention: str = "auto",
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_teacher_model(teacher, dtype, str(self.device))
@@ -116,6 +147,10 @@ class HFScorer:
         self.head_kernel = on_device(head_kernel, self.device, gpu="fused", cpu="plain")
         self.head_chunks = on_device(head_chunks, self.device, gpu="sized", cpu="fixed")
         self.columns = HeadColumns(self.extras, self.vocab_size, self.device, self.head_kernel)
+        self.row_packing, self.attention = self._resolve_packing(row_packing, attention)
+        # One short document now, so that what compiles on first use (the fused head, flex
+        # attention's kernels at the row length) does so at load, not inside the first unit.
+        self.score_columns([np.arange(min(WARM_UP_TOKENS, self.max_length)) % self.vocab_size])
 
     def describe(self) -> dict:
         import transformers
@@ -128,6 +163,8 @@ class HFScorer:
             "head": "chunked" if self.plain_head else "model forward",
             "head_kernel": self.head_kernel,
             "head_chunks": self.head_chunks,
+            "row_packing": self.row_packing,
+            "attention": self.attention,
         }
 
     @torch.inference_mode()
@@ -136,6 +173,62 @@ class HFScorer:
         full = self.model(input_ids=probe, use_cache=False).logits.float()
         ours = self.head(self.body(input_ids=probe, use_cache=False).last_hidden_state).float()
         return torch.allclose(full, ours, rtol=1e-3, atol=1e-3)
+
+    def _resolve_packing(self, row_packing: str, attention: str) -> tuple[str, str | None]:
+        """(`packed` or `padded`, the attention packed rows use): `auto` packs on a GPU, with flex
+        attention, if this teacher's forward pass gives a packed window what it gives it alone;
+        an explicit `packed` it cannot honour is refused in one line."""
+        packing = on_device(row_packing, self.device, gpu="packed", cpu="padded")
+        if packing == "padded":
+            return packing, None
+        attention = on_device(attention, self.device, gpu="flex", cpu="dense")
+        problem = None
+        if attention == "flex":
+            try:
+                self.model.set_attn_implementation(FLEX)
+            except (ValueError, ImportError) as exc:  # no flex path for this architecture
+                problem = f"--attention flex: {exc}"
+        problem = problem or self._packing_problem()
+        if problem is None:
+            return packing, attention
+        if row_packing == "auto":
+            return "padded", None
+        raise ConfigError(f"--row-packing packed: {problem}; use --row-packing padded")
+
+    @torch.inference_mode()
+    def _packing_problem(self) -> str | None:
+        """None if two probe windows packed into one row get the hidden states each gets alone;
+        else what differs."""
+        first = torch.arange(5, device=self.device) * 7919 % self.vocab_size
+        second = torch.arange(3, device=self.device) * 104729 % self.vocab_size
+        segments = torch.tensor([[1] * 5 + [2] * 3], device=self.device)
+        positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=self.device)
+        inputs = self._packed_inputs(torch.cat([first, second])[None], segments, positions)
+        try:
+            packed = self.body(**inputs, use_cache=False).last_hidden_state[0].float()
+        except (TypeError, ValueError, RuntimeError) as exc:  # a mask or positions it cannot take
+            return f"this teacher's forward pass does not take a document mask ({exc})"
+        alone = torch.cat([
+            self.body(input_ids=ids[None], use_cache=False).last_hidden_state[0].float()
+            for ids in (first, second)
+        ])  # fmt: skip
+        difference = float((packed - alone).norm() / alone.norm())
+        tolerance = PACKING_TOLERANCE if self.model.dtype == torch.float32 else 50 * PACKING_TOLERANCE
+        if difference <= tolerance:
+            return None
+        return (
+            f"this teacher's forward pass gives a packed window other hidden states than it "
+            f"gives it alone (relative difference {difference:.2g} on a probe, above "
+            f"{tolerance:g}): it does not honour a document mask or restarted positions"
+        )
+
+    def _packed_inputs(
+        self, ids: torch.Tensor, segments: torch.Tensor, positions: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The body's inputs for packed rows: each window attends to itself, from position 0."""
+        flex = self.model.config._attn_implementation == FLEX
+        mask = document_block_mask(segments) if flex else document_mask(segments)
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
 
     def score(
         self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
@@ -156,39 +249,53 @@ class HFScorer:
         columns = {"loss": [np.full(n, np.nan, dtype=np.float32) for n in lengths]}
         columns |= empty_columns(self.extras, lengths)
         windows = plan_document_windows(lengths, self.max_length, self.stride)
-        for rows in plan_batches(windows.length, self.batch_tokens):
-            batch = self._score_batch(token_ids, windows, rows)
-            scored = windows.scored[rows]
+        for layout in self.layouts(windows):
+            batch = self._score_batch(token_ids, windows, layout)
+            scored = windows.scored[layout.windows]
             bounds = np.cumsum(scored)[:-1]
             for name, values in batch.items():
-                for part, row in zip(np.split(values, bounds), rows, strict=True):
+                for part, row in zip(np.split(values, bounds), layout.windows, strict=True):
                     doc = columns[name][windows.doc[row]]
                     doc[windows.score_from[row] : windows.end[row]] = part
             if progress is not None:
                 progress(int(scored.sum()))
         return columns
 
-    def _score_batch(
-        self, token_ids: list[np.ndarray], windows: WindowTable, rows: np.ndarray
-    ) -> dict[str, np.ndarray]:
-        input_ids, mask = padded_batch(token_ids, windows, rows)
-        ids = torch.from_numpy(input_ids).to(self.device)
-        attention_mask = torch.from_numpy(mask).to(self.device)
-        row, position = scored_positions(windows, rows)
+    def layouts(self, windows: WindowTable) -> list[BatchLayout]:
+        """The batches `windows` are scored in, under `--row-packing`."""
+        if self.row_packing == "packed":
+            return packed_layouts(windows.length, self.max_length, self.batch_tokens)
+        return padded_layouts(windows.length, self.batch_tokens)
+
+    def batch_inputs(
+        self, token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(the forward pass's inputs, row, position of each scored position), on the device."""
+        input_ids, segment_ids, position_ids = layout_arrays(token_ids, windows, layout)
+        ids = to_device(input_ids, self.device)
+        if self.row_packing == "packed":
+            inputs = self._packed_inputs(
+                ids, to_device(segment_ids, self.device), to_device(position_ids, self.device)
+            )
+        else:
+            mask = to_device((segment_ids > 0).astype(np.int64), self.device)
+            inputs = {"input_ids": ids, "attention_mask": mask}
         row, position = (
-            torch.from_numpy(row).to(self.device),
-            torch.from_numpy(position).to(self.device),
+            to_device(values, self.device) for values in scored_positions(windows, layout)
         )
+        return inputs, row, position
+
+    def _score_batch(
+        self, token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout
+    ) -> dict[str, np.ndarray]:
+        inputs, row, position = self.batch_inputs(token_ids, windows, layout)
+        ids = inputs["input_ids"]
         targets = ids[row, position + 1]
         if self.plain_head:
-            hidden = self.body(input_ids=ids, attention_mask=attention_mask, use_cache=False)
-            hidden = hidden.last_hidden_state[row, position]
+            hidden = self.body(**inputs, use_cache=False).last_hidden_state[row, position]
             project = self.head
         else:
-            logits = self.model(
-                input_ids=ids, attention_mask=attention_mask, use_cache=False
-            ).logits
-            hidden = logits[row, position]
+            hidden = self.model(**inputs, use_cache=False).logits[row, position]
             project = torch.nn.Identity()
         free = free_memory(self.device) if self.head_chunks == "sized" else None
         rows = head_chunk_rows(self.vocab_size, self.head_chunks, free)

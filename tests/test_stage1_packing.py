@@ -1,0 +1,127 @@
+"""Stage 1's `--row-packing` (pipeline/scoring/batching.py, pipeline/scoring/hf.py,
+docs/stage1-gpu-path.md): packed rows hold every window exactly once without overlap; a packed
+window is scored with exactly its own context, so every column equals the document scored alone,
+windowed long documents included, for a byte-level and a SentencePiece teacher, under the dense
+mask and flex attention; a teacher that does not honour the document mask is refused (or, under
+`auto`, kept padded); what was resolved is recorded with the worker."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.errors import ConfigError
+from pipeline.scoring import hf
+from pipeline.scoring.batching import pack_rows, packed_layouts, padded_layouts
+from pipeline.scoring.teacher import resolve_teacher
+from pipeline.scoring.windows import plan_document_windows
+from pipeline.tokenizer import load_tokenizer
+from tests.stage1_helpers import (
+    HEAD_TEXTS,
+    MAX_LENGTH,
+    STRIDE,
+    assert_same_topk_ids_but_ties,
+    assert_within_one_float16_step,
+    columns_of,
+    make_tiny_teacher,
+)
+
+FLOAT_COLUMNS = ("loss", "topk_probs", "topk_rest", "space_logprob")
+# The head tests' texts, whose windows fill rows of their own, and short documents that share one.
+TEXTS = [*HEAD_TEXTS, "a b", "hello world", "2 + 2 = 4\n", "Answer: #### 15"]
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("teachers")
+    return {name: make_tiny_teacher(root / name, name) for name in ("smollm2", "tinyllama")}
+
+
+def test_packed_rows_hold_every_window_once_within_the_row_and_the_batch_budget():
+    generator = np.random.default_rng(0)
+    lengths = np.concatenate([generator.integers(2, 300, 500), [512, 512, 511]])
+    row, offset = pack_rows(lengths, 512)
+    end = offset + lengths
+    assert (offset >= 0).all() and (end <= 512).all()
+    for r in np.unique(row):  # no two windows of a row overlap
+        members = np.flatnonzero(row == r)
+        spans = sorted(zip(offset[members], end[members], strict=True))
+        assert all(a[1] <= b[0] for a, b in zip(spans[:-1], spans[1:], strict=True))
+    np.testing.assert_array_equal(pack_rows(lengths, 512)[0], row)  # deterministic
+
+    layouts = packed_layouts(lengths, 512, 2048)
+    placed = np.concatenate([layout.windows for layout in layouts])
+    assert sorted(placed.tolist()) == list(range(len(lengths)))  # each window once
+    assert all(layout.rows <= 4 and layout.length == 512 for layout in layouts)
+    # First fit, longest first, fills rows: here the slots are within 1% of the tokens, while a
+    # window per row pads to each batch's longest.
+    packed = sum(layout.slots for layout in layouts)
+    padded = sum(layout.slots for layout in padded_layouts(lengths, 2048))
+    assert packed <= 1.01 * lengths.sum() < padded
+    with pytest.raises(ValueError, match="does not fit a row of 256"):
+        pack_rows(lengths, 256)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "tinyllama"])  # byte-level, SentencePiece
+def test_a_packed_document_gets_every_column_it_gets_scored_alone(teachers, name):
+    padded_scorer, padded = columns_of(teachers[name], TEXTS, row_packing="padded")
+    packed_scorer, packed = columns_of(teachers[name], TEXTS, row_packing="packed", attention="dense")
+    assert packed_scorer.describe()["row_packing"] == "packed"
+    assert packed_scorer.describe()["attention"] == "dense"
+    assert padded_scorer.describe()["row_packing"] == "padded"
+    # The texts' windows share rows: some row holds two or more.
+    ids = load_tokenizer(str(teachers[name])).encode_batch(TEXTS)
+    windows = plan_document_windows([len(e.ids) for e in ids], MAX_LENGTH, STRIDE)
+    layouts = packed_scorer.layouts(windows)
+    assert any(len(np.unique(layout.row)) < len(layout.windows) for layout in layouts)
+    alone = {}
+    for text in TEXTS:  # each document in a batch of its own
+        _, columns = columns_of(teachers[name], row_packing="padded", texts=[text])
+        for column, values in columns.items():
+            alone.setdefault(column, []).append(values)
+    alone = {column: np.concatenate(parts) for column, parts in alone.items()}
+    for column in FLOAT_COLUMNS:
+        assert_within_one_float16_step(packed[column], alone[column], column)
+        np.testing.assert_allclose(packed[column], alone[column], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(packed[column], padded[column], rtol=1e-5, atol=1e-6)
+    assert_same_topk_ids_but_ties(packed, alone)
+
+
+def test_flex_attention_scores_packed_rows_as_the_dense_mask_does(teachers):
+    """A GPU's choice for packed rows (flex_attention's block mask, compiled on the CPU here)."""
+    flex_scorer, flex = columns_of(teachers["smollm2"], TEXTS, row_packing="packed", attention="flex")
+    assert flex_scorer.describe()["attention"] == "flex"
+    _, dense = columns_of(teachers["smollm2"], TEXTS, row_packing="packed", attention="dense")
+    for column in FLOAT_COLUMNS:
+        np.testing.assert_allclose(flex[column], dense[column], rtol=1e-5, atol=1e-6)
+    assert_same_topk_ids_but_ties(flex, dense)
+
+
+def mask_ignored(scorer, ids, segments, positions) -> dict:
+    """A forward pass that attends across the whole row: what a teacher that drops the
+    document mask (and the restarted positions) computes."""
+    return {"input_ids": ids}
+
+
+def test_a_teacher_that_does_not_honour_the_mask_is_refused_or_kept_padded(teachers, monkeypatch):
+    teacher = resolve_teacher(str(teachers["smollm2"]))
+    settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
+    monkeypatch.setattr(hf.HFScorer, "_packed_inputs", mask_ignored)
+    with pytest.raises(ConfigError, match=r"^--row-packing packed: this teacher's forward pass "
+                       r"gives a packed window other hidden states .* use --row-packing padded$"):  # fmt: skip
+        hf.HFScorer(teacher, row_packing="packed", attention="dense", **settings)
+    # auto packs on a GPU; a teacher that cannot be packed stays padded there
+    monkeypatch.setattr(hf, "on_device", lambda choice, device, gpu, cpu: gpu
+                        if choice == "auto" else choice)  # fmt: skip
+    scorer = hf.HFScorer(teacher, row_packing="auto", attention="dense", **settings)
+    assert (scorer.describe()["row_packing"], scorer.describe()["attention"]) == ("padded", None)
+    monkeypatch.undo()
+    monkeypatch.setattr(hf, "on_device", lambda choice, device, gpu, cpu: gpu
+                        if choice == "auto" else choice)  # fmt: skip
+    scorer = hf.HFScorer(teacher, row_packing="auto", attention="dense", **settings)
+    assert scorer.describe()["row_packing"] == "packed"
+
+
+def test_auto_is_padded_on_a_cpu(teachers):
+    scorer, _ = columns_of(teachers["smollm2"])
+    assert (scorer.describe()["row_packing"], scorer.describe()["attention"]) == ("padded", None)
