@@ -7,6 +7,10 @@ mask and flex attention; a teacher that does not honour the document mask is ref
 
 from __future__ import annotations
 
+import re
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -125,3 +129,14 @@ def test_a_teacher_that_does_not_honour_the_mask_is_refused_or_kept_padded(teach
 def test_auto_is_padded_on_a_cpu(teachers):
     scorer, _ = columns_of(teachers["smollm2"])
     assert (scorer.describe()["row_packing"], scorer.describe()["attention"]) == ("padded", None)
+
+
+def test_the_packing_benchmark_plans_both_ways_and_packed_rows_pad_less(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_stage1_packing
+
+    assert bench_stage1_packing.main(["--docs", "300", "--docs-per-shard", "100"]) == 0
+    out = capsys.readouterr().out
+    figures = dict(re.findall(r"(padded|packed) +[\d,]+ slots: real tokens / slots ([\d.]+)", out))
+    assert "shipped training split: 300 documents" in out
+    assert float(figures["padded"]) < float(figures["packed"]) <= 1.0
