@@ -26,9 +26,10 @@ What each row measures:
   2^24 logits per chunk, against chunks sized from free memory; `serial units`: `--unit-overlap
   off`, a worker's units one after another, against tokenizing and writing one unit while another
   is scored; `padded rows`: `--row-packing padded`, a window per row, against packed rows with
-  a document mask; the gpu shapes give the one worker 8 units). Each of these rows is preceded by the
-  largest difference of its stored losses from stage 1's: the columns leave the loss as it is,
-  and a switch within rounding.
+  a document mask; the gpu shapes give the one worker 8 units). `stage 1 vllm` (where vllm
+  imports): the same job with `--backend vllm`, the engine's prompt log-probabilities. Each of
+  these rows is preceded by the largest difference of its stored losses from stage 1's: the
+  columns leave the loss as it is, a switch within rounding, and vLLM within its own arithmetic.
 - bare forward, body, body + fused head: the teacher loaded as the worker loads it
   (pipeline.scoring.hf.HFScorer, the same `auto` switches), on the batches the worker builds (its
   windows, row layout, mask and positions) already on the device: `model(...).logits` and nothing
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import shutil
@@ -105,14 +107,14 @@ TEACHERS = {
             tie_word_embeddings=False,
         ),
     },
-    "tiny": {
+    "tiny": {  # heads of 32: the least vLLM's CPU attention takes (the `stage 1 vllm` row)
         "qwen2.5-1.5b-like": dict(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=151936, tie_word_embeddings=True,
         ),
         "qwen2.5-7b-like": dict(
-            hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=152064, tie_word_embeddings=False,
+            hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=3,
+            num_key_value_heads=1, vocab_size=152064, tie_word_embeddings=False,
         ),
     },
 }  # fmt: skip
@@ -129,6 +131,9 @@ STAGE1_VARIANTS = (
     ("serial units", ("--unit-overlap", "off")),
     ("padded rows", ("--row-packing", "padded")),
 )
+# Where vllm imports, a row of the first teacher's job with `--backend vllm` (on a CPU without
+# torch.compile, whose start takes minutes there).
+VLLM_VARIANT = {"cuda": ("--backend", "vllm"), "cpu": ("--backend", "vllm", "--vllm-enforce-eager")}
 DEFAULTS = {"gpu": {"docs": 2048, "steps": 12}, "tiny": {"docs": 16, "steps": 4}}
 # stage-2 student preset, seq_len, micro-batch size, micro-batches per step, loader workers
 STAGE2 = {"gpu": ("tinyllama-1.1b", 2048, 4, 4, 2), "tiny": ("llama-tiny", 64, 2, 2, 0)}
@@ -266,6 +271,13 @@ def polled_device_memory(device: torch.device):
         result["peak"] = peak[0]
 
 
+def stage1_variants(device: torch.device) -> tuple:
+    """STAGE1_VARIANTS, and the vLLM row where vllm imports."""
+    if importlib.util.find_spec("vllm") is None:
+        return STAGE1_VARIANTS
+    return (*STAGE1_VARIANTS, ("vllm", VLLM_VARIANT[device.type]))
+
+
 def stage1_rows(args, scratch: Path, corpus: Path, device, dtype: str) -> tuple[list[Row], dict]:
     """Stage 1 and the bare forward per teacher, and each loss check: (rows, {teacher: (max
     |difference|, tokens, passed)}); the first teacher's cache is left for stage 2."""
@@ -287,7 +299,7 @@ def stage1_rows(args, scratch: Path, corpus: Path, device, dtype: str) -> tuple[
         stage1_rate = sum(worker_rates)
         first = not rows  # the first teacher: also the ALM column's and each switch's cost
         variants = []
-        for label, options in STAGE1_VARIANTS if first else ():
+        for label, options in stage1_variants(device) if first else ():
             variant_out = scratch / f"cache-{name}-{label.replace(' ', '-')}"
             variant_command = [str(variant_out) if arg == str(out) else arg for arg in command]
             with polled_device_memory(device) as polled_variant:

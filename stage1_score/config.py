@@ -92,7 +92,7 @@ class ScoreConfig:
     topk_probs: int = option(
         0,
         help="store, at every scored teacher token, the K largest next-token probabilities "
-        "(float16, descending), their ids and the mass outside them (1..128; 0: off; hf backend; "
+        "(float16, descending), their ids and the mass outside them (1..128; 0: off; "
         "see docs/cache-columns.md)",
     )
     topk_ids: bool = option(
@@ -195,10 +195,11 @@ class ScoreConfig:
             raise ValueError("vllm_gpu_memory_utilization must be in (0, 1]")
         if not 0 <= self.topk_probs <= MAX_TOPK:
             raise ValueError(f"topk_probs must be 0 (off) or 1..{MAX_TOPK}, not {self.topk_probs}")
-        if self.backend == "vllm" and (self.topk_probs or self.space_logprob):
+        if self.backend == "vllm" and self.space_logprob:
             raise ValueError(
-                "--topk-probs and --space-logprob need --backend hf: vLLM's prompt log-probs give "
-                "no exact space probability, and top-k from them is not yet wired in"
+                "--space-logprob needs --backend hf: vLLM returns log-probabilities of the top K "
+                "and of asked-for ids only, and the space mask is thousands of ids at every "
+                "position"
             )
         if self.progress_seconds <= 0:
             raise ValueError("progress_seconds must be positive")

@@ -104,6 +104,7 @@ def load_scorer(spec: WorkerSpec, extras: HeadExtras | None = None):
             cpu_kvcache_gib=spec.vllm_cpu_kvcache_gib,
             threads=spec.threads,
             enforce_eager=spec.vllm_enforce_eager,
+            extras=extras,
         )
     from pipeline.scoring.hf import HFScorer
 

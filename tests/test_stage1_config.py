@@ -42,8 +42,7 @@ def test_command_line_wins_over_the_manifest():
         (["--vllm-gpu-memory-utilization", "1.5"], "vllm_gpu_memory_utilization"),
         (["--topk-probs", "129"], r"topk_probs must be 0 \(off\) or 1..128, not 129"),
         (["--topk-probs", "-1"], "topk_probs must be 0"),
-        (["--backend", "vllm", "--topk-probs", "8"], "need --backend hf"),
-        (["--backend", "vllm", "--space-logprob"], "need --backend hf"),
+        (["--backend", "vllm", "--space-logprob"], "--space-logprob needs --backend hf: vLLM"),
     ],
 )
 def test_bad_values_are_refused(extra, message):

