@@ -19,7 +19,11 @@ ChunkStudentAggregate = Literal["mean", "max", "sum"]
 Aggregation = Literal["max", "mean", "sum"]
 TextSplit = Literal["file", "line"]
 OnBadRecord = Literal["error", "skip"]
-TorchDtype = Literal["float32", "bfloat16", "float16", "auto"]  # a teacher's weights
+# a teacher's weights as loaded; checkpoint: the dtype its checkpoint was saved in
+TorchDtype = Literal["float32", "bfloat16", "float16", "checkpoint"]
+# stage 1's --dtype: those, or auto: bfloat16 where the workers get GPUs, float32 on CPUs (as
+# stage 2's --dtype auto computes)
+TeacherDtype = Literal["auto", "float32", "bfloat16", "float16", "checkpoint"]
 ComputeDtype = Literal["auto", "float32", "bfloat16"]  # stage 2 autocast
 FsdpParamDtype = Literal["auto", "bfloat16", "float32"]  # stage 2 --fsdp: FSDP2's param_dtype
 ScoringBackend = Literal["hf", "vllm"]

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -27,20 +28,24 @@ JOB_CONFIG_VARIABLE = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 PROBE_SECONDS = 10.0
 
 
-def check_ray_reachable(address: str | None) -> None:
-    """Refuse, in one line naming it, a Ray address where nothing accepts a connection.
+@dataclass(frozen=True)
+class RayTarget:
+    """The Ray cluster a run will join: `host_port` to connect to (None: ray.init starts a local
+    Ray of its own), the address as the user gave it and where it came from, and whether it is a
+    Ray Client (ray://) address."""
 
-    ray.init would retry it for many minutes, printing only warnings, in attempts of about 40 s
-    that Ctrl-C and SIGTERM cannot cut short. Ray's own knobs do not bound this:
-    RAY_gcs_server_request_timeout_seconds leaves the attempts as long, and
-    RAY_gcs_rpc_server_reconnect_timeout_s aborts the process, then and at any later GCS hiccup.
-    So the address Ray would use is first tried with a plain TCP connect under a deadline.
-    """
-    import ray
+    host_port: str | None
+    given: str | None
+    source: str
+    client: bool = False
+
+
+def ray_target(address: str | None) -> RayTarget:
+    """What ray.init(address) would connect to: the address, RAY_ADDRESS, or the cluster last
+    started on this machine; an address ray.init would refuse with a traceback is refused here in
+    one line."""
     from ray._private.services import canonicalize_bootstrap_address
 
-    if ray.is_initialized():
-        return
     given, source = address, "--ray-address"
     if not given and os.environ.get("RAY_ADDRESS"):
         given, source = os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
@@ -56,26 +61,78 @@ def check_ray_reachable(address: str | None) -> None:
             target = f"{parts.hostname}:{parts.port or 10001}"  # Ray Client's default port
         except ValueError as exc:  # a port that is no number
             raise ConfigError(f"{source} {given}: {exc}") from None
-    else:
-        try:  # what ray.init connects to: the address, RAY_ADDRESS, or the last `ray start`
-            target = canonicalize_bootstrap_address(given)
-        except (ValueError, ConnectionError) as exc:
-            raise ConfigError(f"{source} {given}: {exc}") from None
-        if target is None:  # ray.init starts a local Ray of its own
-            return
-        if not given:
-            given, source = target, "the Ray cluster last started on this machine"
-    host, _, port = target.rpartition(":")
+        return RayTarget(target, given, source, client=True)
+    try:  # what ray.init connects to: the address, RAY_ADDRESS, or the last `ray start`
+        target = canonicalize_bootstrap_address(given)
+    except (ValueError, ConnectionError) as exc:
+        raise ConfigError(f"{source} {given}: {exc}") from None
+    if target is not None and not given:
+        given, source = target, "the Ray cluster last started on this machine"
+    return RayTarget(target, given, source)
+
+
+def check_ray_reachable(address: str | None) -> None:
+    """Refuse, in one line naming it, a Ray address where nothing accepts a connection.
+
+    ray.init would retry it for many minutes, printing only warnings, in attempts of about 40 s
+    that Ctrl-C and SIGTERM cannot cut short. Ray's own knobs do not bound this:
+    RAY_gcs_server_request_timeout_seconds leaves the attempts as long, and
+    RAY_gcs_rpc_server_reconnect_timeout_s aborts the process, then and at any later GCS hiccup.
+    So the address Ray would use is first tried with a plain TCP connect under a deadline.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    target = ray_target(address)
+    if target.host_port is None:  # ray.init starts a local Ray of its own
+        return
+    host, _, port = target.host_port.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_SECONDS).close()
     except OSError as exc:
         timed_out = isinstance(exc, TimeoutError)
         reason = f"no answer in {PROBE_SECONDS:.0f} s" if timed_out else exc.strerror or exc
-        reached = "" if target == given else f", tried as {target}"
+        reached = "" if target.host_port == target.given else f", tried as {target.host_port}"
         raise ConfigError(
-            f"no Ray cluster answers at {given} ({source}{reached}: {reason}); start one "
-            "(ray start --head) or give the address of a running one"
+            f"no Ray cluster answers at {target.given} ({target.source}{reached}: {reason}); "
+            "start one (ray start --head) or give the address of a running one"
         ) from None
+
+
+def cluster_gpus(address: str | None) -> int:
+    """GPUs of the Ray cluster this run will join (`address` as --ray-address), learned without
+    joining it: joining from a `ray job submit` driver deletes the driver's copy of the shipped
+    working directory, which the corpus may lie in. A cluster is asked through Ray's GCS client,
+    which registers no driver; a local Ray the run starts itself has this machine's GPUs."""
+    import ray
+
+    if ray.is_initialized():  # joined already (a caller's own ray.init)
+        return int(ray.cluster_resources().get("GPU", 0))
+    target = ray_target(address)
+    if target.host_port is None:
+        import torch
+
+        return torch.cuda.device_count()
+    if target.client:
+        raise ConfigError(
+            f"--dtype auto cannot ask a Ray Client address ({target.given}) whether its workers "
+            "get GPUs before joining it: name the dtype (--dtype bfloat16 on GPUs, float32 on CPUs)"
+        )
+    from ray._raylet import GcsClient
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    try:  # as Ray's own CLI (`ray status`) does first: a token on this machine is presented
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        pass
+    else:
+        maybe_enable_token_auth_if_token_available()
+    client = GcsClient(address=target.host_port)
+    nodes = client.get_all_node_info(timeout=PROBE_SECONDS, state_filter=GcsNodeInfo.ALIVE)
+    return int(sum(node.resources_total.get("GPU", 0) for node in nodes.values()))
 
 
 def connect_ray(address: str | None) -> bool:

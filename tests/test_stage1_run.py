@@ -182,9 +182,32 @@ def test_topk_probs_8_and_space_logprob_are_cached_by_the_fused_head_and_equal_t
             np.testing.assert_allclose(rest, 1 - expected.sum(1), atol=2e-3)
 
 
+def test_dtype_auto_is_bfloat16_where_the_workers_get_gpus(teacher, corpus, tmp_path, monkeypatch):
+    """What the driver resolves --dtype auto to, from the GPUs of the cluster it will join
+    (stage 2's --dtype auto computes alike), into the cache's identity; any other choice stands."""
+    from stage1_score import job
+    from stage1_score.config import ScoreConfig
+
+    def planned(gpus: int, *extra: str) -> job.Plan:
+        monkeypatch.setattr(job, "cluster_gpus", lambda address: gpus)
+        argv = args(teacher, corpus, tmp_path / "o", *extra)
+        return job.plan(parse_config(ScoreConfig, argv, "", "stage1"))
+
+    on_gpus = planned(2)
+    assert on_gpus.dtype == on_gpus.identity["teacher"]["dtype"] == "bfloat16"
+    assert planned(0).identity["teacher"]["dtype"] == "float32"
+    assert planned(2, "--dtype", "float32").dtype == "float32"
+    assert planned(2, "--dtype", "checkpoint").dtype == "checkpoint"
+
+
 def test_rerun_is_byte_identical_and_recomputes_only_a_missing_shard(built):
     out, command, first = built
     assert main(command) == 0
+    assert snapshot(out) == first
+    # --dtype auto (the default) is float32 on CPU workers, in the identity: a cache made with
+    # the former default, --dtype float32, is the same cache
+    assert json.loads((out / "manifest.json").read_text())["teacher"]["dtype"] == "float32"
+    assert main([*command, "--dtype", "float32"]) == 0
     assert snapshot(out) == first
     untouched = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.parquet")}
     (out / "shard-000002.parquet").unlink()

@@ -241,7 +241,7 @@ def _own_tokenizer(source: TeacherSource) -> TextTokenizer | None:
 
 
 def load_teacher_model(source: TeacherSource, dtype: str, device: str):
-    """The causal LM in eval mode on `device`; `dtype="auto"` keeps the checkpoint's dtype."""
+    """The causal LM in eval mode on `device`; `dtype="checkpoint"` keeps the checkpoint's."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -250,7 +250,7 @@ def load_teacher_model(source: TeacherSource, dtype: str, device: str):
     name, kwargs = source.load_args
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            name, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **kwargs
+            name, dtype="auto" if dtype == "checkpoint" else getattr(torch, dtype), **kwargs
         )
     except Exception as exc:
         raise TeacherError(f"cannot load {source.role} {source.spec!r}: {exc}") from exc

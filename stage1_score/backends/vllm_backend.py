@@ -158,7 +158,7 @@ class VLLMScorer:
         self.engine = LLM(
             model=model,
             revision=kwargs.get("revision"),
-            dtype=dtype,
+            dtype="auto" if dtype == "checkpoint" else dtype,  # vLLM's auto: the checkpoint's
             max_model_len=max_length + 1,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=False,
