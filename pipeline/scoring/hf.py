@@ -148,9 +148,21 @@ class HFScorer:
         self.head_chunks = on_device(head_chunks, self.device, gpu="sized", cpu="fixed")
         self.columns = HeadColumns(self.extras, self.vocab_size, self.device, self.head_kernel)
         self.row_packing, self.attention = self._resolve_packing(row_packing, attention)
-        # One short document now, so that what compiles on first use (the fused head, flex
-        # attention's kernels at the row length) does so at load, not inside the first unit.
-        self.score_columns([np.arange(min(WARM_UP_TOKENS, self.max_length)) % self.vocab_size])
+        # What compiles on first use (the fused head, flex attention and its block mask) does so
+        # now, at load, not inside the first unit.
+        self.score_columns(self._warm_up_documents())
+
+    def _warm_up_documents(self) -> list[np.ndarray]:
+        """Documents whose batches take every shape a unit's can: one short document when rows
+        are padded; packed, a full batch of rows and then a batch of one, since a compiled
+        attention recompiles for the batch's row count once it has seen a second one (flex
+        attention would otherwise recompile inside the first unit, for about as long as a small
+        unit takes to score)."""
+        per_batch = max(1, self.batch_tokens // self.max_length)
+        if self.row_packing != "packed" or per_batch == 1:
+            return [np.arange(min(WARM_UP_TOKENS, self.max_length)) % self.vocab_size]
+        alone = self.max_length // 2 + 1  # two never share a row
+        return [np.arange(alone) % self.vocab_size] * (per_batch + 1)
 
     def describe(self) -> dict:
         import transformers
