@@ -6,6 +6,16 @@ Targets: stage 1 >= 0.95 of the bare forward (issue 12) and >= 0.85 of the body 
 stage 2 >= 55% MFU, token within 3% of none.
 
     python benchmarks/bench_gpu.py [--shapes gpu|tiny] [--docs N] [--steps S]
+        [--teachers NAME ...] [--stage1-only] [--budget-seconds S] [--rows-jsonl PATH]
+
+The rows come in the order the targets need them: each teacher's `stage 1 (hf)` with its floors,
+the first teacher's `+space` and `padded rows`, stage 2's `none`, `token` and floor, then the
+other switch rows. Each is printed as it is measured (and appended to --rows-jsonl), with each
+stage-1 job's unit phases (benchmarks/stage1_runs.py: phase_summary), so that a run cut off by a
+lease's limit still reports what it measured; a row that fails is named in one line and the rest
+go on (exit 1); with --budget-seconds, a switch row (or the floor) that would end past the budget,
+by its baseline's time, is skipped and named. On an H200 the whole table takes longer than 10
+minutes: the 1.5B teacher's rows alone took 152 s (2026-11-26).
 
 Random-weight models are built from the configs below (shapes, not weights, set the speed) and
 saved as model folders with the shipped tokenizers (qwen2.5 for the teachers, tinyllama for the
@@ -72,6 +82,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +93,7 @@ import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 from peak_memory import peak_memory, reset_peak  # noqa: E402
-from stage1_runs import timed_stage1, write_corpus_slice  # noqa: E402
+from stage1_runs import phase_summary, timed_stage1, write_corpus_slice  # noqa: E402
 from stage2_floor import floor_rate, synchronize  # noqa: E402
 
 from pipeline.flops import device_name, device_peak_flops, flop_parameters, mfu  # noqa: E402
@@ -133,6 +144,9 @@ STAGE1_VARIANTS = (
 )
 # Where vllm imports, a row of the first teacher's job with `--backend vllm` (on a CPU without
 # torch.compile, whose start takes minutes there).
+# The switch rows measured before stage 2 (the rest after it): the issue's targets name +space, and
+# packing is the largest of the switches.
+PRIORITY_VARIANTS = ("+space", "padded rows")
 VLLM_VARIANT = {"cuda": ("--backend", "vllm"), "cpu": ("--backend", "vllm", "--vllm-enforce-eager")}
 DEFAULTS = {"gpu": {"docs": 2048, "steps": 12}, "tiny": {"docs": 16, "steps": 4}}
 # stage-2 student preset, seq_len, micro-batch size, micro-batches per step, loader workers
@@ -278,125 +292,271 @@ def stage1_variants(device: torch.device) -> tuple:
     return (*STAGE1_VARIANTS, ("vllm", VLLM_VARIANT[device.type]))
 
 
-def stage1_rows(args, scratch: Path, corpus: Path, device, dtype: str) -> tuple[list[Row], dict]:
-    """Stage 1 and the bare forward per teacher, and each loss check: (rows, {teacher: (max
-    |difference|, tokens, passed)}); the first teacher's cache is left for stage 2."""
-    max_length, stride, batch_tokens, per_shard = STAGE1[args.shapes]
-    peak = device_peak_flops(device)
-    rows, checks = [], {}
-    for name, shape in TEACHERS[args.shapes].items():
-        folder = build_teacher(scratch / name, shape, device, getattr(torch, dtype))
-        out = scratch / f"cache-{name}"
-        command = [
-            "--teacher", str(folder), "--corpus", str(corpus), "--out", str(out),
-            "--id-column", "id", "--docs-per-shard", str(per_shard), "--dtype", dtype,
-            "--max-length", str(max_length), "--stride", str(stride),
-            "--batch-tokens", str(batch_tokens), "--num-workers", "1",
-            "--progress-seconds", "1e9",
-        ]  # fmt: skip
-        with polled_device_memory(device) as polled:
-            _, _, worker_rates = timed_stage1(command)
-        stage1_rate = sum(worker_rates)
-        first = not rows  # the first teacher: also the ALM column's and each switch's cost
-        variants = []
-        for label, options in stage1_variants(device) if first else ():
-            variant_out = scratch / f"cache-{name}-{label.replace(' ', '-')}"
-            variant_command = [str(variant_out) if arg == str(out) else arg for arg in command]
-            with polled_device_memory(device) as polled_variant:
-                variant_rate = sum(timed_stage1([*variant_command, *options])[2])
-            difference = max(
-                float(np.nanmax(np.abs(np.asarray(a["loss"], np.float32) -
-                                       np.asarray(b["loss"], np.float32))))
-                for a, b in zip(cache_rows(variant_out), cache_rows(out), strict=True)
-            )  # fmt: skip
-            print(f"stage 1 {label} vs stage 1: max |stored loss difference| {difference:.2e}")
-            shutil.rmtree(variant_out)
-            variants.append((f"stage 1 {label}", variant_rate, polled_variant["peak"]))
-        scorer = HFScorer(
-            resolve_teacher(str(folder)), dtype=dtype, max_length=max_length, stride=stride,
-            batch_tokens=batch_tokens, device=str(device), head_kernel="fused",
-        )  # fmt: skip
-        model = scorer.model
-        parameters = flop_parameters(model)
-        cached = cache_rows(out)
-        token_ids = [np.asarray(r["token_ids"], dtype=np.int64) for r in cached]
+class Bench:
+    """The rows measured so far and what a leased machine's run needs around them: each row is
+    printed as it is measured (and appended to --rows-jsonl), so that a run cut off at its limit
+    still reports what it measured; a row that fails is reported in one line and the run goes on;
+    an optional row whose predicted time would overrun --budget-seconds is skipped and named."""
+
+    def __init__(self, args, device: torch.device):
+        self.args, self.device = args, device
+        self.rows: list[Row] = []
+        self.checks: dict[str, tuple[float, int, bool]] = {}
+        self.failed: list[str] = []
+        self.skipped: list[str] = []
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        print(row_line(row, device_name(self.device)), flush=True)
+        if self.args.rows_jsonl:
+            with open(self.args.rows_jsonl, "a") as out:
+                out.write(json.dumps(row.__dict__ | {"device": device_name(self.device)}) + "\n")
+
+    def attempt(self, what: str, measure, predicted: float | None = None) -> bool:
+        """Run `measure()`, the step that adds `what`'s rows; False if it failed or was skipped.
+        `predicted` (seconds) makes it optional: skipped when it would end past the budget."""
+        budget = self.args.budget_seconds
+        if predicted is not None and budget and self.elapsed() + predicted > budget:
+            self.skipped.append(what)
+            print(f"{what}: skipped, {self.elapsed():.0f} s + about {predicted:.0f} s would pass "
+                  f"--budget-seconds {budget:.0f}", flush=True)  # fmt: skip
+            return False
+        began = self.elapsed()
+        try:
+            measure()
+        except Exception as exc:  # a benchmark reports every row it can, and names what broke
+            traceback.print_exc()
+            self.failed.append(what)
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            print(f"{what}: FAILED ({type(exc).__name__}: {first})", flush=True)
+            return False
+        print(f"{what}: {self.elapsed() - began:.0f} s, {self.elapsed():.0f} s in all", flush=True)
+        return True
+
+
+@dataclass
+class Teacher:
+    """One teacher's model folder and stage-1 command, and its cache (the first teacher's feeds
+    stage 2 and its switch rows)."""
+
+    name: str
+    folder: Path
+    out: Path
+    command: list[str]
+    rate: float = 0.0  # of `stage 1 (hf)`, the switch rows' baseline
+    seconds: float = 0.0  # its wall time, what a switch row is predicted to take
+    parameters: int = 0  # flop_parameters of the model
+
+
+def teacher_job(bench: Bench, scratch: Path, corpus: Path, name: str, dtype: str) -> Teacher:
+    max_length, stride, batch_tokens, per_shard = STAGE1[bench.args.shapes]
+    folder = build_teacher(scratch / name, TEACHERS[bench.args.shapes][name], bench.device,
+                           getattr(torch, dtype))  # fmt: skip
+    if bench.device.type == "cuda":
+        torch.cuda.empty_cache()  # the worker, not this process, scores with it
+    out = scratch / f"cache-{name}"
+    command = [
+        "--teacher", str(folder), "--corpus", str(corpus), "--out", str(out),
+        "--id-column", "id", "--docs-per-shard", str(per_shard), "--dtype", dtype,
+        "--max-length", str(max_length), "--stride", str(stride),
+        "--batch-tokens", str(batch_tokens), "--num-workers", "1",
+        "--progress-seconds", "1e9",
+    ]  # fmt: skip
+    return Teacher(name, folder, out, command)
+
+
+def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
+    """`stage 1 (hf)` of `teacher`, then its floors on the worker's batches and the loss check."""
+    max_length, stride, batch_tokens, _ = STAGE1[bench.args.shapes]
+    device, peak = bench.device, device_peak_flops(bench.device)
+    began = time.perf_counter()
+    with polled_device_memory(device) as polled:
+        _, _, worker_rates = timed_stage1(teacher.command)
+    teacher.seconds, teacher.rate = time.perf_counter() - began, sum(worker_rates)
+    print(f"stage 1 (hf) {teacher.name}: {teacher.rate:,.0f} tok/s, the job {teacher.seconds:.0f} s; "
+          f"{phase_summary(teacher.out)}", flush=True)  # fmt: skip
+    scorer = HFScorer(
+        resolve_teacher(str(teacher.folder)), dtype=dtype, max_length=max_length, stride=stride,
+        batch_tokens=batch_tokens, device=str(device), head_kernel="fused",
+    )  # fmt: skip
+    model = scorer.model
+    parameters = teacher.parameters = flop_parameters(model)
+    cached = cache_rows(teacher.out)
+    token_ids = [np.asarray(r["token_ids"], dtype=np.int64) for r in cached]
+    reset_peak(device)
+    floors = forward_rates(scorer, token_ids, bench.args.repeats, device)
+    bare_peak = peak_memory(device)
+    model.set_attn_implementation("sdpa")  # the check's plain forward pass
+    differences = []
+    for row, ids in zip(cached[:LOSS_CHECK_DOCS], token_ids, strict=False):
+        direct = direct_losses(model, ids, max_length, stride, device)
+        stored = np.asarray(row["loss"], dtype=np.float32)
+        differences.append(np.abs(stored - direct)[1:])
+    difference = np.concatenate(differences)
+    # stored float16 (~0.01 near a loss of 12), plus bf16's padded-vs-unpadded rounding
+    tolerance = 0.02 if dtype == "float32" else 0.25
+    bench.checks[teacher.name] = (float(difference.max()), difference.size,
+                                  bool(difference.max() <= tolerance))  # fmt: skip
+    del model, scorer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # What this process compiled for this teacher counts towards the recompile limit of the
+    # next one's: a worker holds one teacher and starts afresh.
+    torch._dynamo.reset()
+    print(f"stage 1 / bare forward, {teacher.name}: {teacher.rate / floors['bare forward']:.3f}")
+    body_rate = floors["body"]
+    bench.add(Row("stage 1 (hf)", teacher.name, teacher.rate, teacher.rate / body_rate,
+                  mfu(parameters, teacher.rate, peak, training=False), polled["peak"]))  # fmt: skip
+    for side, rate in floors.items():
+        bench.add(Row(side, teacher.name, rate, rate / body_rate,
+                      mfu(parameters, rate, peak, training=False), bare_peak))  # fmt: skip
+
+
+def stage1_variant(bench: Bench, teacher: Teacher, label: str, options: tuple) -> None:
+    """The first teacher's job with `options`, as a ratio to `stage 1 (hf)`, and the largest
+    difference of its stored losses from stage 1's."""
+    out = teacher.out.with_name(f"{teacher.out.name}-{label.replace(' ', '-')}")
+    command = [str(out) if arg == str(teacher.out) else arg for arg in teacher.command]
+    with polled_device_memory(bench.device) as polled:
+        rate = sum(timed_stage1([*command, *options])[2])
+    difference = max(
+        float(np.nanmax(np.abs(np.asarray(a["loss"], np.float32) -
+                               np.asarray(b["loss"], np.float32))))
+        for a, b in zip(cache_rows(out), cache_rows(teacher.out), strict=True)
+    )  # fmt: skip
+    print(f"stage 1 {label} vs stage 1: max |stored loss difference| {difference:.2e}; "
+          f"{phase_summary(out)}")  # fmt: skip
+    shutil.rmtree(out)
+    bench.add(Row(f"stage 1 {label}", teacher.name, rate, rate / teacher.rate,
+                  mfu(teacher.parameters, rate, device_peak_flops(bench.device), training=False),
+                  polled["peak"]))  # fmt: skip
+
+
+class Stage2:
+    """The stage-2 runs on the first teacher's cache: each label's tokens/s and per-step losses."""
+
+    def __init__(self, bench: Bench, cache: Path, scratch: Path):
+        self.bench, self.cache, self.scratch = bench, cache, scratch
+        self.rates: dict[str, float] = {}
+        self.losses: dict[str, np.ndarray] = {}
+        self.seconds: dict[str, float] = {}
+
+    def run(self, label: str, options: tuple, baseline: str) -> None:
+        from stage2_train.train import main as train
+
+        args, device = self.bench.args, self.bench.device
+        student, seq_len, micro, accumulation, workers = STAGE2[args.shapes]
+        out = self.scratch / f"stage2-{label.replace(' ', '-')}"
         reset_peak(device)
-        floors = forward_rates(scorer, token_ids, args.repeats, device)
-        bare_peak = peak_memory(device)
-        differences = []
-        for row, ids in zip(cached[:LOSS_CHECK_DOCS], token_ids, strict=False):
-            direct = direct_losses(model, ids, max_length, stride, device)
-            stored = np.asarray(row["loss"], dtype=np.float32)
-            differences.append(np.abs(stored - direct)[1:])
-        difference = np.concatenate(differences)
-        # stored float16 (~0.01 near a loss of 12), plus bf16's padded-vs-unpadded rounding
-        tolerance = 0.02 if dtype == "float32" else 0.25
-        checks[name] = (float(difference.max()), difference.size, difference.max() <= tolerance)
-        del model, scorer
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        print(f"stage 1 / bare forward, {name}: {stage1_rate / floors['bare forward']:.3f}")
-        body_rate = floors["body"]
-        rows.append(
-            Row("stage 1 (hf)", name, stage1_rate, stage1_rate / body_rate,
-                mfu(parameters, stage1_rate, peak, training=False), polled["peak"])
-        )  # fmt: skip
-        rows += [
-            Row(side, name, rate, rate / body_rate, mfu(parameters, rate, peak, training=False),
-                bare_peak)
-            for side, rate in floors.items()
-        ]  # fmt: skip
-        rows += [
-            Row(what, name, rate, rate / stage1_rate, mfu(parameters, rate, peak, training=False),
-                variant_peak)
-            for what, rate, variant_peak in variants
-        ]  # fmt: skip
-        shutil.rmtree(folder)  # disk: a 7B folder is 15 GB; stage 2 needs only the cache
-    return rows, checks
-
-
-def stage2_rows(args, scratch: Path, device) -> list[Row]:
-    from stage2_train.train import main as train
-
-    student, seq_len, micro, accumulation, workers = STAGE2[args.shapes]
-    cache = scratch / f"cache-{next(iter(TEACHERS[args.shapes]))}"
-    rows, rates, losses = [], {}, {}
-    for label, options, baseline in STAGE2_RUNS:
-        out = scratch / f"stage2-{label.replace(' ', '-')}"
-        reset_peak(device)
         command = [
-            "--cache", str(cache), "--student", student, "--student-tokenizer", "tinyllama",
+            "--cache", str(self.cache), "--student", student, "--student-tokenizer", "tinyllama",
             "--out", str(out), "--max-steps", str(args.steps), "--warmup-steps", "1",
             "--seq-len", str(seq_len), "--micro-batch-size", str(micro),
             "--global-batch-tokens", str(seq_len * micro * accumulation),
             "--num-workers", str(workers), "--save-every", "1000000", *options,
         ]  # fmt: skip
         log = io.StringIO()
+        began = time.perf_counter()
         with contextlib.redirect_stderr(log):
             assert train(command) == 0, log.getvalue()
+        self.seconds[label] = time.perf_counter() - began
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         steady = records[len(records) // 3 :]
-        rates[label] = statistics.median(r["tokens_per_second"] for r in steady)
-        losses[label] = np.array([r["loss_all"] for r in records])
+        self.rates[label] = statistics.median(r["tokens_per_second"] for r in steady)
+        self.losses[label] = np.array([r["loss_all"] for r in records])
         utilization = [r["mfu"] for r in steady if r["mfu"] is not None]
-        rows.append(
-            Row(f"stage 2 {label}", student, rates[label], rates[label] / rates[baseline],
+        self.bench.add(
+            Row(f"stage 2 {label}", student, self.rates[label],
+                self.rates[label] / self.rates[baseline],
                 statistics.median(utilization) if utilization else None, peak_memory(device))
         )  # fmt: skip
-    reset_peak(device)
-    rate, utilization = floor_rate(student, seq_len, micro, accumulation, args.steps, device)
-    rows.append(Row("stage 2 floor", student, rate, None, utilization, peak_memory(device)))
-    print(f"stage 2 token / the floor: {rates['token'] / rate:.3f}")
-    # A switch changes speed, not what is trained: the same steps' losses, within bf16 rounding.
-    for label, _, baseline in STAGE2_RUNS[2:]:
-        difference = np.abs(losses[label] - losses[baseline]).max()
-        print(f"stage 2 {label} vs {baseline}: max |loss difference| {difference:.2e} over "
-              f"{len(losses[label])} steps")  # fmt: skip
-    return rows
+        if baseline not in (label, "none"):  # a switch row changes speed, not what is trained
+            difference = np.abs(self.losses[label] - self.losses[baseline]).max()
+            print(f"stage 2 {label} vs {baseline}: max |loss difference| {difference:.2e} over "
+                  f"{len(self.losses[label])} steps")  # fmt: skip
+        shutil.rmtree(out)
+
+    def floor(self) -> None:
+        args, device = self.bench.args, self.bench.device
+        student, seq_len, micro, accumulation, _ = STAGE2[args.shapes]
+        reset_peak(device)
+        rate, utilization = floor_rate(student, seq_len, micro, accumulation, args.steps, device)
+        self.bench.add(Row("stage 2 floor", student, rate, None, utilization, peak_memory(device)))
+        print(f"stage 2 token / the floor: {self.rates['token'] / rate:.3f}")
+
+
+def measure_all(bench: Bench, scratch: Path, corpus: Path, dtype: str) -> None:
+    """Every row, the ones the targets name first: each teacher's `stage 1 (hf)` and floors; the
+    first teacher's PRIORITY_VARIANTS; stage 2's arms and floor; then the other switch rows. A
+    switch row (and the floor) is skipped where its predicted time, its baseline's, would overrun
+    the budget."""
+    import ray
+
+    def start_ray() -> None:
+        ray.init(address="local", num_cpus=bench.args.cpus, include_dashboard=False,
+                 logging_level="ERROR")  # fmt: skip
+
+    def variant_rows(labels) -> None:
+        for label in labels:
+            bench.attempt(f"stage 1 {label}",
+                          lambda v=label: stage1_variant(bench, first, v, variants[v]),
+                          predicted=first.seconds)  # fmt: skip
+
+    def stage2_rows(runs, predicted: bool) -> bool:
+        return all(
+            bench.attempt(f"stage 2 {label}", lambda run=(label, options, baseline): stage2.run(*run),
+                          predicted=stage2.seconds.get("token") if predicted else None)
+            for label, options, baseline in runs
+        )  # fmt: skip
+
+    names = [name for name in TEACHERS[bench.args.shapes] if name in bench.args.teachers]
+    start_ray()
+    try:
+        measured: dict[str, Teacher] = {}
+
+        def teacher_rows(name: str) -> None:
+            measured[name] = teacher_job(bench, scratch, corpus, name, dtype)
+            stage1_and_floors(bench, measured[name], dtype)
+
+        for name in names:
+            if not bench.attempt(f"stage 1 (hf) {name}", lambda n=name: teacher_rows(n)):
+                measured.pop(name, None)
+            if name != names[0]:
+                shutil.rmtree(scratch / name, ignore_errors=True)  # disk: a 7B folder is 15 GB
+        if names[0] not in measured:
+            return  # its cache feeds every row below
+        first, variants = measured[names[0]], dict(stage1_variants(bench.device))
+        variant_rows(label for label in variants if label in PRIORITY_VARIANTS)
+        if bench.args.stage1_only:
+            variant_rows(label for label in variants if label not in PRIORITY_VARIANTS)
+            return
+        ray.shutdown()  # stage 2 trains in this process
+        stage2 = Stage2(bench, first.out, scratch)
+        if not stage2_rows(STAGE2_RUNS[:2], predicted=False):
+            return
+        bench.attempt("stage 2 floor", stage2.floor, predicted=stage2.seconds["token"])
+        start_ray()
+        variant_rows(label for label in variants if label not in PRIORITY_VARIANTS)
+        ray.shutdown()
+        stage2_rows(STAGE2_RUNS[2:], predicted=True)
+    finally:
+        ray.shutdown()
+
+
+def row_line(row: Row, device: str) -> str:
+    return (
+        f"{row.what:<25} {row.model:<18} {row.tokens_per_second:>11,.0f} "
+        f"{'' if row.ratio is None else f'{row.ratio:.3f}':>7} "
+        f"{'n/a' if row.mfu is None else f'{row.mfu:.1%}':>7} "
+        f"{'n/a' if row.peak_bytes is None else f'{row.peak_bytes / 2**30:.2f}':>12}  {device}"
+    )
 
 
 def print_table(rows: list[Row], device) -> None:
-    name = device_name(device)
     header = (
         f"{'what':<25} {'model':<18} {'tokens/s':>11} {'ratio':>7} {'MFU':>7} "
         f"{'peak mem GiB':>12}  device"
@@ -404,12 +564,7 @@ def print_table(rows: list[Row], device) -> None:
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(
-            f"{row.what:<25} {row.model:<18} {row.tokens_per_second:>11,.0f} "
-            f"{'' if row.ratio is None else f'{row.ratio:.3f}':>7} "
-            f"{'n/a' if row.mfu is None else f'{row.mfu:.1%}':>7} "
-            f"{'n/a' if row.peak_bytes is None else f'{row.peak_bytes / 2**30:.2f}':>12}  {name}"
-        )
+        print(row_line(row, device_name(device)))
     print(
         "ratio: stage 1, bare forward and body + fused head / body of the same teacher; stage 1 +space (--space-logprob), "
         "+topk 32 and a stage 1 switch row / stage 1; stage 2 arm / stage 2 none; a stage 2 switch row / stage 2 token (whose "
@@ -425,37 +580,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="stage-2 optimizer steps per arm")
     parser.add_argument("--repeats", type=int, default=3, help="timed bare-forward passes")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
+    parser.add_argument(
+        "--budget-seconds", type=float, default=0.0,
+        help="skip an optional row (a switch row, the stage-2 floor) whose predicted time would "
+        "end past this many seconds from the start; 0: no budget",
+    )  # fmt: skip
+    parser.add_argument("--rows-jsonl", type=Path, help="also append each row here as measured")
+    parser.add_argument(
+        "--teachers", nargs="+", choices=list(TEACHERS["gpu"]), default=list(TEACHERS["gpu"]),
+        help="the teachers to measure (default: both; the first named feeds stage 2 and the "
+        "switch rows)",
+    )  # fmt: skip
+    parser.add_argument("--stage1-only", action="store_true", help="no stage-2 rows")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.shapes = args.shapes or ("gpu" if device.type == "cuda" else "tiny")
     for key, value in DEFAULTS[args.shapes].items():
         setattr(args, key, getattr(args, key) or value)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    import ray
-
-    started = time.perf_counter()
-    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            scratch = Path(tmp)
-            corpus = write_corpus_slice(scratch, args.docs)
-            rows, checks = stage1_rows(args, scratch, corpus, device, dtype)
-            ray.shutdown()
-            rows += stage2_rows(args, scratch, device)
-    finally:
-        ray.shutdown()
+    bench = Bench(args, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        measure_all(bench, scratch, write_corpus_slice(scratch, args.docs), dtype)
     print(
         f"shapes {args.shapes}, {args.docs} documents, teachers in {dtype}, "
-        f"{args.steps} stage-2 steps per arm, {time.perf_counter() - started:.0f} s in all"
+        f"{args.steps} stage-2 steps per arm, {bench.elapsed():.0f} s in all"
     )
-    print_table(rows, device)
-    for name, (largest, tokens, passed) in checks.items():
+    print_table(bench.rows, device)
+    for name, (largest, tokens, passed) in bench.checks.items():
         verdict = "passed" if passed else "FAILED"
         print(
             f"loss check {name}: max |cached - direct forward| {largest:.4f} over {tokens} "
             f"tokens of {LOSS_CHECK_DOCS} documents: {verdict}"
         )
-    return 0 if all(passed for *_, passed in checks.values()) else 1
+    for what in bench.failed:
+        print(f"row failed: {what} (its traceback is above)")
+    for what in bench.skipped:
+        print(f"row skipped for the budget: {what}")
+    passed = all(passed for *_, passed in bench.checks.values())
+    return 0 if passed and not bench.failed else 1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import re
 import time
 from pathlib import Path
 
+from pipeline.cache.manifest import RUN_RECORD_NAME
 from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.shipped import shipped_corpus
 from stage1_score.run import main as stage1
@@ -54,3 +55,19 @@ def timed_stage1(command: list[str]) -> tuple[float, dict, list[float]]:
     final = [line for line in log.getvalue().splitlines() if "finished in" in line][-1]
     rates = [float(r.replace(",", "")) for r in re.findall(r"w\d+ ([\d,]+) tok/s", final)]
     return wall, manifest, rates
+
+
+def phase_summary(out: Path) -> str:
+    """Where a run's units spent their time, from the unit phases of its run record: each phase's
+    seconds summed over units, and the share of the span from the first unit's start to the last
+    one's end during which a unit was on the teacher (one worker: its device's busy share)."""
+    record = json.loads((Path(out) / RUN_RECORD_NAME).read_text())
+    phases = [unit["phases"] for unit in record["units"].values()]
+    begin = min(p["tokenize"][0] for p in phases)
+    span = max(p["write"][1] for p in phases) - begin
+    seconds = {
+        name: sum(p[name][1] - p[name][0] for p in phases)
+        for name in ("tokenize", "score", "write")
+    }
+    summed = ", ".join(f"{name} {value:.2f} s" for name, value in seconds.items())
+    return f"{len(phases)} units in {span:.2f} s: {summed}; scoring {seconds['score'] / span:.0%} of it"
