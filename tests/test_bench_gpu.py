@@ -4,6 +4,7 @@ shapes (fast), and its whole main at tiny shapes on the CPU (slow: a local Ray a
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -132,3 +133,47 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         assert float(vllm.group(1)) <= 0.02, out
     for switch in ("token dense", "token plain adamw", "token eager", "token plain loss"):
         assert f"stage 2 {switch} vs token: max |loss difference| 0.00e+00 over 3 steps" in out
+
+
+def test_a_failed_row_is_named_and_a_row_past_the_budget_skipped_while_the_rest_go_on(
+    tmp_path, capsys
+):
+    """What a run on a leased GPU relies on: a row that fails costs only itself, a switch row
+    that would end past --budget-seconds is skipped and named, and each row measured is kept."""
+    import argparse
+
+    rows = tmp_path / "rows.jsonl"
+    bench = bench_gpu.Bench(
+        argparse.Namespace(budget_seconds=100.0, rows_jsonl=rows), torch.device("cpu")
+    )
+
+    def broken():
+        raise RuntimeError("flex attention is not here\nand more")
+
+    assert not bench.attempt("stage 1 (hf) big", broken)
+    row = bench_gpu.Row("body", "small", 10.0, 1.0, None, None)
+    assert bench.attempt("stage 1 (hf) small", lambda: bench.add(row))
+    bench.started -= 90  # 90 s into the run
+    assert not bench.attempt("stage 1 +space", lambda: pytest.fail("ran past the budget"), 20.0)
+    assert bench.attempt("stage 1 +topk 32", lambda: None, predicted=5.0)
+    out = capsys.readouterr().out
+    assert "stage 1 (hf) big: FAILED (RuntimeError: flex attention is not here)" in out
+    assert "stage 1 +space: skipped" in out
+    assert (bench.failed, bench.skipped) == (["stage 1 (hf) big"], ["stage 1 +space"])
+    assert [json.loads(line) for line in rows.read_text().splitlines()] == [
+        {"what": "body", "model": "small", "tokens_per_second": 10.0, "ratio": 1.0, "mfu": None,
+         "peak_bytes": None, "device": "cpu"}
+    ]  # fmt: skip
+
+
+def test_phase_summary_sums_each_phase_over_units_and_the_share_spent_scoring(tmp_path):
+    from stage1_runs import phase_summary
+
+    units = {
+        "0": {"phases": {"tokenize": [10, 11], "score": [11, 13], "write": [13, 14]}},
+        "1": {"phases": {"tokenize": [11, 12], "score": [13, 15], "write": [15, 16]}},
+    }
+    (tmp_path / "stage1-run.json").write_text(json.dumps({"units": units}))
+    assert phase_summary(tmp_path) == (
+        "2 units in 6.00 s: tokenize 2.00 s, score 4.00 s, write 2.00 s; scoring 67% of it"
+    )
