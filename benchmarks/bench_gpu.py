@@ -44,7 +44,11 @@ What each row measures:
   (pipeline.scoring.hf.HFScorer, the same `auto` switches), on the batches the worker builds (its
   windows, row layout, mask and positions) already on the device: `model(...).logits` and nothing
   else; the decoder body alone, no head (the floor of any loss); the body and one fused head pass
-  over all of a batch's scored positions. Each: one warm-up pass, then the best of --repeats
+  over all of a batch's scored positions. `scorer`: the worker's scoring call itself
+  (`HFScorer.score_columns` from host token ids: its batches built, copied, scored in sized
+  chunks and read back), in this process, without Ray, tokenizing or writing: between it and
+  `body + fused head` lies the scorer's host work, between it and `stage 1 (hf)` the job's (the
+  phases line says which). Each: one warm-up pass, then the best of --repeats
   passes, synchronized; the same teacher-token count as the job. The `stage 1 (hf)` row's ratio
   is to `body`, and a line before the table gives stage 1 / bare forward.
 - stage 2: `stage2_train/train.py` in-process on the first teacher's cache; tokens/s and MFU are the
@@ -148,7 +152,9 @@ STAGE1_VARIANTS = (
 # packing is the largest of the switches.
 PRIORITY_VARIANTS = ("+space", "padded rows")
 VLLM_VARIANT = {"cuda": ("--backend", "vllm"), "cpu": ("--backend", "vllm", "--vllm-enforce-eager")}
-DEFAULTS = {"gpu": {"docs": 2048, "steps": 12}, "tiny": {"docs": 16, "steps": 4}}
+# gpu: 8,192 documents, 32 units of 256. At 2,048 (8 units, about 3 s of a 1.5B teacher's device
+# work on an H200) the first unit's tokenizing and the last one's writing may weigh on the rate.
+DEFAULTS = {"gpu": {"docs": 8192, "steps": 12}, "tiny": {"docs": 16, "steps": 4}}
 # stage-2 student preset, seq_len, micro-batch size, micro-batches per step, loader workers
 STAGE2 = {"gpu": ("tinyllama-1.1b", 2048, 4, 4, 2), "tiny": ("llama-tiny", 64, 2, 2, 0)}
 # stage-2 rows: (label, options, the row its ratio is taken against). A switch row turns one of
@@ -211,7 +217,8 @@ def best_rate(one_pass, tokens: int, repeats: int, device) -> float:
 def forward_rates(scorer: HFScorer, token_ids: list[np.ndarray], repeats: int, device) -> dict:
     """{side: teacher tokens/s} of the bare forward pass and the two floors, on the batches the
     worker builds (its windows, `--row-packing` layout, mask and positions), already on the
-    device; each counts every teacher token, as the job's progress does."""
+    device, and of the worker's whole scoring call from host token ids; each counts every
+    teacher token, as the job's progress does."""
     windows = plan_document_windows([len(i) for i in token_ids], scorer.max_length, scorer.stride)
     batches = [
         scorer.batch_inputs(token_ids, windows, layout) for layout in scorer.layouts(windows)
@@ -233,7 +240,13 @@ def forward_rates(scorer: HFScorer, token_ids: list[np.ndarray], repeats: int, d
             targets = inputs["input_ids"][row, position + 1]
             scorer.columns.fill(out, slice(None), scorer.head(hidden), targets)
 
-    sides = {"bare forward": bare_forward, "body": body, "body + fused head": body_and_fused_head}
+    def scorer_pass() -> None:  # what a worker's unit does on the device, from host token ids
+        scorer.score_columns(token_ids)
+
+    sides = {
+        "bare forward": bare_forward, "body": body, "body + fused head": body_and_fused_head,
+        "scorer": scorer_pass,
+    }  # fmt: skip
     return {side: best_rate(run, tokens, repeats, device) for side, run in sides.items()}
 
 
@@ -566,7 +579,7 @@ def print_table(rows: list[Row], device) -> None:
     for row in rows:
         print(row_line(row, device_name(device)))
     print(
-        "ratio: stage 1, bare forward and body + fused head / body of the same teacher; stage 1 +space (--space-logprob), "
+        "ratio: stage 1, bare forward, body + fused head and scorer / body of the same teacher; stage 1 +space (--space-logprob), "
         "+topk 32 and a stage 1 switch row / stage 1; stage 2 arm / stage 2 none; a stage 2 switch row / stage 2 token (whose "
         "defaults are the GPU path's on a GPU, the same as the switch rows' on a CPU). Targets: stage 1 >= 0.85 of body and 0.95 of bare forward, +space >= 0.99 on a "
         "GPU, stage 2 MFU >= 55%, token >= 0.97."

@@ -47,8 +47,9 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(bench_gpu, "best_rate", count)
         rates = bench_gpu.forward_rates(scorer, ids, 1, cpu)
-    assert set(rates) == {"bare forward", "body", "body + fused head"}
-    assert timed == dict.fromkeys(("bare_forward", "body", "body_and_fused_head"), 39 + 89 + 14)
+    assert set(rates) == {"bare forward", "body", "body + fused head", "scorer"}
+    sides = ("bare_forward", "body", "body_and_fused_head", "scorer_pass")
+    assert timed == dict.fromkeys(sides, 39 + 89 + 14)
     assert_rate_is_tokens_per_second_of_the_best_timed_pass(monkeypatch)
 
     # 89 tokens in windows of 32 with a stride of 16: the reference is the windows module's plain
@@ -108,10 +109,12 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         ("bare forward", "qwen2.5-1.5b-like"),
         ("body ", "qwen2.5-1.5b-like"),
         ("body + fused head", "qwen2.5-1.5b-like"),
+        ("scorer", "qwen2.5-1.5b-like"),
         ("stage 1 (hf)", "qwen2.5-7b-like"),
         ("bare forward", "qwen2.5-7b-like"),
         ("body ", "qwen2.5-7b-like"),
         ("body + fused head", "qwen2.5-7b-like"),
+        ("scorer", "qwen2.5-7b-like"),
         ("stage 2 none", "llama-tiny"),
         ("stage 2 token", "llama-tiny"),
         ("stage 2 token dense", "llama-tiny"),
