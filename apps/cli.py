@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "analyze",
     "cache",
     "eval",
+    "export",
     "overlap",
 )
 

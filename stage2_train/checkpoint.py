@@ -126,7 +126,7 @@ def _save_synced(obj, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _single_process_is_intended():
+def single_process_is_intended():
     """torch.distributed.checkpoint warns on every single-process save/load; that is our design."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -159,7 +159,7 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
         partial.mkdir(parents=True)
     runtime.barrier()
-    with _single_process_is_intended():
+    with single_process_is_intended():
         dcp.save(
             _model_and_optimizer_state(model, optimizer),
             checkpoint_id=partial / "state",
@@ -280,7 +280,7 @@ def load_checkpoint(
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _model_and_optimizer_state(model, optimizer)
-    with _single_process_is_intended():
+    with single_process_is_intended():
         dcp.load(state, checkpoint_id=folder / "state", no_dist=not runtime.distributed)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]

@@ -1,0 +1,58 @@
+"""A stage-2 checkpoint (OUT/checkpoints/step-N) as a model folder, written as OUT/final is: the
+student's weights by save_pretrained (safetensors), its tokenizer, and vocagno.json saying what
+produced it. So `vocagno eval` (or transformers) reads a run's intermediate steps, which a curve
+over the token budget needs. Only the model's part of the checkpoint is read, not the optimizer's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.errors import ConfigError
+from pipeline.io import atomic_write_json, staged_folder
+from pipeline.models.hf_tokenizer import save_tokenizer
+from pipeline.models.student import build_student, student_tokenizer_spec
+from pipeline.tokenizer import load_tokenizer
+from pipeline.versions import software_versions
+from stage2_train.checkpoint import MARKER, single_process_is_intended
+
+EXPORT_NAME = "vocagno.json"
+
+
+def export_checkpoint(checkpoint: Path, dest: Path, *, overwrite: bool = False) -> Path:
+    """Write `checkpoint`'s student to `dest` (published whole, or not at all); ConfigError on a
+    folder that is no complete checkpoint, or on an existing `dest` unless `overwrite`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    checkpoint, dest = Path(checkpoint), Path(dest)
+    if not (checkpoint / MARKER).is_file():
+        raise ConfigError(
+            f"{checkpoint} is no complete stage-2 checkpoint (no {MARKER} file): give a folder "
+            "OUT/checkpoints/step-N that a run finished writing"
+        )
+    if dest.exists() and not overwrite:
+        raise ConfigError(f"{dest} exists; choose another folder, or pass --overwrite")
+    config = json.loads((checkpoint / "config.json").read_text())
+    saved = json.loads((checkpoint / "checkpoint.json").read_text())
+    tokenizer = load_tokenizer(
+        student_tokenizer_spec(config["student"], config.get("student_tokenizer"))
+    )
+    student = build_student(config["student"], tokenizer, config["seed"], config["seq_len"])
+    # the trainer saved get_state_dict's names, which leave out compile and DDP/FSDP wrappers
+    state = {"model": get_model_state_dict(student)}
+    with single_process_is_intended():
+        dcp.load(state, checkpoint_id=checkpoint / "state", no_dist=True)
+    set_model_state_dict(student, state["model"])
+    provenance = {
+        "config": config,
+        **saved,
+        "exported_from": str(checkpoint.resolve()),
+        "software": software_versions(),
+    }
+    with staged_folder(dest) as partial:
+        student.save_pretrained(partial, safe_serialization=True)
+        save_tokenizer(tokenizer, partial)
+        atomic_write_json(partial / EXPORT_NAME, provenance)
+    return dest

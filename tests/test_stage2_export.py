@@ -1,0 +1,74 @@
+"""`vocagno export`: a stage-2 checkpoint as a model folder. The last step's checkpoint exported
+is the run's final model tensor for tensor; an earlier one is a model of its own that
+transformers loads; what is no complete checkpoint, or would overwrite a folder, is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from apps.cli import main as vocagno
+from pipeline.errors import ConfigError
+from stage2_train.checkpoint import MARKER, step_dir
+from stage2_train.export import EXPORT_NAME, export_checkpoint
+from stage2_train.train import main as train
+from tests.cache_fixtures import build_cache
+from tests.stage2_runs import train_args
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("cache")
+    build_cache(cache, teacher_tokenizer="qwen2.5", num_documents=16, docs_per_shard=8)
+    out = tmp_path_factory.mktemp("run") / "out"
+    options = ("--max-steps", "4", "--save-every", "2", "--num-workers", "0")
+    assert train(train_args(cache, out, *options)) == 0
+    return out
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def test_the_last_checkpoint_exported_is_the_final_model(run, tmp_path):
+    dest = export_checkpoint(step_dir(run, 4), tmp_path / "step-4")
+    exported, final = weights(dest), weights(run / "final")
+    assert exported.keys() == final.keys()
+    for name, tensor in final.items():
+        assert torch.equal(exported[name], tensor), name
+    assert json.loads((dest / EXPORT_NAME).read_text())["step"] == 4
+
+
+def test_an_earlier_checkpoint_is_a_model_of_its_own_that_transformers_loads(run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    dest = tmp_path / "step-2"
+    assert vocagno(["export", str(step_dir(run, 2)), "--out", str(dest)]) == 0
+    exported, final = weights(dest), weights(run / "final")
+    assert any(not torch.equal(exported[name], final[name]) for name in final)
+    provenance = json.loads((dest / EXPORT_NAME).read_text())
+    assert provenance["step"] == 2 and provenance["config"]["max_steps"] == 4
+    model = AutoModelForCausalLM.from_pretrained(dest)
+    ids = torch.tensor([[5, 6, 7]])
+    assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size
+    # an existing folder is not overwritten without a word
+    before = (dest / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="exists; choose another folder, or pass --overwrite"):
+        export_checkpoint(step_dir(run, 4), dest)
+    assert (dest / "model.safetensors").read_bytes() == before
+    assert vocagno(["export", str(step_dir(run, 4)), "--out", str(dest), "--overwrite"]) == 0
+    assert json.loads((dest / EXPORT_NAME).read_text())["step"] == 4
+
+
+def test_a_folder_that_is_no_complete_checkpoint_is_refused_in_one_line(run, tmp_path, capsys):
+    partial = tmp_path / "step-2"
+    shutil.copytree(step_dir(run, 2), partial)
+    (partial / MARKER).unlink()  # as a save cut off before its last file
+    assert vocagno(["export", str(partial), "--out", str(tmp_path / "model")]) != 0
+    assert f"is no complete stage-2 checkpoint (no {MARKER} file)" in capsys.readouterr().err
+    assert not (tmp_path / "model").exists()
