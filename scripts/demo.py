@@ -20,8 +20,10 @@ from pipeline.log import configure  # noqa: E402
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "demo.toml"
 
 
-def manifest_argument(argv: list[str]) -> tuple[list[str], Path]:
-    """The manifest given as `--manifest X` or `--manifest=X` (the embedded default if neither),
+def manifest_argument(
+    argv: list[str], default: Path = DEFAULT_MANIFEST
+) -> tuple[list[str], Path]:
+    """The manifest given as `--manifest X` or `--manifest=X` (`default` if neither),
     and argv with it in the `--manifest X` form."""
     for at, arg in enumerate(argv):
         if arg.startswith("--manifest="):
@@ -30,8 +32,8 @@ def manifest_argument(argv: list[str]) -> tuple[list[str], Path]:
         if arg == "--manifest" and at + 1 < len(argv):
             return argv, Path(argv[at + 1])
     if "--manifest" in argv:  # a trailing --manifest: let the parser say what is missing
-        return argv, DEFAULT_MANIFEST
-    return ["--manifest", str(DEFAULT_MANIFEST), *argv], DEFAULT_MANIFEST
+        return argv, default
+    return ["--manifest", str(default), *argv], default
 
 
 def main(argv: list[str] | None = None) -> int:

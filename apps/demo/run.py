@@ -142,19 +142,26 @@ def score_with_ray(config: DemoConfig, manifest: Path, teacher: Path, corpus: Pa
 
 def train_arm(config: DemoConfig, manifest: Path, cache: Path, student: Path, arm: str) -> Path:
     out = config.out / "arms" / arm
-    if arm_done(config, arm):
-        return out
+    if not arm_done(config, arm):
+        run_stage2(config, manifest, cache, student, arm, out)
+    return out
+
+
+def run_stage2(
+    config: DemoConfig, manifest: Path, cache: Path, student: Path, arm: str, out: Path,
+    *options: str,
+) -> None:  # fmt: skip
+    """Stage 2 of one arm under torchrun, the manifest's [stage2] table and `options` over it."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     command = [
         torchrun, f"--nproc-per-node={config.nproc_per_node}", "--standalone",
         "stage2_train/train.py", "--manifest", str(manifest), "--cache", str(cache),
         "--student", str(student), "--student-tokenizer", config.student_tokenizer,
-        "--out", str(out), "--guidance", arm,
+        "--out", str(out), "--guidance", arm, *options,
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if result.returncode != 0:
         raise VocagnoError(f"stage 2 ({arm}) failed with exit code {result.returncode}")
-    return out
 
 
 def evaluate_models(config: DemoConfig, settings: dict, models: dict[str, Path]) -> dict:
@@ -202,26 +209,33 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def run_demo(config: DemoConfig, manifest: Path) -> Path:
-    from pipeline.models.teacher_assets import prepare_smollm2_teacher
+class StepTimings:
+    """OUT/timings.json: each step's wall and CPU seconds, kept across reruns."""
 
-    stage2, eval_settings, prereg = check_stage_tables(config, manifest)
-    timings_path = config.out / "timings.json"
-    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    def __init__(self, out: Path):
+        self.path = out / "timings.json"
+        self.seconds = json.loads(self.path.read_text()) if self.path.exists() else {}
 
-    def timed(name: str, done: bool, fn, *args):
+    def timed(self, name: str, done: bool, fn, *args):
         """Run a step; its wall time is kept only from the run that did the work, with its CPU
         time (this process and the subprocesses it waited for: torchrun and its ranks; not the
         Ray cluster's workers), which a machine shared with other work inflates far less."""
         start, cpu = time.monotonic(), _cpu_seconds()
         result = fn(*args)
         if not done:
-            timings[name] = round(time.monotonic() - start, 1)
-            timings.setdefault("cpu", {})[name] = round(_cpu_seconds() - cpu, 1)
-            atomic_write_json(timings_path, timings)
+            self.seconds[name] = round(time.monotonic() - start, 1)
+            self.seconds.setdefault("cpu", {})[name] = round(_cpu_seconds() - cpu, 1)
+            atomic_write_json(self.path, self.seconds)
         return result
 
+
+def run_demo(config: DemoConfig, manifest: Path) -> Path:
+    from pipeline.models.teacher_assets import prepare_smollm2_teacher
+
+    stage2, eval_settings, prereg = check_stage_tables(config, manifest)
     config.out.mkdir(parents=True, exist_ok=True)
+    steps = StepTimings(config.out)
+    timed, timings = steps.timed, steps.seconds
     log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
     teacher = (
         Path(config.teacher) if config.teacher else timed("teacher", False, prepare_smollm2_teacher)

@@ -1,0 +1,113 @@
+"""The guidance curve's steps: the demo's teacher, warm start and stage-1 cache, then for each
+seed and arm one stage-2 run taken a checkpoint at a time (`--stop-at-step`; a run continued from
+its checkpoint equals an uninterrupted one bit for bit), each checkpoint exported and evaluated on
+the pre-registered metrics, and the report. A rerun reuses every finished evaluation, the newest
+checkpoint of each run, the cache and the warm start."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from apps.curve.config import CurveConfig
+from apps.curve.report import point_name, write_curve_report
+from apps.demo.config import PreRegistration
+from apps.demo.run import (
+    StepTimings,
+    cache_done,
+    check_stage_tables,
+    eval_path,
+    evaluate_models,
+    make_warm_start,
+    run_stage2,
+    score_with_ray,
+    warm_start_done,
+    write_corpus_slice,
+)
+from pipeline.errors import ConfigError
+from pipeline.log import get_logger
+from stage2_train.checkpoint import MARKER, complete_checkpoints, step_dir
+from stage2_train.config import TrainConfig
+from stage2_train.export import export_checkpoint
+
+log = get_logger("curve").info
+
+
+def check_curve(config: CurveConfig, manifest: Path) -> tuple[TrainConfig, dict, PreRegistration]:
+    """The demo's checks of every table, and that the last checkpoint is the run's end."""
+    stage2, settings, prereg = check_stage_tables(config, manifest)
+    if stage2.max_steps != config.checkpoints[-1]:
+        raise ConfigError(
+            f"{manifest}: [stage2] max_steps is {stage2.max_steps}, but the last of [curve] "
+            f"checkpoints is {config.checkpoints[-1]}: they must be the same step"
+        )
+    return stage2, settings, prereg
+
+
+def evaluate_point(
+    config: CurveConfig, settings: dict, manifest: Path, cache: Path, student: Path,
+    arm: str, seed: int, step: int,
+) -> None:  # fmt: skip
+    """Train `arm` with `seed` on to `step` (from its newest checkpoint), export that checkpoint
+    and evaluate it; the exported model and older checkpoints are removed (disk)."""
+    out = config.out / "arms" / f"{arm}-seed{seed}"
+    checkpoint = step_dir(out, step)
+    if not (checkpoint / MARKER).exists():
+        run_stage2(
+            config, manifest, cache, student, arm, out,
+            "--seed", str(seed), "--stop-at-step", str(step), "--resume", "auto",
+        )  # fmt: skip
+    name = point_name(arm, seed, step)
+    model = export_checkpoint(checkpoint, config.out / "models" / name, overwrite=True)
+    evaluate_models(config, settings, {name: model})
+    shutil.rmtree(model)
+    for earlier, folder in complete_checkpoints(out):
+        if earlier < step:  # a continued run starts from the newest
+            shutil.rmtree(folder)
+
+
+def run_curve(config: CurveConfig, manifest: Path) -> Path:
+    from pipeline.models.teacher_assets import prepare_smollm2_teacher
+
+    stage2, settings, prereg = check_curve(config, manifest)
+    config.out.mkdir(parents=True, exist_ok=True)
+    steps = StepTimings(config.out)
+    log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
+    teacher = (
+        Path(config.teacher)
+        if config.teacher
+        else steps.timed("teacher", False, prepare_smollm2_teacher)
+    )
+    log(f"warm start: {config.student}, {config.warm_start_steps} plain steps")
+    student = steps.timed("warm-start", warm_start_done(config), make_warm_start, config, stage2)
+    corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
+    log(f"stage 1: scoring {config.train_docs:,} documents with the teacher")
+    cache = steps.timed(
+        "stage1", cache_done(config), score_with_ray, config, manifest, teacher, corpus
+    )
+    steps.timed(
+        "eval-warm-start", eval_path(config, "warm-start").exists(), evaluate_models,
+        config, settings, {"warm-start": student},
+    )  # fmt: skip
+    points = [
+        (seed, arm, step)
+        for seed in config.seeds  # seed by seed: a run cut short has whole comparisons
+        for arm in config.arms
+        for step in config.checkpoints
+    ]
+    for number, (seed, arm, step) in enumerate(points, start=1):
+        name = point_name(arm, seed, step)
+        if eval_path(config, name).exists():
+            continue
+        log(f"{name} ({number}/{len(points)}): stage 2 to step {step}, export, evaluate")
+        steps.timed(
+            name, False, evaluate_point, config, settings, manifest, cache, student, arm, seed, step
+        )
+    results = {
+        name: json.loads(eval_path(config, name).read_text())
+        for name in ["warm-start", *(point_name(arm, seed, step) for seed, arm, step in points)]
+    }
+    return write_curve_report(
+        config, manifest, prereg, results, steps.seconds, stage2.global_batch_tokens
+    )
