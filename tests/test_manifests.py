@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from apps.curve.config import CurveConfig
 from apps.demo.config import DemoConfig, PreRegistration
 from apps.evaluation.config import EvalConfig
 from pipeline.config import from_dict, load_manifest_section
@@ -20,6 +21,7 @@ TABLE2 = sorted((MANIFESTS / "paper").glob("table2-*.toml"))
 NOT_IN_PAPER = ("warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "grad_clip")
 SECTIONS = {
     "demo": DemoConfig,
+    "curve": CurveConfig,
     "preregistered": PreRegistration,
     "stage1": ScoreConfig,
     "stage2": TrainConfig,
