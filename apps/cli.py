@@ -15,7 +15,6 @@ COMMAND_MODULES = (
     "analyze",
     "cache",
     "eval",
-    "export",
     "overlap",
 )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apps.curve.config import SECTION, CurveConfig  # noqa: E402
+from experiments.curve.config import SECTION, CurveConfig  # noqa: E402
 from pipeline.config import parse_config  # noqa: E402
 from pipeline.errors import exit_code  # noqa: E402
 from pipeline.log import configure  # noqa: E402
@@ -32,7 +32,7 @@ def _curve(argv: list[str]) -> None:
     argv, manifest = manifest_argument(argv, DEFAULT_MANIFEST)
     config = parse_config(CurveConfig, argv, __doc__, SECTION)
     configure(separated=True)  # Ray's and torchrun's output runs between the curve's lines
-    from apps.curve.run import run_curve
+    from experiments.curve.run import run_curve
 
     run_curve(config, manifest)
 

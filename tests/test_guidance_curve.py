@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apps.curve.config import CurveConfig
-from apps.curve.report import CURVE_NAME, point_name, write_curve_report
 from apps.demo.config import PreRegistration
+from experiments.curve.config import CurveConfig
+from experiments.curve.report import CURVE_NAME, point_name, write_curve_report
 from tests.stage1_helpers import make_tiny_teacher
 
 REPO = Path(__file__).resolve().parents[1]

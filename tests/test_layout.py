@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("pipeline", "apps", "stage1_score", "stage2_train", "scripts", "benchmarks", "tests")
+PACKAGES = (
+    "pipeline", "apps", "stage1_score", "stage2_train", "scripts", "benchmarks", "experiments",
+    "tests",
+)  # fmt: skip
 # What each folder must never import (a prefix matches the module and everything below it).
 FORBIDDEN = {
     "pipeline": ("stage1_score", "stage2_train", "apps", "scripts", "benchmarks", "tests", "vllm"),
@@ -114,6 +117,8 @@ def _without_install(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 ENTRY_POINTS = [
     ("stage1_score/run.py", "stage1_score.run"),
     ("stage2_train/train.py", "stage2_train.train"),
+    ("stage2_train/export.py", "stage2_train.export"),
+    ("experiments/guidance_curve.py", "experiments.guidance_curve"),
     ("scripts/demo.py", "scripts.demo"),
     ("scripts/prepare_teacher.py", "scripts.prepare_teacher"),
     (None, "apps.cli"),

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from apps.curve.config import CurveConfig
 from apps.demo.config import DemoConfig, PreRegistration
 from apps.evaluation.config import EvalConfig
+from experiments.curve.config import CurveConfig
 from pipeline.config import from_dict, load_manifest_section
 from stage1_score.config import ScoreConfig
 from stage2_train.config import TrainConfig

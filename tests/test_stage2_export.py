@@ -1,4 +1,4 @@
-"""`vocagno export`: a stage-2 checkpoint as a model folder. The last step's checkpoint exported
+"""stage2_train/export.py: a stage-2 checkpoint as a model folder. The last step's checkpoint exported
 is the run's final model tensor for tensor; an earlier one is a model of its own that
 transformers loads; what is no complete checkpoint, or would overwrite a folder, is refused."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from apps.cli import main as vocagno
 from pipeline.errors import ConfigError
 from stage2_train.checkpoint import MARKER, step_dir
 from stage2_train.export import EXPORT_NAME, export_checkpoint
+from stage2_train.export import main as export
 from stage2_train.train import main as train
 from tests.cache_fixtures import build_cache
 from tests.stage2_runs import train_args
@@ -48,7 +48,7 @@ def test_an_earlier_checkpoint_is_a_model_of_its_own_that_transformers_loads(run
     from transformers import AutoModelForCausalLM
 
     dest = tmp_path / "step-2"
-    assert vocagno(["export", str(step_dir(run, 2)), "--out", str(dest)]) == 0
+    assert export([str(step_dir(run, 2)), "--out", str(dest)]) == 0
     exported, final = weights(dest), weights(run / "final")
     assert any(not torch.equal(exported[name], final[name]) for name in final)
     provenance = json.loads((dest / EXPORT_NAME).read_text())
@@ -61,7 +61,7 @@ def test_an_earlier_checkpoint_is_a_model_of_its_own_that_transformers_loads(run
     with pytest.raises(ConfigError, match="exists; choose another folder, or pass --overwrite"):
         export_checkpoint(step_dir(run, 4), dest)
     assert (dest / "model.safetensors").read_bytes() == before
-    assert vocagno(["export", str(step_dir(run, 4)), "--out", str(dest), "--overwrite"]) == 0
+    assert export([str(step_dir(run, 4)), "--out", str(dest), "--overwrite"]) == 0
     assert json.loads((dest / EXPORT_NAME).read_text())["step"] == 4
 
 
@@ -69,6 +69,6 @@ def test_a_folder_that_is_no_complete_checkpoint_is_refused_in_one_line(run, tmp
     partial = tmp_path / "step-2"
     shutil.copytree(step_dir(run, 2), partial)
     (partial / MARKER).unlink()  # as a save cut off before its last file
-    assert vocagno(["export", str(partial), "--out", str(tmp_path / "model")]) != 0
+    assert export([str(partial), "--out", str(tmp_path / "model")]) != 0
     assert f"is no complete stage-2 checkpoint (no {MARKER} file)" in capsys.readouterr().err
     assert not (tmp_path / "model").exists()

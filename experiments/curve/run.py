@@ -10,8 +10,6 @@ import json
 import shutil
 from pathlib import Path
 
-from apps.curve.config import CurveConfig
-from apps.curve.report import point_name, write_curve_report
 from apps.demo.config import PreRegistration
 from apps.demo.run import (
     StepTimings,
@@ -25,6 +23,8 @@ from apps.demo.run import (
     warm_start_done,
     write_corpus_slice,
 )
+from experiments.curve.config import CurveConfig
+from experiments.curve.report import point_name, write_curve_report
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from stage2_train.checkpoint import MARKER, complete_checkpoints, step_dir

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from apps.analysis.plotting import new_figure, save_png
-from apps.curve.config import CurveConfig
 from apps.demo.comparison import METRICS, compare, value
 from apps.demo.config import PreRegistration
+from experiments.curve.config import CurveConfig
 from pipeline.io import atomic_write_json, atomic_write_text
 
 CURVE_NAME = "curve.json"
