@@ -146,11 +146,11 @@ STAGE1_VARIANTS = (
     ("serial units", ("--unit-overlap", "off")),
     ("padded rows", ("--row-packing", "padded")),
 )
-# Where vllm imports, a row of the first teacher's job with `--backend vllm` (on a CPU without
-# torch.compile, whose start takes minutes there).
 # The switch rows measured before stage 2 (the rest after it): the targets name +space, and
 # packing is the largest of the switches.
 PRIORITY_VARIANTS = ("+space", "padded rows")
+# Where vllm imports, a row of the first teacher's job with `--backend vllm` (on a CPU without
+# torch.compile, whose start takes minutes there).
 VLLM_VARIANT = {"cuda": ("--backend", "vllm"), "cpu": ("--backend", "vllm", "--vllm-enforce-eager")}
 # gpu: 8,192 documents, 32 units of 256. At 2,048 (8 units, about 3 s of a 1.5B teacher's device
 # work on an H200) the first unit's tokenizing and the last one's writing may weigh on the rate.
