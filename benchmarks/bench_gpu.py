@@ -601,8 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows-jsonl", type=Path, help="also append each row here as measured")
     parser.add_argument(
         "--teachers", nargs="+", choices=list(TEACHERS["gpu"]), default=list(TEACHERS["gpu"]),
-        help="the teachers to measure (default: both; the first named feeds stage 2 and the "
-        "switch rows)",
+        help="the teachers to measure (default: both); the first of them in this list's order "
+        "feeds stage 2 and the switch rows",
     )  # fmt: skip
     parser.add_argument("--stage1-only", action="store_true", help="no stage-2 rows")
     args = parser.parse_args(argv)
