@@ -17,10 +17,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.errors import ConfigError, exit_code  # noqa: E402
-from pipeline.io import atomic_write_json, staged_folder  # noqa: E402
 from pipeline.log import configure, get_logger  # noqa: E402
-
-EXPORT_NAME = "vocagno.json"
 
 
 def export_checkpoint(checkpoint: Path, dest: Path, *, overwrite: bool = False) -> Path:
@@ -29,7 +26,7 @@ def export_checkpoint(checkpoint: Path, dest: Path, *, overwrite: bool = False) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from pipeline.models.hf_tokenizer import save_tokenizer
+    from pipeline.models.model_folder import write_model_folder
     from pipeline.models.student import build_student, student_tokenizer_spec
     from pipeline.tokenizer import load_tokenizer
     from pipeline.versions import software_versions
@@ -60,11 +57,7 @@ def export_checkpoint(checkpoint: Path, dest: Path, *, overwrite: bool = False) 
         "exported_from": str(checkpoint.resolve()),
         "software": software_versions(),
     }
-    with staged_folder(dest) as partial:
-        student.save_pretrained(partial, safe_serialization=True)
-        save_tokenizer(tokenizer, partial)
-        atomic_write_json(partial / EXPORT_NAME, provenance)
-    return dest
+    return write_model_folder(dest, student, tokenizer, provenance)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,9 +34,9 @@ from pipeline.errors import StoppedBySignal
 from pipeline.flops import StepRate, flop_parameters
 from pipeline.guidance import guided_loss, loss_denominator, mapped_tokens
 from pipeline.head_outputs import HeadReads
-from pipeline.io import atomic_write_json, staged_folder
+from pipeline.io import atomic_write_json
 from pipeline.metrics import METRICS_NAME
-from pipeline.models.hf_tokenizer import save_tokenizer
+from pipeline.models.model_folder import write_model_folder
 from pipeline.models.student import build_student, student_tokenizer_spec
 from pipeline.tokenizer import load_tokenizer
 from pipeline.versions import software_versions
@@ -80,14 +80,11 @@ def selection_generator(config: TrainConfig, step: int, micro: int, rank: int) -
 def save_final(
     config: TrainConfig, model: nn.Module, tokenizer, provenance: dict, runtime: Runtime
 ) -> Path:
-    """save_pretrained (safetensors) + tokenizer + vocagno.json into OUT/final, atomically."""
+    """The student as a model folder, OUT/final (write_model_folder)."""
     state = full_state_dict(model)  # collective under FSDP: every rank takes part
     final = config.out / "final"
     if runtime.is_main:
-        with staged_folder(final) as partial:
-            unwrapped(model).save_pretrained(partial, state_dict=state, safe_serialization=True)
-            save_tokenizer(tokenizer, partial)
-            atomic_write_json(partial / "vocagno.json", provenance)
+        write_model_folder(final, unwrapped(model), tokenizer, provenance, state)
     runtime.barrier()
     return final
 

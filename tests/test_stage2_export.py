@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.errors import ConfigError
+from pipeline.models.model_folder import PROVENANCE_NAME
 from stage2_train.checkpoint import MARKER, step_dir
-from stage2_train.export import EXPORT_NAME, export_checkpoint
+from stage2_train.export import export_checkpoint
 from stage2_train.export import main as export
 from stage2_train.train import main as train
 from tests.cache_fixtures import build_cache
@@ -41,7 +42,7 @@ def test_the_last_checkpoint_exported_is_the_final_model(run, tmp_path):
     assert exported.keys() == final.keys()
     for name, tensor in final.items():
         assert torch.equal(exported[name], tensor), name
-    assert json.loads((dest / EXPORT_NAME).read_text())["step"] == 4
+    assert json.loads((dest / PROVENANCE_NAME).read_text())["step"] == 4
 
 
 def test_an_earlier_checkpoint_is_a_model_of_its_own_that_transformers_loads(run, tmp_path):
@@ -51,7 +52,7 @@ def test_an_earlier_checkpoint_is_a_model_of_its_own_that_transformers_loads(run
     assert export([str(step_dir(run, 2)), "--out", str(dest)]) == 0
     exported, final = weights(dest), weights(run / "final")
     assert any(not torch.equal(exported[name], final[name]) for name in final)
-    provenance = json.loads((dest / EXPORT_NAME).read_text())
+    provenance = json.loads((dest / PROVENANCE_NAME).read_text())
     assert provenance["step"] == 2 and provenance["config"]["max_steps"] == 4
     model = AutoModelForCausalLM.from_pretrained(dest)
     ids = torch.tensor([[5, 6, 7]])
@@ -62,7 +63,7 @@ def test_an_earlier_checkpoint_is_a_model_of_its_own_that_transformers_loads(run
         export_checkpoint(step_dir(run, 4), dest)
     assert (dest / "model.safetensors").read_bytes() == before
     assert export([str(step_dir(run, 4)), "--out", str(dest), "--overwrite"]) == 0
-    assert json.loads((dest / EXPORT_NAME).read_text())["step"] == 4
+    assert json.loads((dest / PROVENANCE_NAME).read_text())["step"] == 4
 
 
 def test_a_folder_that_is_no_complete_checkpoint_is_refused_in_one_line(run, tmp_path, capsys):
