@@ -54,6 +54,7 @@ def arm_values(config: CurveConfig, metric: str, results: dict, step: int) -> di
 def findings(config: CurveConfig, prereg: PreRegistration, results: dict, points: list[dict]):
     """Plain sentences: which arm led at the largest budget, and whether the seeds agree."""
     metric, last = METRICS[prereg.primary], config.checkpoints[-1]
+    confidence = round(100 * prereg.confidence)
     values = {
         arm: float(np.mean(v))
         for arm, v in arm_values(config, prereg.primary, results, last).items()
@@ -76,7 +77,8 @@ def findings(config: CurveConfig, prereg: PreRegistration, results: dict, points
         )
         lines.append(
             f"- `{comparison}` at step {last}: mean {np.mean([p['difference'] for p in at_last]):+.4f}; "
-            f"negative in {below} of {len(at_last)} seeds, {agree}; its 95% interval excludes "
+            f"negative in {below} of {len(at_last)} seeds, {agree}; its {confidence}% interval "
+            f"excludes "
             f"zero in {established} of them."
         )  # fmt: skip
     return lines
@@ -123,7 +125,9 @@ def write_curve_report(
         "| step | tokens | "
         + " | ".join(f"{arm} (mean)" for arm in config.arms)
         + " | "
-        + " | ".join(f"{c}: per seed [95% interval]" for c in comparisons)
+        + " | ".join(
+            f"{c}: per seed [{round(100 * prereg.confidence)}% interval]" for c in comparisons
+        )
         + " |"
     )
     lines = [
