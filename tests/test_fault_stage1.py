@@ -194,16 +194,18 @@ def signal_mid_run(
     slice_seconds: float = 0.01,
 ) -> None:
     """Send `signum` to the run once `condition()` holds, looked at only while the driver (and the
-    processes `also_stop()` lists) are stopped: what it saw still holds when the signal lands.
-    Once `unit_finished()`, the run goes on only in slices of `slice_seconds` between looks, so
-    a state lasting longer than a slice is seen however fast the machine scores (vLLM's tiny
-    teacher scored a unit in 0.1 s on a CI machine; plain polling saw none of the 12 states in
-    time). The driver writes the manifest and hands out the units, so with the driver stopped only
-    the units already in flight can still finish."""
+    processes `also_stop()` lists once a unit has finished) are stopped: what it saw still holds
+    when the signal lands. From then on the run goes on only in slices of `slice_seconds` between
+    looks, and nothing else of a look runs while it goes on, so a state lasting longer than a
+    slice is seen however fast the machine scores (vLLM's tiny teacher scored a unit in 0.1 s on
+    a CI machine; plain polling saw none of the 12 states in time). The driver writes the manifest
+    and hands out the units, so with the driver stopped only the units already in flight can
+    still finish."""
     deadline = time.monotonic() + timeout
     wait_for(unit_finished, "a finished unit", process, log, timeout)
+    stopped = [process.pid, *also_stop()]
     while True:
-        with frozen(process.pid, *also_stop()):
+        with frozen(*stopped):
             if process.poll() is not None:
                 pytest.fail(
                     f"the run ended (exit {process.returncode}) before {what}: {log.read_text()}"
