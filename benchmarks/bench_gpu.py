@@ -35,8 +35,10 @@ What each row measures:
   log-softmax per chunk, against the fused reductions; `fixed chunks`: `--head-chunks fixed`,
   2^24 logits per chunk, against chunks sized from free memory; `serial units`: `--unit-overlap
   off`, a worker's units one after another, against tokenizing and writing one unit while another
-  is scored; `padded rows`: `--row-packing padded`, a window per row, against packed rows with
-  a document mask; the gpu shapes give the one worker 8 units). `stage 1 vllm` (where vllm
+  is scored; `serial batches`: `--batch-overlap off`, each batch read back before the next is
+  built, against building and launching batch k+1 while the device runs batch k; `padded rows`:
+  `--row-packing padded`, a window per row, against packed rows with a document mask; the gpu
+  shapes give the one worker 32 units). `stage 1 vllm` (where vllm
   imports): the same job with `--backend vllm`, the engine's prompt log-probabilities. Each of
   these rows is preceded by the largest difference of its stored losses from stage 1's: the
   columns leave the loss as it is, a switch within rounding, and vLLM within its own arithmetic.
@@ -144,11 +146,12 @@ STAGE1_VARIANTS = (
     ("plain head", ("--head-kernel", "plain")),
     ("fixed chunks", ("--head-chunks", "fixed")),
     ("serial units", ("--unit-overlap", "off")),
+    ("serial batches", ("--batch-overlap", "off")),
     ("padded rows", ("--row-packing", "padded")),
 )
-# The switch rows measured before stage 2 (the rest after it): the issue's targets name +space, and
-# packing is the largest of the switches.
-PRIORITY_VARIANTS = ("+space", "padded rows")
+# The switch rows measured before stage 2 (the rest after it): the issue's targets name +space,
+# packing is the largest of the switches, and a wait per batch is what the floors never do.
+PRIORITY_VARIANTS = ("+space", "padded rows", "serial batches")
 # Where vllm imports, a row of the first teacher's job with `--backend vllm` (on a CPU without
 # torch.compile, whose start takes minutes there).
 VLLM_VARIANT = {"cuda": ("--backend", "vllm"), "cpu": ("--backend", "vllm", "--vllm-enforce-eager")}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, topk_id_dtype
 from pipeline.choices import (
     Attention,
+    BatchOverlap,
     HeadChunks,
     HeadKernel,
     LossDtype,
@@ -135,6 +136,13 @@ class ScoreConfig:
         "auto",
         help="hf backend, packed rows: how the document mask reaches attention: flex "
         "(flex_attention's block mask), dense (a [B, 1, T, T] mask); auto: flex on a GPU",
+    )
+    batch_overlap: BatchOverlap = option(
+        "auto",
+        help="hf backend: on: a batch's results are read back from the device only once the next "
+        "batch is queued behind it, so its inputs, masks and kernel launches are prepared while "
+        "the device computes; off: each batch is read back before the next is built; auto: on on "
+        "a GPU, off on a CPU (where nothing runs asynchronously); the same columns either way",
     )
     unit_overlap: UnitOverlap = option(
         "auto",

@@ -215,6 +215,7 @@ def run(config: ScoreConfig) -> CacheManifest:
                 head_chunks=config.head_chunks,
                 row_packing=config.row_packing,
                 attention=config.attention,
+                batch_overlap=config.batch_overlap,
                 loss_dtype=config.loss_dtype,
                 settings=job.identity["settings"],
                 out=out if isinstance(out, str) else out.resolve(),

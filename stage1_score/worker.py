@@ -57,6 +57,7 @@ class WorkerSpec:
     head_chunks: str = "auto"
     row_packing: str = "auto"
     attention: str = "auto"
+    batch_overlap: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ def load_scorer(spec: WorkerSpec, extras: HeadExtras | None = None):
         head_chunks=spec.head_chunks,
         row_packing=spec.row_packing,
         attention=spec.attention,
+        batch_overlap=spec.batch_overlap,
     )
 
 

@@ -3,7 +3,8 @@ docs/stage1-gpu-path.md): packed rows hold every window exactly once without ove
 window is scored with exactly its own context, so every column equals the document scored alone,
 windowed long documents included, for a byte-level and a SentencePiece teacher, under the dense
 mask and flex attention; a teacher that does not honour the document mask is refused (or, under
-`auto`, kept padded); what was resolved is recorded with the worker."""
+`auto`, kept padded); what was resolved is recorded with the worker. `--batch-overlap on` (a batch
+read back only once the next is launched) caches what serial batches do."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import pytest
 from pipeline.errors import ConfigError
 from pipeline.scoring import hf
 from pipeline.scoring.batching import pack_rows, packed_layouts, padded_layouts
+from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.scoring.windows import plan_document_windows
+from pipeline.space_mask import space_mask
 from pipeline.tokenizer import load_tokenizer
 from tests.stage1_helpers import (
     HEAD_TEXTS,
@@ -146,6 +149,33 @@ def test_a_teacher_that_does_not_honour_the_mask_is_refused_or_kept_padded(teach
                         if choice == "auto" else choice)  # fmt: skip
     scorer = hf.HFScorer(teacher, row_packing="auto", attention="dense", **settings)
     assert scorer.describe()["row_packing"] == "packed"
+
+
+@pytest.mark.parametrize("packing", ["padded", "packed"])
+def test_overlapped_batches_cache_what_serial_batches_do(teachers, packing):
+    """`--batch-overlap on` reads a batch back only after the next one is launched. On a CPU
+    nothing runs asynchronously, so this proves the bookkeeping of the batch held back (each
+    batch's columns placed into its own windows, progress batch by batch), not the overlap."""
+    tokenizer = load_tokenizer(str(teachers["tinyllama"]))
+    ids = [e.ids for e in tokenizer.encode_batch(TEXTS)]
+    extras = HeadExtras(topk=8, space_mask=space_mask(tokenizer, tokenizer.vocab_size)[0])
+    by_overlap = {}
+    for overlap in ("off", "on"):
+        scorer = hf.HFScorer(
+            resolve_teacher(str(teachers["tinyllama"])), dtype="float32", max_length=MAX_LENGTH,
+            stride=STRIDE, batch_tokens=64, device="cpu", extras=extras, row_packing=packing,
+            attention="dense", batch_overlap=overlap,
+        )  # fmt: skip
+        assert scorer.describe()["batch_overlap"] == overlap
+        progress: list[int] = []
+        by_overlap[overlap] = (scorer.score_columns(ids, progress.append), progress)
+    (serial, serial_progress), (overlapped, overlapped_progress) = by_overlap.values()
+    assert len(serial_progress) >= 4  # batches enough for one to be held back behind another
+    assert overlapped_progress == serial_progress
+    assert serial.keys() == overlapped.keys() == {"loss", *extras.columns()}
+    for name in serial:
+        for ours, theirs in zip(overlapped[name], serial[name], strict=True):
+            np.testing.assert_array_equal(ours, theirs)
 
 
 def test_auto_is_padded_on_a_cpu(teachers):

@@ -151,12 +151,14 @@ def test_topk_probs_8_and_space_logprob_are_cached_by_the_fused_head_and_equal_t
 
     out = tmp_path / "cache"
     # the head's GPU switches (auto's choices there), through the job to its workers
-    switches = ("--head-kernel", "fused", "--head-chunks", "sized")
+    switches = ("--head-kernel", "fused", "--head-chunks", "sized", "--batch-overlap", "on")
     assert main(args(teacher, corpus, out, "--topk-probs", "8", "--space-logprob", *switches)) == 0
     manifest, problems = verify_cache(out)
     assert problems == []
     backend = json.loads((out / "stage1-run.json").read_text())["backend"]
-    assert (backend["head_kernel"], backend["head_chunks"]) == ("fused", "sized")
+    assert (backend["head_kernel"], backend["head_chunks"], backend["batch_overlap"]) == (
+        "fused", "sized", "on"
+    )  # fmt: skip
     tokenizer = load_tokenizer(str(teacher))
     mask, identity = space_mask(tokenizer, tokenizer.vocab_size)
     assert manifest.settings["topk_probs"] == 8 and manifest.settings["topk_id_dtype"] == "uint16"

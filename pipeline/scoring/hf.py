@@ -24,6 +24,7 @@ scored in chunks. Same input, same thread count -> bit-identical losses on the C
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -106,13 +107,22 @@ def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def to_host(columns: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """Each column as a numpy array: on a GPU every copy is started, then waited for once."""
-    on_gpu = any(values.is_cuda for values in columns.values())
-    columns = {name: values.to("cpu", non_blocking=True) for name, values in columns.items()}
-    if on_gpu:
-        torch.cuda.synchronize()
-    return {name: values.numpy() for name, values in columns.items()}
+class HostCopies:
+    """A batch's columns on their way to host memory: on a GPU every copy is started at once (into
+    pinned memory) and waited for once, by `arrays()`, on an event recorded behind them, so that
+    the device may already run the next batch's work."""
+
+    def __init__(self, columns: dict[str, torch.Tensor]):
+        self.copies = {name: data.to("cpu", non_blocking=True) for name, data in columns.items()}
+        self.done = None
+        if any(values.is_cuda for values in columns.values()):
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        if self.done is not None:
+            self.done.synchronize()
+        return {name: values.numpy() for name, values in self.copies.items()}
 
 
 class HFScorer:
@@ -134,6 +144,7 @@ class HFScorer:
         head_chunks: str = "auto",
         row_packing: str = "auto",
         attention: str = "auto",
+        batch_overlap: str = "auto",
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_teacher_model(teacher, dtype, str(self.device))
@@ -148,6 +159,7 @@ class HFScorer:
         self.head_chunks = on_device(head_chunks, self.device, gpu="sized", cpu="fixed")
         self.columns = HeadColumns(self.extras, self.vocab_size, self.device, self.head_kernel)
         self.row_packing, self.attention = self._resolve_packing(row_packing, attention)
+        self.batch_overlap = on_device(batch_overlap, self.device, gpu="on", cpu="off")
         # What compiles on first use (the fused head, flex attention and its block mask) does so
         # now, at load, not inside the first unit.
         self.score_columns(self._warm_up_documents())
@@ -177,6 +189,7 @@ class HFScorer:
             "head_chunks": self.head_chunks,
             "row_packing": self.row_packing,
             "attention": self.attention,
+            "batch_overlap": self.batch_overlap,
         }
 
     @torch.inference_mode()
@@ -261,16 +274,26 @@ class HFScorer:
         columns = {"loss": [np.full(n, np.nan, dtype=np.float32) for n in lengths]}
         columns |= empty_columns(self.extras, lengths)
         windows = plan_document_windows(lengths, self.max_length, self.stride)
-        for layout in self.layouts(windows):
-            batch = self._score_batch(token_ids, windows, layout)
+
+        def place(layout: BatchLayout, copies: HostCopies) -> None:
             scored = windows.scored[layout.windows]
             bounds = np.cumsum(scored)[:-1]
-            for name, values in batch.items():
+            for name, values in copies.arrays().items():
                 for part, row in zip(np.split(values, bounds), layout.windows, strict=True):
                     doc = columns[name][windows.doc[row]]
                     doc[windows.score_from[row] : windows.end[row]] = part
             if progress is not None:
                 progress(int(scored.sum()))
+
+        # --batch-overlap on: a batch's results are read back only once the next batch is queued
+        # behind it, so the host builds and launches that batch while the device computes.
+        in_flight: deque[tuple[BatchLayout, HostCopies]] = deque()
+        for layout in self.layouts(windows):
+            in_flight.append((layout, self._score_batch(token_ids, windows, layout)))
+            while len(in_flight) > (self.batch_overlap == "on"):
+                place(*in_flight.popleft())
+        while in_flight:
+            place(*in_flight.popleft())
         return columns
 
     def layouts(self, windows: WindowTable) -> list[BatchLayout]:
@@ -299,7 +322,8 @@ class HFScorer:
 
     def _score_batch(
         self, token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout
-    ) -> dict[str, np.ndarray]:
+    ) -> HostCopies:
+        """The batch's work queued on the device, its columns' copies to the host started."""
         inputs, row, position = self.batch_inputs(token_ids, windows, layout)
         ids = inputs["input_ids"]
         targets = ids[row, position + 1]
@@ -315,4 +339,4 @@ class HFScorer:
         for begin in range(0, len(targets), rows):
             chunk = slice(begin, begin + rows)
             self.columns.fill(out, chunk, project(hidden[chunk]), targets[chunk])
-        return to_host(out)
+        return HostCopies(out)
