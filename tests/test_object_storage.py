@@ -7,6 +7,7 @@ it, are in test_object_storage_runs.py (slow)."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pipeline.cache.shard_cache import ShardCache
 from pipeline.cache.verify import verify_cache
 from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.errors import CacheError
+from pipeline.log import configure
 from pipeline.storage import Store
 from pipeline.storage.lease import LeaseLock
 from tests.cache_fixtures import build_cache
@@ -155,8 +157,30 @@ def test_shard_copies_stay_within_their_bytes_and_are_fetched_ahead(bucket, loca
             deadline = time.monotonic() + 30
             while not upcoming.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert upcoming.exists()
+            # (a failed read-ahead says why on stderr, shown with the failure)
+            assert upcoming.exists(), f"{upcoming.name} not fetched ahead within 30 s"
     assert len(list(cache.folder.glob("shard-*.parquet"))) < len(shards)  # older ones evicted
+
+
+def test_a_failed_read_ahead_is_said_and_the_shard_fetched_again_when_read(
+    local_cache, tmp_path, capsys
+):
+    folder = tmp_path / "cache"
+    shutil.copytree(local_cache, folder)
+    shards = load_manifest(folder).shards
+    moved = tmp_path / shards[1].file
+    (folder / shards[1].file).rename(moved)  # gone while it is fetched ahead
+    configure()  # the lines on stderr, as a stage-2 process has them
+    cache = ShardCache(str(folder), tmp_path / "copies", 1 << 30, read_ahead=1)
+    cache.get(shards[0], [shards[1]])
+    said, deadline = "", time.monotonic() + 30
+    while "ahead failed" not in said and time.monotonic() < deadline:
+        time.sleep(0.01)
+        said += capsys.readouterr().err
+    assert f"[shards] fetching {folder / shards[1].file} ahead failed (CacheError: " in said, said
+    assert "it is fetched again when it is read" in said
+    moved.rename(folder / shards[1].file)  # back: the read fetches it again
+    assert cache.get(shards[1]).read_bytes() == (local_cache / shards[1].file).read_bytes()
 
 
 def test_a_corpus_in_a_bucket_reads_as_the_same_corpus_locally(bucket, tmp_path):

@@ -3,7 +3,8 @@
 A shard is downloaded whole into a local folder, its size and sha256 checked against the manifest
 on the way in (a corrupted object is named and refused before a row of it is used), then read
 locally like any cached shard. The shards a reader will need next are fetched ahead on background
-threads, so the training loop does not wait on the store. The folder holds at most `max_bytes`:
+threads, so the training loop does not wait on the store; one that fails is said in a line, and
+the shard fetched again when it is read. The folder holds at most `max_bytes`:
 the least recently used copies are deleted first, never the one being read (one shard larger than
 the bound is still kept while it is read). A killed process cannot delete its folder; the next
 reader on the host does (remove_orphaned_copies).
@@ -24,9 +25,11 @@ from pathlib import Path
 
 from pipeline.cache.manifest import ShardRecord
 from pipeline.cache.verify import check_shard_bytes
+from pipeline.log import get_logger
 from pipeline.storage.store import Store
 
 _CHUNK = 1 << 20
+_log = get_logger("shards")
 
 
 def _host_prefix() -> str:
@@ -104,8 +107,21 @@ class ShardCache:
                 room -= ahead_record.bytes
                 fetch.append(ahead_record)
         for ahead_record in fetch:
-            self._fetch(ahead_record)
+            self._fetch(ahead_record).add_done_callback(self._report_failed_ahead(ahead_record))
         return path
+
+    def _report_failed_ahead(self, record: ShardRecord):
+        """A read-ahead's failure has no reader yet: it is said in a line, and the shard is
+        fetched again when it is read (a lasting fault is raised then)."""
+
+        def report(download: Future) -> None:
+            if (error := download.exception()) is not None:
+                _log.warning(
+                    f"fetching {self.store.display(record.file)} ahead failed "
+                    f"({type(error).__name__}: {error}); it is fetched again when it is read"
+                )
+
+        return report
 
     def _fetch(self, record: ShardRecord) -> Future:
         with self._lock:
