@@ -84,15 +84,23 @@ def wait_until(condition, process: subprocess.Popen, output, timeout: float = 30
         time.sleep(0.01)
 
 
-def act_while_stopped(pids: list[int], condition, action, wait) -> None:
-    """Run `action` once `condition` holds with the processes `pids` stopped (SIGSTOP), so that it
-    still holds when the action lands; `wait` polls until it seems to hold."""
+def act_while_stopped(
+    pids: list[int], condition, action, process: subprocess.Popen, output, timeout: float = 300.0
+) -> None:
+    """Run `action` once `condition` holds, looked at only with the processes `pids` stopped
+    (SIGSTOP), so that it still holds when the action lands. Between looks they run for slices of
+    5 ms: a state lasting longer than that is seen however fast the machine steps (polling them
+    while they run can step over a window of a few short steps). Fails if `process` ends first
+    (with `output()`)."""
+    deadline = time.monotonic() + timeout
     while True:
-        wait(condition)
         with frozen(*pids):
+            assert process.poll() is None, output()[-3000:]
             if condition():
                 action()
                 return
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s"
+        time.sleep(0.005)
 
 
 def saved_mid_run(out: Path, steps: int):
@@ -121,7 +129,8 @@ def test_a_training_process_killed_mid_run_resumes_bit_identical(cache, whole, t
             [process.pid],
             saved_mid_run(out, 8),
             lambda: process.send_signal(signal.SIGKILL),
-            lambda condition: wait_until(condition, process, log.read_text),
+            process,
+            log.read_text,
         )
         process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
@@ -166,7 +175,9 @@ def test_a_rank_killed_mid_run_resumes_bit_identical(tmp_path):
         [rank.pid for rank in ranks.values()],
         saved_mid_run(out, 16),
         lambda: ranks[1].send_signal(signal.SIGKILL),
-        wait,
+        killed,
+        lambda: killed.communicate()[0],
+        timeout=600,
     )
     output, _ = killed.communicate(timeout=300)
     finish(uninterrupted)
@@ -208,18 +219,13 @@ def test_a_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_bit_identical(
             return False
         return (out / "metrics.jsonl").read_text().count("\n") <= 5
 
-    act_while_stopped(
-        [run.pid],
-        early,
-        lambda: send(run, signum),
-        lambda condition: wait_until(condition, run, log.read_text),
-    )
+    act_while_stopped([run.pid], early, lambda: send(run, signum), run, log.read_text)
     run.wait(timeout=300)
     err = log.read_text()
     assert run.returncode == 128 + signum, err
     assert "Traceback" not in err
-    stopped = [step for step, _ in complete_checkpoints(out)]
-    assert len(stopped) == 1 and stopped[0] < 8  # saved where it stopped, not at the end
-    assert f"stopped by request after step {stopped[0]}, saved in " in err
+    # saved where it stopped (after the saves of every second step before it), not at the end
+    stopped = int(re.search(r"stopped by request after step (\d+), saved in ", err).group(1))
+    assert stopped < 8 and complete_checkpoints(out)[-1][0] == stopped, err
     assert main(train_args(cache, out, *SAVE_ARGS)) == 0
     assert_same_run(out, whole)

@@ -6,6 +6,7 @@ is run in test_stage1_vllm_engine.py."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -174,12 +175,15 @@ def test_a_partial_vllm_answer_fails_loudly(teacher, fake_vllm):
 
 
 def test_the_space_logprob_is_refused_by_the_vllm_backend():
+    environment = dict(os.environ)
     with pytest.raises(ValueError, match="computes no space log-probability"):
         VLLMScorer(
             resolve_teacher("x/y"), dtype="float32", max_length=16, stride=6,
             max_num_batched_tokens=64, gpu_memory_utilization=0.5, cpu_kvcache_gib=1, threads=1,
             enforce_eager=True, extras=HeadExtras(space_mask=np.ones(8, dtype=bool)),
         )  # fmt: skip
+    # nothing of vLLM's settings (OMP_NUM_THREADS=1 among them) is left to later subprocesses
+    assert dict(os.environ) == environment
 
 
 def test_the_backend_is_found_by_importing_vllm_whichever_distribution(monkeypatch):

@@ -193,7 +193,7 @@ def test_killed_vllm_run_resumes_keeping_its_finished_shards(
         log,
         lambda: finished_shards(out),
         also_stop=lambda: cluster_pids(SCORER, ENGINE),
-        timeout=300,
+        timeout=600,  # from the start: the engine took 2 min to start under a load of 8
         slice_seconds=0.005,
     )
     process.wait(timeout=30)

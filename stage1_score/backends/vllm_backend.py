@@ -124,6 +124,9 @@ class VLLMScorer:
         enforce_eager: bool,
         extras: HeadExtras | None = None,
     ):
+        self.extras = extras or HeadExtras()
+        if self.extras.space_mask is not None:  # refused before the process's environment changes
+            raise ValueError("the vllm backend computes no space log-probability")
         # vLLM takes these settings from the environment: they are set before it reads them.
         # max_model_len is max_length + 1 (below); the one position past a full window is the
         # generated token's, which no forward pass computes, and plan() already refuses a
@@ -146,9 +149,6 @@ class VLLMScorer:
             memory, engine_memory = {"cpu_kvcache_gib": cpu_kvcache_gib}, {}
         else:
             memory = engine_memory = {"gpu_memory_utilization": gpu_memory_utilization}
-        self.extras = extras or HeadExtras()
-        if self.extras.space_mask is not None:
-            raise ValueError("the vllm backend computes no space log-probability")
         # K + 1 log-probabilities per prompt position: the prompt token's and the top K's
         logprobs = max(self.extras.topk, 1)
         model, kwargs = teacher.load_args
