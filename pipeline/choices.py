@@ -36,7 +36,7 @@ LossKernel = Literal["auto", "chunked", "plain"]  # stage 2: how the per-token l
 HeadKernel = Literal["auto", "fused", "plain"]  # stage 1: how the head's columns are computed
 HeadChunks = Literal["auto", "sized", "fixed"]  # stage 1: how many rows a head chunk holds
 UnitOverlap = Literal["auto", "on", "off"]  # stage 1: a unit's CPU work beside another's scoring
-BatchOverlap = Literal["auto", "on", "off"]  # stage 1: a batch's host work beside the last one's device work
+BatchOverlap = Literal["auto", "on", "off"]  # stage 1: a batch built while the last one runs
 RowPacking = Literal["auto", "packed", "padded"]  # stage 1: how windows fill a batch's rows
 # stage 2 --guidance alm: tokenkit's alm_mode values (merge chunks by the teacher's space
 # probability, append each side's space log-probability), naive = neither

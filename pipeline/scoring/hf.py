@@ -113,7 +113,9 @@ class HostCopies:
     the device may already run the next batch's work."""
 
     def __init__(self, columns: dict[str, torch.Tensor]):
-        self.copies = {name: data.to("cpu", non_blocking=True) for name, data in columns.items()}
+        self.copies = {
+            name: values.to("cpu", non_blocking=True) for name, values in columns.items()
+        }
         self.done = None
         if any(values.is_cuda for values in columns.values()):
             self.done = torch.cuda.Event()
