@@ -5,21 +5,30 @@ Under `ray job submit --working-dir DIR`, Ray unpacks a copy of DIR on each node
 of the job and starts the driver and every actor in that node's copy. A path inside the copy is
 fine to read (the corpus, read by the driver alone; a teacher inside DIR, which each worker finds
 in its own node's copy); it is no place for the cache, which would end up in a temporary folder
-on one node and be deleted with the job.
+on one node and be deleted with the job. The driver's own copy is deleted when it joins Ray, so
+the corpus files in it are held elsewhere for the run (corpus_kept_from_shipped).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pipeline.corpus import Corpus
 
 # Set by Ray's job supervisor for the driver it starts: the job's runtime_env among others.
 JOB_CONFIG_VARIABLE = "RAY_JOB_CONFIG_JSON_ENV_VAR"
@@ -213,6 +222,44 @@ def check_output_outside(shipped: Path | None, out: str | Path) -> None:
             "temporary copy on one node that is deleted when the job ends: give --out as an "
             "absolute path on storage that every node sees"
         )
+
+
+@contextlib.contextmanager
+def corpus_kept_from_shipped(shipped: Path | None, corpus: Corpus) -> Iterator[int]:
+    """For the block, the corpus's files that lie in the shipped working directory read from a
+    folder of this run's instead (hard links, or copies where the file system refuses a link);
+    yields how many. Joining Ray from a job driver deletes the driver's node copy of that
+    directory (Ray 2.60 with a head of 0 CPUs, tests/test_stage1_multinode.py), and the driver
+    opens each file only when it reaches it: a corpus of several files failed at its second.
+    The sources keep their names, so the corpus's identity is unchanged."""
+    inside = [
+        source for source in corpus.sources
+        if shipped is not None and isinstance(source.path, Path)
+        and source.path.resolve().is_relative_to(shipped)
+    ]  # fmt: skip
+    if not inside:
+        yield 0
+        return
+    folder = Path(tempfile.mkdtemp(prefix="vocagno-corpus-"))
+    try:
+        for number, source in enumerate(inside):
+            kept = folder / str(number) / source.path.name
+            kept.parent.mkdir()
+            if source.path.is_dir():  # a saved dataset
+                shutil.copytree(source.path, kept, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(source.path, kept)
+            source.path = kept
+        yield len(inside)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _link_or_copy(source: Path | str, destination: Path | str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(source, destination)
 
 
 def relative_to_shipped(shipped: Path | None, path: Path) -> Path:

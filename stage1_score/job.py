@@ -38,6 +38,7 @@ from stage1_score.cluster import (
     check_output_outside,
     check_ray_reachable,
     cluster_gpus,
+    corpus_kept_from_shipped,
     relative_to_shipped,
     shipped_working_dir,
 )
@@ -199,7 +200,15 @@ def run(config: ScoreConfig) -> CacheManifest:
     teacher = job.teacher
     if teacher.path is not None:
         teacher = replace(teacher, path=relative_to_shipped(shipped, teacher.path))
-    with output_held(out, config.lock_lease, log.warning) as lock:
+    with (
+        corpus_kept_from_shipped(shipped, job.corpus) as kept,
+        output_held(out, config.lock_lease, log.warning) as lock,
+    ):
+        if kept:
+            log.info(
+                f"{counted(kept, 'corpus file')} in the shipped working directory held for the "
+                "run (joining Ray deletes the driver's copy of it)"
+            )
         run_fingerprint = prepare_output(out, job.identity, config.overwrite, log.info)
 
         def spec(threads: int) -> WorkerSpec:

@@ -1,23 +1,27 @@
 """What a stage-1 driver learns of its Ray cluster before joining it: the GPUs its workers will
 get (--dtype auto), from a real cluster's GCS. Paths of a stage-1 job that `ray job submit
---working-dir` shipped, without a cluster: the driver finds itself in Ray's copy of the working directory (Ray's job supervisor says so in the
-driver's environment), where the cache must not go and from where a shipped teacher is opened in
-each worker's own copy. The cluster itself, where a real job must find its shipped folder (it
+--working-dir` shipped, without a cluster: the driver finds itself in Ray's copy of the working
+directory (Ray's job supervisor says so in the driver's environment), where the cache must not go,
+from where a shipped teacher is opened in each worker's own copy, and whose corpus files the run
+holds elsewhere before joining Ray deletes it. The cluster itself, where a real job must find its shipped folder (it
 refuses --out there): tests/test_stage1_multinode.py (slow)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.errors import ConfigError
 from stage1_score.cluster import (
     JOB_CONFIG_VARIABLE,
     cluster_gpus,
+    corpus_kept_from_shipped,
     relative_to_shipped,
     shipped_working_dir,
 )
@@ -49,6 +53,27 @@ def test_a_shipped_teacher_is_opened_in_each_workers_copy(shipped, tmp_path):
     shared = tmp_path / "shared" / "teacher"
     assert relative_to_shipped(shipped, shared) == shared  # shared storage: as it is
     assert relative_to_shipped(None, shipped / "teacher") == shipped / "teacher"
+
+
+def test_corpus_files_in_the_shipped_working_dir_outlive_its_deletion(shipped, tmp_path):
+    """Joining Ray deletes the driver's copy of the working directory; the corpus files in it are
+    held elsewhere for the run, under the same names (the same identity), and given back after."""
+    documents = shipped_documents(6)
+    (shipped / "corpus").mkdir()
+    for part in range(3):
+        write_jsonl_corpus(shipped / "corpus" / f"part-{part}.jsonl", documents[part::3])
+    outside = write_jsonl_corpus(tmp_path / "outside.jsonl", documents)
+    corpus, elsewhere = Corpus("corpus", CorpusOptions(id_column="id")), Corpus(outside)
+    identity, texts = corpus.describe(), [d.text for d in corpus]
+    with corpus_kept_from_shipped(shipped, corpus) as kept:
+        assert kept == 3
+        held = {source.path.parent.parent for source in corpus.sources}
+        assert len(held) == 1 and not held.pop().is_relative_to(shipped)
+        shutil.rmtree(shipped)  # what joining Ray does
+        assert corpus.describe() == identity and [d.text for d in corpus] == texts
+    assert not any(source.path.exists() for source in corpus.sources)  # nothing left behind
+    with corpus_kept_from_shipped(shipped, elsewhere) as kept:  # read where it is
+        assert kept == 0 and elsewhere.sources[0].path == outside
 
 
 def test_an_output_in_the_shipped_working_dir_is_refused_in_one_line(shipped, tmp_path, capsys):

@@ -3,9 +3,11 @@
 The cluster is three raylets on this machine, started as on a VM cluster: a head with no CPUs
 (`ray start --head`, it runs the job's driver) and two worker nodes of one CPU each (`ray start
 --address`, distinct `--resources`). The job goes in with `ray job submit --working-dir SRC`,
-where SRC is a copy of the code plus the corpus and the teacher, deleted as soon as Ray has taken
-it: the job can only run from Ray's copies, with paths relative to them; only the cache folder
-(--out) is a path every node sees, as a shared filesystem is on a real cluster.
+where SRC is a copy of the code plus a corpus of three files and the teacher, deleted as soon as
+Ray has taken it: the job can only run from Ray's copies, with paths relative to them; only the
+cache folder (--out) is a path every node sees, as a shared filesystem is on a real cluster. (The
+driver's copy is deleted when it joins Ray: the corpus's second file failed to open before the run
+held its files elsewhere.)
 
 - Undisturbed, the units are scored on both worker nodes (the run record names each unit's node).
 - One worker node killed (every process of it SIGKILLed, as when a machine is lost) once the
@@ -42,6 +44,7 @@ from tests.test_stage1_run import snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_DOCS, DOCS_PER_SHARD = 24, 3  # 8 units for 2 workers
+CORPUS_FILES = 3
 NODES = ("node_a", "node_b")
 
 pytestmark = pytest.mark.slow
@@ -82,7 +85,12 @@ def source(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
     for package in ("pipeline", "stage1_score"):
         shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
-    write_jsonl_corpus(src / "corpus.jsonl", shipped_documents(NUM_DOCS))
+    # A corpus of several files: the driver opens the first before it joins Ray and the others
+    # after, when its node's copy of the working directory must still be there.
+    documents = shipped_documents(NUM_DOCS)
+    (src / "corpus").mkdir()
+    for part in range(CORPUS_FILES):
+        write_jsonl_corpus(src / "corpus" / f"part-{part}.jsonl", documents[part::CORPUS_FILES])
     make_tiny_teacher(src / "teacher", "tinyllama")
     return src
 
@@ -90,7 +98,7 @@ def source(tmp_path_factory) -> Path:
 def entrypoint(out: Path) -> list[str]:
     """The job's command, run in Ray's copy of the working dir: corpus and teacher are relative."""
     return [
-        sys.executable, "stage1_score/run.py", "--teacher", "teacher", "--corpus", "corpus.jsonl",
+        sys.executable, "stage1_score/run.py", "--teacher", "teacher", "--corpus", "corpus",
         "--out", str(out), "--id-column", "id", "--docs-per-shard", str(DOCS_PER_SHARD),
         "--max-length", "64", "--stride", "32", "--batch-tokens", "64", "--num-workers", "2",
         "--progress-seconds", "1",
