@@ -225,7 +225,8 @@ def test_a_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_bit_identical(
     assert run.returncode == 128 + signum, err
     assert "Traceback" not in err
     # saved where it stopped (after the saves of every second step before it), not at the end
-    stopped = int(re.search(r"stopped by request after step (\d+), saved in ", err).group(1))
-    assert stopped < 8 and complete_checkpoints(out)[-1][0] == stopped, err
+    said = re.search(r"stopped by request after step (\d+), saved in ", err)
+    assert said, err
+    assert int(said[1]) < 8 and complete_checkpoints(out)[-1][0] == int(said[1]), err
     assert main(train_args(cache, out, *SAVE_ARGS)) == 0
     assert_same_run(out, whole)
