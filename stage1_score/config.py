@@ -123,7 +123,7 @@ class ScoreConfig:
     head_chunks: HeadChunks = option(
         "auto",
         help="hf backend: rows of logits per head chunk: fixed: 2^24 logits (110 rows at a 152k "
-        "vocabulary); sized: from the device's free memory at each batch; auto: sized on a "
+        "vocabulary); sized: from the device's free memory as a unit starts; auto: sized on a "
         "GPU, fixed on a CPU",
     )
     row_packing: RowPacking = option(

@@ -4,7 +4,7 @@ Per batch of windows (pipeline.scoring.windows, pipeline.scoring.batching): one 
 decoder body; then the output head is applied only to the positions whose next token is scored, a
 chunk of rows at a time, and each chunk's loss and views are computed by `--head-kernel`
 (pipeline.scoring.head). Chunks (`--head-chunks`) hold a fixed 2^24 logits, or are sized from the
-device's free memory at each batch, so that a large vocabulary does not cost a head matrix product
+device's free memory at the start of each scoring call, so that a large vocabulary does not cost a head matrix product
 (re-reading the whole head weight) per hundred rows. Full-vocabulary log-probabilities of all
 positions (batch x length x vocabulary) are never materialized.
 
@@ -276,6 +276,11 @@ class HFScorer:
         columns = {"loss": [np.full(n, np.nan, dtype=np.float32) for n in lengths]}
         columns |= empty_columns(self.extras, lengths)
         windows = plan_document_windows(lengths, self.max_length, self.stride)
+        # Sized chunks take the free memory once, before a batch is queued: whether the driver's
+        # query waits for queued work is not documented, and a wait per batch would undo
+        # --batch-overlap.
+        free = free_memory(self.device) if self.head_chunks == "sized" else None
+        rows = head_chunk_rows(self.vocab_size, self.head_chunks, free)
 
         def place(layout: BatchLayout, copies: HostCopies) -> None:
             scored = windows.scored[layout.windows]
@@ -291,7 +296,7 @@ class HFScorer:
         # behind it, so the host builds and launches that batch while the device computes.
         in_flight: deque[tuple[BatchLayout, HostCopies]] = deque()
         for layout in self.layouts(windows):
-            in_flight.append((layout, self._score_batch(token_ids, windows, layout)))
+            in_flight.append((layout, self._score_batch(token_ids, windows, layout, rows)))
             while len(in_flight) > (self.batch_overlap == "on"):
                 place(*in_flight.popleft())
         while in_flight:
@@ -323,9 +328,10 @@ class HFScorer:
         return inputs, row, position
 
     def _score_batch(
-        self, token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout
+        self, token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout, rows: int
     ) -> HostCopies:
-        """The batch's work queued on the device, its columns' copies to the host started."""
+        """The batch's work queued on the device, head chunks of `rows` scored positions, its
+        columns' copies to the host started."""
         inputs, row, position = self.batch_inputs(token_ids, windows, layout)
         ids = inputs["input_ids"]
         targets = ids[row, position + 1]
@@ -335,8 +341,6 @@ class HFScorer:
         else:
             hidden = self.model(**inputs, use_cache=False).logits[row, position]
             project = torch.nn.Identity()
-        free = free_memory(self.device) if self.head_chunks == "sized" else None
-        rows = head_chunk_rows(self.vocab_size, self.head_chunks, free)
         out = self.columns.buffer(len(targets))
         for begin in range(0, len(targets), rows):
             chunk = slice(begin, begin + rows)
