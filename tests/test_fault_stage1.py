@@ -182,6 +182,37 @@ def frozen(*pids: int):
                 os.kill(pid, signal.SIGCONT)
 
 
+def act_while_stopped(
+    pids: list[int],
+    condition,
+    action,
+    what: str,
+    process: subprocess.Popen,
+    output,
+    timeout: float,
+    slice_seconds: float = 0.005,
+) -> None:
+    """Run `action` once `condition()` holds, looked at only while the processes `pids` are
+    stopped (SIGSTOP): what it saw still holds when the action lands. Between looks they run in
+    slices of `slice_seconds`, and nothing of a look runs while they do, so a state lasting longer
+    than a slice is seen however fast the machine works (polling them while they run can step
+    over it: vLLM's tiny teacher scored a unit in 0.1 s on a CI machine, and plain polling saw
+    none of the 12 states in time). Fails, naming `what` with `output()`, if `process` ends first
+    or `timeout` seconds pass (then `process` is killed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with frozen(*pids):
+            if process.poll() is not None:
+                pytest.fail(f"the run ended (exit {process.returncode}) before {what}: {output()}")
+            if condition():
+                action()
+                return
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"no {what} after {timeout:.0f} s: {output()}")
+        time.sleep(slice_seconds)
+
+
 def signal_mid_run(
     process: subprocess.Popen,
     signum: int,
@@ -193,30 +224,16 @@ def signal_mid_run(
     timeout: float = 240.0,
     slice_seconds: float = 0.01,
 ) -> None:
-    """Send `signum` to the run once `condition()` holds, looked at only while the driver (and the
-    processes `also_stop()` lists once a unit has finished) are stopped: what it saw still holds
-    when the signal lands. From then on the run goes on only in slices of `slice_seconds` between
-    looks, and nothing else of a look runs while it goes on, so a state lasting longer than a
-    slice is seen however fast the machine scores (vLLM's tiny teacher scored a unit in 0.1 s on
-    a CI machine; plain polling saw none of the 12 states in time). The driver writes the manifest
-    and hands out the units, so with the driver stopped only the units already in flight can
-    still finish."""
+    """Send `signum` to the run once `condition()` holds (act_while_stopped), looked at only while
+    the driver and the processes `also_stop()` lists once a unit has finished are stopped. The
+    driver writes the manifest and hands out the units, so with the driver stopped only the units
+    already in flight can still finish. `timeout` covers the wait for the first unit too."""
     deadline = time.monotonic() + timeout
     wait_for(unit_finished, "a finished unit", process, log, timeout)
-    stopped = [process.pid, *also_stop()]
-    while True:
-        with frozen(*stopped):
-            if process.poll() is not None:
-                pytest.fail(
-                    f"the run ended (exit {process.returncode}) before {what}: {log.read_text()}"
-                )
-            if condition():
-                process.send_signal(signum)
-                return
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"no {what} after {timeout:.0f} s: {log.read_text()}")
-        time.sleep(slice_seconds)
+    act_while_stopped(
+        [process.pid, *also_stop()], condition, lambda: process.send_signal(signum), what,
+        process, log.read_text, deadline - time.monotonic(), slice_seconds,
+    )  # fmt: skip
 
 
 def mid_run(out: Path, least: int, units: int = NUM_UNITS) -> bool:

@@ -26,7 +26,7 @@ from stage2_train.checkpoint import MARKER, complete_checkpoints, step_dir
 from stage2_train.train import main
 from tests.cache_fixtures import build_cache, corpus_documents
 from tests.stage2_runs import TRAIN, read_metrics, train_args
-from tests.test_fault_stage1 import frozen
+from tests.test_fault_stage1 import act_while_stopped
 from tests.test_stage2_torchrun import finish, run_args, torchrun
 
 SAVE_ARGS = (
@@ -84,25 +84,6 @@ def wait_until(condition, process: subprocess.Popen, output, timeout: float = 30
         time.sleep(0.01)
 
 
-def act_while_stopped(
-    pids: list[int], condition, action, process: subprocess.Popen, output, timeout: float = 300.0
-) -> None:
-    """Run `action` once `condition` holds, looked at only with the processes `pids` stopped
-    (SIGSTOP), so that it still holds when the action lands. Between looks they run for slices of
-    5 ms: a state lasting longer than that is seen however fast the machine steps (polling them
-    while they run can step over a window of a few short steps). Fails if `process` ends first
-    (with `output()`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with frozen(*pids):
-            assert process.poll() is None, output()[-3000:]
-            if condition():
-                action()
-                return
-        assert time.monotonic() < deadline, f"not within {timeout:.0f} s"
-        time.sleep(0.005)
-
-
 def saved_mid_run(out: Path, steps: int):
     """A condition: a checkpoint is complete and the step in flight is not the last of `steps`
     (at most steps - 2 logged), so that a kill lands before the schedule ends; a rank left alone
@@ -129,8 +110,10 @@ def test_a_training_process_killed_mid_run_resumes_bit_identical(cache, whole, t
             [process.pid],
             saved_mid_run(out, 8),
             lambda: process.send_signal(signal.SIGKILL),
+            "a checkpoint mid-run",
             process,
             log.read_text,
+            timeout=300,
         )
         process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
@@ -175,6 +158,7 @@ def test_a_rank_killed_mid_run_resumes_bit_identical(tmp_path):
         [rank.pid for rank in ranks.values()],
         saved_mid_run(out, 16),
         lambda: ranks[1].send_signal(signal.SIGKILL),
+        "a checkpoint mid-run",
         killed,
         lambda: killed.communicate()[0],
         timeout=600,
@@ -219,7 +203,10 @@ def test_a_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_bit_identical(
             return False
         return (out / "metrics.jsonl").read_text().count("\n") <= 5
 
-    act_while_stopped([run.pid], early, lambda: send(run, signum), run, log.read_text)
+    act_while_stopped(
+        [run.pid], early, lambda: send(run, signum), "the header early in the run", run,
+        log.read_text, timeout=300,
+    )  # fmt: skip
     run.wait(timeout=300)
     err = log.read_text()
     assert run.returncode == 128 + signum, err
