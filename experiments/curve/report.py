@@ -75,12 +75,12 @@ def findings(config: CurveConfig, prereg: PreRegistration, results: dict, points
             if below in (0, len(at_last))
             else "the seeds disagree on its sign"
         )
+        mean = np.mean([p["difference"] for p in at_last])
         lines.append(
-            f"- `{comparison}` at step {last}: mean {np.mean([p['difference'] for p in at_last]):+.4f}; "
-            f"negative in {below} of {len(at_last)} seeds, {agree}; its {confidence}% interval "
-            f"excludes "
-            f"zero in {established} of them."
-        )  # fmt: skip
+            f"- `{comparison}` at step {last}: mean {mean:+.4f}; negative in {below} of "
+            f"{len(at_last)} seeds, {agree}; its {confidence}% interval excludes zero in "
+            f"{established} of them."
+        )
     return lines
 
 
