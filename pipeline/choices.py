@@ -64,3 +64,10 @@ def on_device(choice: str, device, gpu: str, cpu: str) -> str:
     if choice != "auto":
         return choice
     return gpu if device.type == "cuda" else cpu
+
+
+def compiles_on(device) -> bool:
+    """Whether the fast paths' own kernels (stage 1's fused head, flex attention's block mask)
+    run under torch.compile on `device` (a torch.device): on CUDA; elsewhere eagerly, where a
+    compile costs a run more than it saves."""
+    return device.type == "cuda"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.choices import compiles_on
+
 FLEX = "flex_attention"  # transformers' name of the flex implementation
 
 
@@ -27,7 +29,8 @@ def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 
 def document_block_mask(segment_ids: torch.Tensor):
     """The same mask as `document_mask`, as flex_attention's BlockMask. On a GPU its builder is
-    compiled, which never materializes the T x T grid."""
+    compiled (`compiles_on`), which never materializes the T x T grid; like any compiled
+    function, it compiles again for a new batch size until it has seen a size of 1 and two others."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(batch, head, query, key):
@@ -36,5 +39,5 @@ def document_block_mask(segment_ids: torch.Tensor):
     size, length = segment_ids.shape
     return create_block_mask(
         same_document_causal, size, None, length, length, segment_ids.device,
-        _compile=segment_ids.is_cuda,
+        _compile=compiles_on(segment_ids.device),
     )  # fmt: skip

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline import document_attention
 from pipeline.errors import ConfigError
-from pipeline.scoring import hf
+from pipeline.scoring import head, hf
 from pipeline.scoring.batching import pack_rows, packed_layouts, padded_layouts
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.teacher import resolve_teacher
@@ -109,20 +110,45 @@ def test_flex_attention_scores_packed_rows_as_the_dense_mask_does(teachers):
     assert_same_topk_ids_but_ties(flex, dense)
 
 
-def test_packed_flex_rows_compile_at_load_and_never_inside_a_unit(teachers):
-    """Flex attention recompiles for a batch's row count once it has seen a second one; on a GPU
-    that took longer than scoring a small unit (bench_gpu.py, H200, 2026-11-26). The warm-up at
-    load shows it every shape, so units of any row count compile nothing."""
+@pytest.fixture
+def compiled_as_on_a_gpu(monkeypatch):
+    """What a GPU compiles (the fused head, flex attention's block-mask builder) compiled here
+    too, on the CPU: `compiles_on` is the only difference. Nothing is compiled to start with, as
+    in a new worker, so that no earlier test's compile hides one."""
+    import torch
+
+    for module in (head, document_attention):
+        monkeypatch.setattr(module, "compiles_on", lambda device: True)
+    torch._dynamo.reset()
+    head.compiled_fused_columns.cache_clear()
+
+
+@pytest.mark.parametrize("packing", ["packed", "padded"])
+def test_what_compiles_does_so_at_load_and_never_inside_a_unit(
+    teachers, packing, compiled_as_on_a_gpu
+):
+    """A compiled function compiles again for a batch's or a head chunk's row count until it has
+    seen a size of 1 and two others, and on a GPU a compile took longer than scoring a small
+    unit (bench_gpu.py, H200, 2026-11-26). The warm-up at load shows the head, flex attention
+    and its block mask every such shape, so units of any shape compile nothing."""
     from torch._dynamo.utils import counters
 
-    scorer, _ = columns_of(teachers["smollm2"], ["a b"], row_packing="packed", attention="flex")
-    tokenizer = load_tokenizer(str(teachers["smollm2"]))
+    attention = "flex" if packing == "packed" else "auto"
+    scorer = hf.HFScorer(
+        resolve_teacher(str(teachers["smollm2"])), dtype="float32", max_length=MAX_LENGTH,
+        stride=STRIDE, batch_tokens=64, device="cpu", head_kernel="fused", row_packing=packing,
+        attention=attention,
+    )  # fmt: skip
     compiled = counters["stats"]["unique_graphs"]
-    for windows in (1, 3, 4, 6, 9):  # rows of 16 tokens, 4 rows a batch: 1 to 4 rows a batch
-        text = " ".join(["seven apples and six pears"] * 2)
-        ids = [e.ids[:MAX_LENGTH] for e in tokenizer.encode_batch([text] * windows)]
-        assert all(len(i) > MAX_LENGTH // 2 for i in ids)  # a row each
-        scorer.score(ids)
+    assert scorer.describe()["head_kernel"] == "fused"
+    tokenizer = load_tokenizer(str(teachers["smollm2"]))
+    text = " ".join(["seven apples and six pears"] * 2)
+    ids = [e.ids[:MAX_LENGTH] for e in tokenizer.encode_batch([text])] * 9
+    assert len(ids[0]) > MAX_LENGTH // 2  # a row each
+    two_tokens = tokenizer.encode("a b").ids[:2]  # one scored position: a head chunk of one row
+    # rows of 16 tokens, 4 rows a batch: batches of 1 to 4 rows
+    for unit in (ids[:1], ids[:3], ids[:4], ids[:6], ids[:9], [two_tokens], [*ids[:2], two_tokens]):
+        scorer.score(unit)
     assert counters["stats"]["unique_graphs"] == compiled
 
 

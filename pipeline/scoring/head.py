@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, TOPK_REST
+from pipeline.choices import compiles_on
 from pipeline.cross_entropy import token_log_probs_and_loss, token_loss
 
 MAX_TOPK = 128
@@ -113,10 +114,10 @@ def compiled_fused_columns():
 
 def head_kernel_function(kernel: str, device: torch.device):
     """What computes a chunk's columns for `--head-kernel` `kernel` (plain or fused) on
-    `device`: fused is compiled on CUDA, eager elsewhere."""
+    `device`: fused is compiled where `compiles_on` says (CUDA), eager elsewhere."""
     if kernel == "plain":
         return plain_columns
-    return compiled_fused_columns() if device.type == "cuda" else fused_columns
+    return compiled_fused_columns() if compiles_on(device) else fused_columns
 
 
 class HeadColumns:

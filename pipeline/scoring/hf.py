@@ -163,20 +163,25 @@ class HFScorer:
         self.row_packing, self.attention = self._resolve_packing(row_packing, attention)
         self.batch_overlap = on_device(batch_overlap, self.device, gpu="on", cpu="off")
         # What compiles on first use (the fused head, flex attention and its block mask) does so
-        # now, at load, not inside the first unit.
-        self.score_columns(self._warm_up_documents())
+        # now, at load, not inside a unit.
+        for documents in self._warm_up_units():
+            self.score_columns(documents)
 
-    def _warm_up_documents(self) -> list[np.ndarray]:
-        """Documents whose batches take every shape a unit's can: one short document when rows
-        are padded; packed, a full batch of rows and then a batch of one, since a compiled
-        attention recompiles for the batch's row count once it has seen a second one (flex
-        attention would otherwise recompile inside the first unit, for about as long as a small
-        unit takes to score)."""
+    def _warm_up_units(self) -> list[list[np.ndarray]]:
+        """Units whose batches take every shape that compiles differently: a compiled function
+        compiles again for a new size until it has seen a size of 1 and two others (1 is
+        specialized), and on a GPU a compile takes longer than a small unit's scoring. Packed, a
+        full batch of rows and a batch of two (flex attention and its block mask, not relying on
+        the load probe's shape); in either layout, then, a document of two tokens: a row of its
+        own, and one scored position, a head chunk of one row for the fused head."""
+        short = [np.arange(min(WARM_UP_TOKENS, self.max_length)) % self.vocab_size]
+        one_position = [np.arange(2) % self.vocab_size]
         per_batch = max(1, self.batch_tokens // self.max_length)
         if self.row_packing != "packed" or per_batch == 1:
-            return [np.arange(min(WARM_UP_TOKENS, self.max_length)) % self.vocab_size]
-        alone = self.max_length // 2 + 1  # two never share a row
-        return [np.arange(alone) % self.vocab_size] * (per_batch + 1)
+            return [short, one_position]
+        alone = np.arange(self.max_length // 2 + 1) % self.vocab_size  # two never share a row
+        rows = sorted({per_batch, min(2, per_batch)}, reverse=True)
+        return [[alone] * count for count in rows] + [one_position]
 
     def describe(self) -> dict:
         import transformers
