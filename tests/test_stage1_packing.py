@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline import document_attention
 from pipeline.errors import ConfigError
@@ -115,8 +117,6 @@ def compiled_as_on_a_gpu(monkeypatch):
     """What a GPU compiles (the fused head, flex attention's block-mask builder) compiled here
     too, on the CPU: `compiles_on` is the only difference. Nothing is compiled to start with, as
     in a new worker, so that no earlier test's compile hides one."""
-    import torch
-
     for module in (head, document_attention):
         monkeypatch.setattr(module, "compiles_on", lambda device: True)
     torch._dynamo.reset()
@@ -202,6 +202,63 @@ def test_overlapped_batches_cache_what_serial_batches_do(teachers, packing):
     for name in serial:
         for ours, theirs in zip(overlapped[name], serial[name], strict=True):
             np.testing.assert_array_equal(ours, theirs)
+
+
+class DeviceReads(TorchDispatchMode):
+    """Records the ops that make the host wait for a CUDA device (everything queued before them
+    included): a value read back (item(), bool(), equal), a shape that depends on values
+    (nonzero, masked_select, unique, bincount, repeat_interleave), indexing by a boolean mask."""
+
+    READS = {
+        "item", "_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2",
+        "unique_consecutive", "unique_dim", "bincount", "repeat_interleave",
+    }  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.removeprefix("aten::")
+        indices = args[1] if name.startswith("index") and len(args) > 1 else None
+        by_mask = isinstance(indices, (list, tuple)) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices
+        )
+        if name in self.READS or by_mask:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_packed_batch_is_queued_without_waiting_for_the_device(teachers):
+    """`--batch-overlap on` holds only if nothing in a batch's work reads a value back from the
+    device: on a GPU one such read waits for every batch queued before it, and nothing on a CPU
+    shows it. The batch's work (inputs, packed mask, body, scored positions, every column of the
+    fused head) and flex attention's block mask are audited op by op; the only wait is the one
+    for the columns' copies (HostCopies, an event). Padded rows are not audited: transformers
+    reads their 2-D mask once per batch (whether it may skip it), which packed rows never give
+    it."""
+    with torch.inference_mode(), DeviceReads() as audit:  # it sees what it must, as scoring runs
+        torch.ones(3)[torch.tensor([True, False, True])]
+        int(torch.ones(1).max())
+        bool(torch.ones(1))
+    assert audit.reads == ["index", "item", "is_nonzero"]
+
+    tokenizer = load_tokenizer(str(teachers["tinyllama"]))
+    ids = [e.ids for e in tokenizer.encode_batch(TEXTS)]
+    extras = HeadExtras(topk=8, space_mask=space_mask(tokenizer, tokenizer.vocab_size)[0])
+    scorer = hf.HFScorer(
+        resolve_teacher(str(teachers["tinyllama"])), dtype="float32", max_length=MAX_LENGTH,
+        stride=STRIDE, batch_tokens=64, device="cpu", extras=extras, row_packing="packed",
+        attention="dense", head_kernel="fused", batch_overlap="on",
+    )  # fmt: skip
+    with DeviceReads() as audit:
+        columns = scorer.score_columns(ids)
+    assert audit.reads == []
+    assert not np.isnan(columns["loss"][0][1:]).any()
+    segments = torch.tensor([[1] * 5 + [2] * 7 + [0] * 4, [3] * 16])
+    with DeviceReads() as audit:
+        document_attention.document_block_mask(segments)
+    assert audit.reads == []
 
 
 def test_auto_is_padded_on_a_cpu(teachers):
