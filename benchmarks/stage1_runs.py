@@ -12,7 +12,7 @@ import re
 import time
 from pathlib import Path
 
-from pipeline.cache.manifest import RUN_RECORD_NAME
+from pipeline.cache.manifest import MANIFEST_NAME, RUN_RECORD_NAME
 from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.shipped import shipped_corpus
 from stage1_score.run import main as stage1
@@ -51,7 +51,7 @@ def timed_stage1(command: list[str]) -> tuple[float, dict, list[float]]:
         assert stage1(command) == 0, log.getvalue()
     wall = time.perf_counter() - started
     out = Path(command[command.index("--out") + 1])
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
     final = [line for line in log.getvalue().splitlines() if "finished in" in line][-1]
     rates = [float(r.replace(",", "")) for r in re.findall(r"w\d+ ([\d,]+) tok/s", final)]
     return wall, manifest, rates
@@ -59,9 +59,12 @@ def timed_stage1(command: list[str]) -> tuple[float, dict, list[float]]:
 
 def phase_summary(out: Path) -> str:
     """Where a run's units spent their time, from the unit phases of its run record: each phase's
-    seconds summed over units, and the share of the span from the first unit's start to the last
-    one's end during which a unit was on the teacher (one worker: its device's busy share)."""
+    seconds summed over units, the share of the span from the first unit's start to the last
+    one's end during which a unit was on the teacher (one worker: its device's busy share), and
+    the teacher tokens per second of scoring alone (the manifest's tokens over the summed score
+    phases), to set beside bench_gpu.py's `scorer` row, the same call without the job around it."""
     record = json.loads((Path(out) / RUN_RECORD_NAME).read_text())
+    tokens = json.loads((Path(out) / MANIFEST_NAME).read_text())["totals"]["teacher_tokens"]
     phases = [unit["phases"] for unit in record["units"].values()]
     begin = min(p["tokenize"][0] for p in phases)
     span = max(p["write"][1] for p in phases) - begin
@@ -70,4 +73,7 @@ def phase_summary(out: Path) -> str:
         for name in ("tokenize", "score", "write")
     }
     summed = ", ".join(f"{name} {value:.2f} s" for name, value in seconds.items())
-    return f"{len(phases)} units in {span:.2f} s: {summed}; scoring {seconds['score'] / span:.0%} of it"
+    return (
+        f"{len(phases)} units in {span:.2f} s: {summed}; scoring {seconds['score'] / span:.0%} of "
+        f"it, at {tokens / seconds['score']:,.0f} tok/s"
+    )

@@ -172,7 +172,7 @@ def test_a_failed_row_is_named_and_a_row_past_the_budget_skipped_while_the_rest_
     ]  # fmt: skip
 
 
-def test_phase_summary_sums_each_phase_over_units_and_the_share_spent_scoring(tmp_path):
+def test_phase_summary_sums_each_phase_over_units_and_the_share_and_rate_of_scoring(tmp_path):
     from stage1_runs import phase_summary
 
     units = {
@@ -180,6 +180,8 @@ def test_phase_summary_sums_each_phase_over_units_and_the_share_spent_scoring(tm
         "1": {"phases": {"tokenize": [11, 12], "score": [13, 15], "write": [15, 16]}},
     }
     (tmp_path / "stage1-run.json").write_text(json.dumps({"units": units}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"totals": {"teacher_tokens": 10_000}}))
     assert phase_summary(tmp_path) == (
-        "2 units in 6.00 s: tokenize 2.00 s, score 4.00 s, write 2.00 s; scoring 67% of it"
+        "2 units in 6.00 s: tokenize 2.00 s, score 4.00 s, write 2.00 s; scoring 67% of it, at "
+        "2,500 tok/s"
     )
