@@ -1,8 +1,9 @@
 """Batches of windows under a token budget: padded (one window per row, grouped by length so that
 padding stays small) or packed (several windows per row, each attending to itself only).
 
-A batch's `BatchLayout` says where each of its windows sits; pipeline.scoring.hf builds the
-forward pass's inputs and finds the scored positions from it, the same way for both.
+A batch's `BatchLayout` says where each of its windows sits; the forward pass's inputs
+(`layout_arrays`) and the scored positions (`scored_positions`) come from it, the same way for
+both.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from pipeline.scoring.windows import WindowTable
 
 
 @dataclass(frozen=True)
@@ -99,3 +102,33 @@ def packed_layouts(lengths: np.ndarray, row_length: int, batch_tokens: int) -> l
             )  # fmt: skip
         )
     return layouts
+
+
+def scored_positions(windows: WindowTable, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(row in batch, position in row) of every position whose next token is scored, window by
+    window in the layout's order."""
+    rows = layout.windows
+    start, score_from, end = windows.start[rows], windows.score_from[rows], windows.end[rows]
+    counts = end - score_from
+    row = np.repeat(layout.row, counts)
+    first = np.repeat(layout.offset + score_from - start - 1, counts)  # predicts token f
+    offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return row, first + offset
+
+
+def layout_arrays(
+    token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input ids, segment ids, position ids), int64 arrays of the layout's shape: window i of the
+    layout holds segment i + 1 (0: padding) and positions 0, 1, ... of its own."""
+    shape = (layout.rows, layout.length)
+    input_ids, segment_ids, position_ids = (np.zeros(shape, dtype=np.int64) for _ in range(3))
+    for segment, (window, row, offset) in enumerate(
+        zip(layout.windows, layout.row, layout.offset, strict=True), start=1
+    ):
+        length = windows.length[window]
+        place = (row, slice(offset, offset + length))
+        input_ids[place] = token_ids[windows.doc[window]][windows.start[window] : windows.end[window]]
+        segment_ids[place] = segment
+        position_ids[place] = np.arange(length)
+    return input_ids, segment_ids, position_ids

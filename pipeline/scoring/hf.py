@@ -33,7 +33,13 @@ import torch
 from pipeline.choices import on_device
 from pipeline.document_attention import FLEX, document_block_mask, document_mask
 from pipeline.errors import ConfigError
-from pipeline.scoring.batching import BatchLayout, packed_layouts, padded_layouts
+from pipeline.scoring.batching import (
+    BatchLayout,
+    layout_arrays,
+    packed_layouts,
+    padded_layouts,
+    scored_positions,
+)
 from pipeline.scoring.head import HeadColumns, HeadExtras, empty_columns
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
@@ -67,36 +73,6 @@ def head_chunk_rows(vocab_size: int, chunks: str, free: int | None = None) -> in
     if chunks == "fixed":
         return fixed
     return max(fixed, int(free * HEAD_MEMORY_SHARE) // (vocab_size * BYTES_PER_LOGIT))
-
-
-def scored_positions(windows: WindowTable, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray]:
-    """(row in batch, position in row) of every position whose next token is scored, window by
-    window in the layout's order."""
-    rows = layout.windows
-    start, score_from, end = windows.start[rows], windows.score_from[rows], windows.end[rows]
-    counts = end - score_from
-    row = np.repeat(layout.row, counts)
-    first = np.repeat(layout.offset + score_from - start - 1, counts)  # predicts token f
-    offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    return row, first + offset
-
-
-def layout_arrays(
-    token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(input ids, segment ids, position ids), int64 arrays of the layout's shape: window i of the
-    layout holds segment i + 1 (0: padding) and positions 0, 1, ... of its own."""
-    shape = (layout.rows, layout.length)
-    input_ids, segment_ids, position_ids = (np.zeros(shape, dtype=np.int64) for _ in range(3))
-    for segment, (window, row, offset) in enumerate(
-        zip(layout.windows, layout.row, layout.offset, strict=True), start=1
-    ):
-        length = windows.length[window]
-        place = (row, slice(offset, offset + length))
-        input_ids[place] = token_ids[windows.doc[window]][windows.start[window] : windows.end[window]]
-        segment_ids[place] = segment
-        position_ids[place] = np.arange(length)
-    return input_ids, segment_ids, position_ids
 
 
 def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
