@@ -12,9 +12,9 @@ import torch
 
 from pipeline.chunked_loss import chunked_token_loss
 from pipeline.flops import device_peak_flops, flop_parameters, mfu
+from pipeline.models.layers import compile_layers, resolve_compile
 from pipeline.models.student import build_student
 from pipeline.tokenizer import load_tokenizer
-from stage2_train.parallel import compile_layers, resolve_compile
 
 
 def synchronize(device: torch.device) -> None:
@@ -28,7 +28,7 @@ def floor_rate(
     """(Target tokens/s, MFU) of the plain loop, timed over the last two thirds of `steps` (the
     first third compiles and warms up)."""
     model = build_student(student, load_tokenizer("tinyllama"), 0, seq_len).to(device)
-    compile_layers(model, resolve_compile("auto", device))
+    compile_layers(model, resolve_compile("auto", device), "the student")
     cuda = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if cuda else None)
     generator = torch.Generator().manual_seed(0)

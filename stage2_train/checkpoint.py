@@ -39,13 +39,14 @@ from pipeline.config import from_dict, to_dict
 from pipeline.differences import setting_differences
 from pipeline.errors import CacheError, ConfigError
 from pipeline.io import atomic_write_json, atomic_write_text, fsync_file, publish_folder
+from pipeline.models.layers import resolve_compile
 from stage2_train.attention import resolve_attention
 from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
 from stage2_train.forward import resolve_loss_kernel
-from stage2_train.parallel import resolve_compile, resolve_fsdp_param_dtype
+from stage2_train.parallel import resolve_fsdp_param_dtype
 from stage2_train.schedule import resolve_adamw_kernel
 
 MARKER = "COMPLETE"

@@ -12,7 +12,7 @@ from pipeline.choices import (
     AlmMode,
     Attention,
     ChunkStudentAggregate,
-    CompileStudent,
+    CompileLayers,
     ComputeDtype,
     FsdpParamDtype,
     GuidanceMode,
@@ -155,7 +155,7 @@ class TrainConfig:
         "not with --fsdp); plain: the model's logits, then the loss; "
         "auto: chunked on a GPU where it applies (docs/gpu-path.md)",
     )
-    compile: CompileStudent = option(
+    compile: CompileLayers = option(
         "auto",
         help="layers: torch.compile each decoder layer of the student (norms, RoPE, MLP fused; "
         "tens of seconds of compiling at the first step); off: eager; auto: layers on a GPU, "

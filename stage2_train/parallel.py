@@ -11,33 +11,9 @@ from torch import nn
 
 from pipeline.choices import on_device
 from pipeline.errors import ConfigError
+from pipeline.models.layers import compile_layers, decoder_layers
 from stage2_train.config import TrainConfig
 from stage2_train.distributed import Runtime
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """A transformers causal LM's decoder layers (model.model.layers), or [] for another shape."""
-    return list(getattr(getattr(model, "model", None), "layers", []))
-
-
-def resolve_compile(choice: str, device: torch.device) -> str:
-    """`layers` or `off` for `--compile` on `device`."""
-    return on_device(choice, device, gpu="layers", cpu="off")
-
-
-def compile_layers(model: nn.Module, compile_student: str) -> None:
-    """torch.compile each decoder layer in place (before wrapping, as torchtitan orders it): the
-    layers are where norms, RoPE and the MLP fuse, and the model's own mask and loss code around
-    them stays eager, so no graph breaks per step. In place, the state dict keeps its names."""
-    if compile_student == "off":
-        return
-    layers = decoder_layers(model)
-    if not layers:
-        raise ConfigError(
-            "--compile layers: the student has no decoder layers at model.layers; use --compile off"
-        )
-    for layer in layers:
-        layer.compile()
 
 
 def resolve_fsdp_param_dtype(config: TrainConfig, device: torch.device) -> str:
@@ -59,7 +35,8 @@ def wrap(
     FSDP (per decoder layer, then the root) gathering its parameters in `param_dtype`
     (`resolve_fsdp_param_dtype`) and reducing gradients in float32."""
     model = model.to(runtime.device)
-    compile_layers(model, compile_student)
+    # before wrapping, as torchtitan orders it
+    compile_layers(model, compile_student, "the student")
     if fsdp:
         if not runtime.distributed:
             raise ConfigError(
