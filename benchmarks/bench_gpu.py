@@ -36,14 +36,16 @@ What each row measures:
   2^24 logits per chunk, against chunks sized from free memory; `serial units`: `--unit-overlap
   off`, a worker's units one after another, against tokenizing and writing one unit while another
   is scored; `serial batches`: `--batch-overlap off`, each batch read back before the next is
-  built, against building and launching batch k+1 while the device runs batch k; `padded rows`:
+  built, against building and launching batch k+1 while the device runs batch k; `eager
+  layers`: `--compile off`, against each decoder layer compiled; `padded rows`:
   `--row-packing padded`, a window per row, against packed rows with a document mask; the gpu
   shapes give the one worker 32 units). `stage 1 vllm` (where vllm
   imports): the same job with `--backend vllm`, the engine's prompt log-probabilities. Each of
   these rows is preceded by the largest difference of its stored losses from stage 1's: the
   columns leave the loss as it is, a switch within rounding, and vLLM within its own arithmetic.
 - bare forward, body, body + fused head: the teacher loaded as the worker loads it
-  (pipeline.scoring.hf.HFScorer, the same `auto` switches), on the batches the worker builds (its
+  (pipeline.scoring.hf.HFScorer, the same `auto` switches: on a GPU its decoder layers compiled,
+  as the worker's), on the batches the worker builds (its
   windows, row layout, mask and positions) already on the device: `model(...).logits` and nothing
   else; the decoder body alone, no head (the floor of any loss); the body and one fused head pass
   over all of a batch's scored positions. `scorer`: the worker's scoring call itself
@@ -147,11 +149,13 @@ STAGE1_VARIANTS = (
     ("fixed chunks", ("--head-chunks", "fixed")),
     ("serial units", ("--unit-overlap", "off")),
     ("serial batches", ("--batch-overlap", "off")),
+    ("eager layers", ("--compile", "off")),
     ("padded rows", ("--row-packing", "padded")),
 )
 # The switch rows measured before stage 2 (the rest after it): the issue's targets name +space,
-# packing is the largest of the switches, and a wait per batch is what the floors never do.
-PRIORITY_VARIANTS = ("+space", "padded rows", "serial batches")
+# packing is the largest of the switches, a wait per batch is what the floors never do, and
+# compiled layers speed the body itself (the floors' too).
+PRIORITY_VARIANTS = ("+space", "padded rows", "serial batches", "eager layers")
 # Where vllm imports, a row of the first teacher's job with `--backend vllm` (on a CPU without
 # torch.compile, whose start takes minutes there).
 VLLM_VARIANT = {"cuda": ("--backend", "vllm"), "cpu": ("--backend", "vllm", "--vllm-enforce-eager")}

@@ -13,6 +13,7 @@ from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, topk_id_d
 from pipeline.choices import (
     Attention,
     BatchOverlap,
+    CompileLayers,
     HeadChunks,
     HeadKernel,
     LossDtype,
@@ -143,6 +144,13 @@ class ScoreConfig:
         "batch is queued behind it, so its inputs, masks and kernel launches are prepared while "
         "the device computes; off: each batch is read back before the next is built; auto: on on "
         "a GPU, off on a CPU (where nothing runs asynchronously); the same columns either way",
+    )
+    compile: CompileLayers = option(
+        "auto",
+        help="hf backend: layers: torch.compile each decoder layer of the teacher (norms, RoPE, "
+        "MLP fused; compiled at load, for every batch shape); off: eager; auto: layers on a GPU "
+        "where the teacher has decoder layers at model.layers, off on a CPU; the same columns "
+        "up to rounding (docs/stage1-gpu-path.md)",
     )
     unit_overlap: UnitOverlap = option(
         "auto",

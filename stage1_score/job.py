@@ -225,6 +225,7 @@ def run(config: ScoreConfig) -> CacheManifest:
                 row_packing=config.row_packing,
                 attention=config.attention,
                 batch_overlap=config.batch_overlap,
+                compile=config.compile,
                 loss_dtype=config.loss_dtype,
                 settings=job.identity["settings"],
                 out=out if isinstance(out, str) else out.resolve(),

@@ -58,6 +58,7 @@ class WorkerSpec:
     row_packing: str = "auto"
     attention: str = "auto"
     batch_overlap: str = "auto"
+    compile: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ def load_scorer(spec: WorkerSpec, extras: HeadExtras | None = None):
         row_packing=spec.row_packing,
         attention=spec.attention,
         batch_overlap=spec.batch_overlap,
+        compile=spec.compile,
     )
 
 

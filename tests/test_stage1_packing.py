@@ -4,7 +4,9 @@ window is scored with exactly its own context, so every column equals the docume
 windowed long documents included, for a byte-level and a SentencePiece teacher, under the dense
 mask and flex attention; a teacher that does not honour the document mask is refused (or, under
 `auto`, kept padded); what was resolved is recorded with the worker. `--batch-overlap on` (a batch
-read back only once the next is launched) caches what serial batches do."""
+read back only once the next is launched) caches what serial batches do, and a packed batch's
+work never waits for the device. `--compile layers` scores what eager layers do, and the warm-up
+at load compiles every shape a unit can give what is compiled."""
 
 from __future__ import annotations
 
@@ -124,32 +126,64 @@ def compiled_as_on_a_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("packing", ["packed", "padded"])
-def test_what_compiles_does_so_at_load_and_never_inside_a_unit(
+def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     teachers, packing, compiled_as_on_a_gpu
 ):
-    """A compiled function compiles again for a batch's or a head chunk's row count until it has
-    seen a size of 1 and two others, and on a GPU a compile took longer than scoring a small
-    unit (bench_gpu.py, H200, 2026-11-26). The warm-up at load shows the head, flex attention
-    and its block mask every such shape, so units of any shape compile nothing."""
+    """`--compile layers` (auto on a GPU) changes no column beyond rounding. A compiled function
+    compiles again for a new shape (a batch's row count or length, a head chunk's rows, a mask
+    where there was none) until it has seen every kind, and on a GPU a compile took longer than
+    scoring a small unit (bench_gpu.py, H200, 2026-11-26): the warm-up at load shows the decoder
+    layers, the head, flex attention and its block mask every kind of shape, so units of any
+    shape compile nothing."""
     from torch._dynamo.utils import counters
 
-    attention = "flex" if packing == "packed" else "auto"
-    scorer = hf.HFScorer(
-        resolve_teacher(str(teachers["smollm2"])), dtype="float32", max_length=MAX_LENGTH,
-        stride=STRIDE, batch_tokens=64, device="cpu", head_kernel="fused", row_packing=packing,
-        attention=attention,
+    settings = dict(
+        dtype="float32", max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=64, device="cpu",
+        head_kernel="fused", row_packing=packing, attention="flex" if packing == "packed" else "auto",
     )  # fmt: skip
+    teacher = resolve_teacher(str(teachers["smollm2"]))
+    scorer = hf.HFScorer(teacher, compile="layers", **settings)
     compiled = counters["stats"]["unique_graphs"]
-    assert scorer.describe()["head_kernel"] == "fused"
+    assert (scorer.describe()["head_kernel"], scorer.describe()["compile"]) == ("fused", "layers")
     tokenizer = load_tokenizer(str(teachers["smollm2"]))
     text = " ".join(["seven apples and six pears"] * 2)
     ids = [e.ids[:MAX_LENGTH] for e in tokenizer.encode_batch([text])] * 9
     assert len(ids[0]) > MAX_LENGTH // 2  # a row each
     two_tokens = tokenizer.encode("a b").ids[:2]  # one scored position: a head chunk of one row
-    # rows of 16 tokens, 4 rows a batch: batches of 1 to 4 rows
-    for unit in (ids[:1], ids[:3], ids[:4], ids[:6], ids[:9], [two_tokens], [*ids[:2], two_tokens]):
-        scorer.score(unit)
+    units = [ids[:1], ids[:3], ids[:4], ids[:6], ids[:9], [two_tokens], [*ids[:2], two_tokens]]
+    # padded: batches of other lengths, with padding and without
+    units += [[ids[0], ids[0][:10]], [ids[0][:12]] * 3, [ids[0][:5], ids[0][:7], ids[0][:12]]]
+    texts = [e.ids for e in tokenizer.encode_batch(TEXTS)]
+    compiled_losses = [scorer.score(unit) for unit in [*units, texts]]
     assert counters["stats"]["unique_graphs"] == compiled
+    eager = hf.HFScorer(teacher, compile="off", **settings)
+    assert eager.describe()["compile"] == "off"
+    for unit, losses in zip([*units, texts], compiled_losses, strict=True):
+        for ours, theirs in zip(losses, eager.score(unit), strict=True):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_teacher_without_decoder_layers_is_refused_compiling_or_runs_eagerly(
+    teachers, tmp_path, monkeypatch
+):
+    """`--compile layers` compiles model.model.layers; a teacher of another shape (GPT-2's
+    transformer.h) is refused in one line when it is asked for, and runs eagerly under auto."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2"
+    vocab = load_tokenizer(str(teachers["smollm2"])).vocab_size
+    GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=32, n_layer=1, n_head=2)).save_pretrained(
+        folder
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((teachers["smollm2"] / name).read_bytes())
+    settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
+    teacher = resolve_teacher(str(folder))
+    with pytest.raises(ConfigError, match=r"^--compile layers: the teacher has no decoder layers "
+                       r"at model.layers; use --compile off$"):  # fmt: skip
+        hf.HFScorer(teacher, compile="layers", **settings)
+    monkeypatch.setattr(hf, "resolve_compile", lambda choice, device: "layers")  # auto on a GPU
+    assert hf.HFScorer(teacher, compile="auto", **settings).describe()["compile"] == "off"
 
 
 def mask_ignored(scorer, ids, segments, positions) -> dict:

@@ -159,6 +159,7 @@ def test_topk_probs_8_and_space_logprob_are_cached_by_the_fused_head_and_equal_t
     assert (backend["head_kernel"], backend["head_chunks"], backend["batch_overlap"]) == (
         "fused", "sized", "on"
     )  # fmt: skip
+    assert backend["compile"] == "off"  # auto on a CPU
     tokenizer = load_tokenizer(str(teacher))
     mask, identity = space_mask(tokenizer, tokenizer.vocab_size)
     assert manifest.settings["topk_probs"] == 8 and manifest.settings["topk_id_dtype"] == "uint16"

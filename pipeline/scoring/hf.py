@@ -4,9 +4,10 @@ Per batch of windows (pipeline.scoring.windows, pipeline.scoring.batching): one 
 decoder body; then the output head is applied only to the positions whose next token is scored, a
 chunk of rows at a time, and each chunk's loss and views are computed by `--head-kernel`
 (pipeline.scoring.head). Chunks (`--head-chunks`) hold a fixed 2^24 logits, or are sized from the
-device's free memory at the start of each scoring call, so that a large vocabulary does not cost a head matrix product
-(re-reading the whole head weight) per hundred rows. Full-vocabulary log-probabilities of all
-positions (batch x length x vocabulary) are never materialized.
+device's free memory at the start of each scoring call, so that a large vocabulary does not cost a
+head matrix product (re-reading the whole head weight) per hundred rows. Full-vocabulary
+log-probabilities of all positions (batch x length x vocabulary) are never materialized.
+`--compile layers` compiles each decoder layer of the body (pipeline.models.layers).
 
 `--row-packing` says how windows fill the batch's rows: `padded`, one window per row,
 right-padded, with a 2-D attention mask; `packed`, several windows per row of `max_length`
@@ -33,6 +34,7 @@ import torch
 from pipeline.choices import on_device
 from pipeline.document_attention import FLEX, document_block_mask, document_mask
 from pipeline.errors import ConfigError
+from pipeline.models.layers import compile_layers, decoder_layers, resolve_compile
 from pipeline.scoring.batching import (
     BatchLayout,
     layout_arrays,
@@ -123,6 +125,7 @@ class HFScorer:
         row_packing: str = "auto",
         attention: str = "auto",
         batch_overlap: str = "auto",
+        compile: str = "auto",
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_teacher_model(teacher, dtype, str(self.device))
@@ -138,26 +141,36 @@ class HFScorer:
         self.columns = HeadColumns(self.extras, self.vocab_size, self.device, self.head_kernel)
         self.row_packing, self.attention = self._resolve_packing(row_packing, attention)
         self.batch_overlap = on_device(batch_overlap, self.device, gpu="on", cpu="off")
-        # What compiles on first use (the fused head, flex attention and its block mask) does so
-        # now, at load, not inside a unit.
+        self.compile = resolve_compile(compile, self.device)
+        if compile == "auto" and not decoder_layers(self.model):
+            self.compile = "off"  # a teacher of another shape runs eagerly; asked for, refused
+        compile_layers(self.model, self.compile, "the teacher")
+        # What compiles on first use (the layers, the fused head, flex attention and its block
+        # mask) does so now, at load, not inside a unit.
         for documents in self._warm_up_units():
             self.score_columns(documents)
 
     def _warm_up_units(self) -> list[list[np.ndarray]]:
-        """Units whose batches take every shape that compiles differently: a compiled function
-        compiles again for a new size until it has seen a size of 1 and two others (1 is
-        specialized), and on a GPU a compile takes longer than a small unit's scoring. Packed, a
-        full batch of rows and a batch of two (flex attention and its block mask, not relying on
-        the load probe's shape); in either layout, then, a document of two tokens: a row of its
-        own, and one scored position, a head chunk of one row for the fused head."""
-        short = [np.arange(min(WARM_UP_TOKENS, self.max_length)) % self.vocab_size]
-        one_position = [np.arange(2) % self.vocab_size]
+        """Units whose batches take every kind of shape that compiles differently: a compiled
+        function compiles again for a new size until it has seen a size of 1 and two others (1
+        is specialized), and for a mask where it had none; on a GPU a compile takes longer than
+        a small unit's scoring. Packed: a full batch of rows, a batch of two, then a document of
+        two tokens (a row of its own, and one scored position: a head chunk of one row). Padded:
+        a row alone, that document, two rows of one length (no mask), then padded batches (a
+        mask, first seen with sizes of its own) of two and three rows of two lengths."""
+
+        def document(length: int) -> np.ndarray:
+            return np.arange(length) % self.vocab_size
+
+        one_position = [document(2)]
         per_batch = max(1, self.batch_tokens // self.max_length)
-        if self.row_packing != "packed" or per_batch == 1:
-            return [short, one_position]
-        alone = np.arange(self.max_length // 2 + 1) % self.vocab_size  # two never share a row
-        rows = sorted({per_batch, min(2, per_batch)}, reverse=True)
-        return [[alone] * count for count in rows] + [one_position]
+        if self.row_packing == "packed" and per_batch > 1:
+            alone = document(self.max_length // 2 + 1)  # two never share a row
+            rows = sorted({per_batch, min(2, per_batch)}, reverse=True)
+            return [[alone] * count for count in rows] + [one_position]
+        short = max(8, min(WARM_UP_TOKENS, self.max_length, self.batch_tokens // 3))
+        long, half, quarter = document(short), document(short // 2), document(short // 4)
+        return [[long], one_position, [long] * 2, [long, half], [half, quarter, quarter]]
 
     def describe(self) -> dict:
         import transformers
@@ -173,6 +186,7 @@ class HFScorer:
             "row_packing": self.row_packing,
             "attention": self.attention,
             "batch_overlap": self.batch_overlap,
+            "compile": self.compile,
         }
 
     @torch.inference_mode()
