@@ -186,6 +186,42 @@ def test_a_teacher_without_decoder_layers_is_refused_compiling_or_runs_eagerly(
     assert hf.HFScorer(teacher, compile="auto", **settings).describe()["compile"] == "off"
 
 
+def test_layers_that_fail_to_compile_are_refused_or_run_eagerly_under_auto(
+    teachers, monkeypatch, capsys
+):
+    """Where the compiler fails on the teacher's layers (planted: a backend that raises, as
+    Inductor does on a kernel it cannot build), `--compile layers` is refused in one line at load,
+    and auto (a GPU's default) says so in one warning and scores with eager layers."""
+    from pipeline.log import configure
+    from pipeline.models.layers import decoder_layers
+
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("no kernel for this layer")
+
+    def compile_failing(model, choice, who):
+        for layer in decoder_layers(model) if choice == "layers" else []:
+            layer.compile(backend=failing_backend)
+
+    monkeypatch.setattr(hf, "compile_layers", compile_failing)
+    torch._dynamo.reset()
+    teacher = resolve_teacher(str(teachers["smollm2"]))
+    settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
+    with pytest.raises(ConfigError, match=r"^--compile layers: compiling the teacher's layers "
+                       r"failed \(RuntimeError: no kernel for this layer\); use --compile off$"):  # fmt: skip
+        hf.HFScorer(teacher, compile="layers", **settings)
+    monkeypatch.setattr(hf, "resolve_compile", lambda choice, device: "layers"
+                        if choice == "auto" else choice)  # auto as on a GPU  # fmt: skip
+    configure()
+    scorer = hf.HFScorer(teacher, compile="auto", **settings)
+    assert scorer.describe()["compile"] == "off"
+    said = capsys.readouterr().err
+    assert said.count("[scoring] --compile auto: compiling the teacher's layers failed") == 1, said
+    ids = [e.ids for e in load_tokenizer(str(teachers["smollm2"])).encode_batch(TEXTS)]
+    eager = hf.HFScorer(teacher, compile="off", **settings)
+    for ours, theirs in zip(scorer.score(ids), eager.score(ids), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
 def mask_ignored(scorer, ids, segments, positions) -> dict:
     """A forward pass that attends across the whole row: what a teacher that drops the
     document mask (and the restarted positions) computes."""

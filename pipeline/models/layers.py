@@ -33,3 +33,9 @@ def compile_layers(model: nn.Module, choice: str, who: str, dynamic: bool | None
         )
     for layer in layers:
         layer.compile(dynamic=dynamic)
+
+
+def eager_layers(model: nn.Module) -> None:
+    """Undo `compile_layers`: each decoder layer runs its own forward again."""
+    for layer in decoder_layers(model):
+        layer._compiled_call_impl = None  # what nn.Module.compile sets

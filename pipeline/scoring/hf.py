@@ -24,7 +24,6 @@ scored in chunks. Same input, same thread count -> bit-identical losses on the C
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable
 
@@ -34,7 +33,8 @@ import torch
 from pipeline.choices import on_device
 from pipeline.document_attention import FLEX, document_block_mask, document_mask
 from pipeline.errors import ConfigError
-from pipeline.models.layers import compile_layers, decoder_layers, resolve_compile
+from pipeline.log import get_logger
+from pipeline.models.layers import compile_layers, decoder_layers, eager_layers, resolve_compile
 from pipeline.scoring.batching import (
     BatchLayout,
     layout_arrays,
@@ -42,6 +42,7 @@ from pipeline.scoring.batching import (
     padded_layouts,
     scored_positions,
 )
+from pipeline.scoring.device import HostCopies, free_memory, to_device
 from pipeline.scoring.head import HeadColumns, HeadExtras, empty_columns
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
@@ -61,13 +62,6 @@ WARM_UP_TOKENS = 64
 PACKING_TOLERANCE = 1e-3
 
 
-def free_memory(device: torch.device) -> int:
-    """Bytes free now: CUDA's free device memory, or the host's available memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def head_chunk_rows(vocab_size: int, chunks: str, free: int | None = None) -> int:
     """Rows per head chunk for `--head-chunks` `chunks` (fixed or sized), given `free` bytes
     (sized only): never fewer than the fixed budget's."""
@@ -75,34 +69,6 @@ def head_chunk_rows(vocab_size: int, chunks: str, free: int | None = None) -> in
     if chunks == "fixed":
         return fixed
     return max(fixed, int(free * HEAD_MEMORY_SHARE) // (vocab_size * BYTES_PER_LOGIT))
-
-
-def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device`: from pinned memory without a wait on a GPU."""
-    tensor = torch.from_numpy(values)
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
-
-
-class HostCopies:
-    """A batch's columns on their way to host memory: on a GPU every copy is started at once (into
-    pinned memory) and waited for once, by `arrays()`, on an event recorded behind them, so that
-    the device may already run the next batch's work."""
-
-    def __init__(self, columns: dict[str, torch.Tensor]):
-        self.copies = {
-            name: values.to("cpu", non_blocking=True) for name, values in columns.items()
-        }
-        self.done = None
-        if any(values.is_cuda for values in columns.values()):
-            self.done = torch.cuda.Event()
-            self.done.record()
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        if self.done is not None:
-            self.done.synchronize()
-        return {name: values.numpy() for name, values in self.copies.items()}
 
 
 class HFScorer:
@@ -145,10 +111,29 @@ class HFScorer:
         if compile == "auto" and not decoder_layers(self.model):
             self.compile = "off"  # a teacher of another shape runs eagerly; asked for, refused
         compile_layers(self.model, self.compile, "the teacher")
-        # What compiles on first use (the layers, the fused head, flex attention and its block
-        # mask) does so now, at load, not inside a unit.
-        for documents in self._warm_up_units():
-            self.score_columns(documents)
+        self._warm_up(compile)
+
+    def _warm_up(self, asked: str) -> None:
+        """Score `_warm_up_units`, so that what compiles on first use (the layers, the fused
+        head, flex attention and its block mask) does so now, at load, not inside a unit. Layers
+        that fail to compile are refused in one line where `--compile layers` was asked for;
+        under auto they run eagerly, with one warning."""
+        try:
+            for documents in self._warm_up_units():
+                self.score_columns(documents)
+        except Exception as exc:  # torch.compile's failures share no base class
+            if self.compile == "off":
+                raise
+            # the compiler's own error, which torch._dynamo's BackendCompilerFailed wraps
+            cause = getattr(exc, "inner_exception", None) or exc
+            first = (str(cause).strip().splitlines() or [""])[0][:300]
+            problem = f"compiling the teacher's layers failed ({type(cause).__name__}: {first})"
+            if asked != "auto":
+                raise ConfigError(f"--compile layers: {problem}; use --compile off") from exc
+            get_logger("scoring").warning(f"--compile auto: {problem}; they run eagerly")
+            eager_layers(self.model)
+            self.compile = "off"
+            self._warm_up(asked)
 
     def _warm_up_units(self) -> list[list[np.ndarray]]:
         """Units whose batches take every kind of shape that compiles differently: a compiled
