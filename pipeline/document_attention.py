@@ -30,7 +30,8 @@ def document_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 def document_block_mask(segment_ids: torch.Tensor):
     """The same mask as `document_mask`, as flex_attention's BlockMask. On a GPU its builder is
     compiled (`compiles_on`), which never materializes the T x T grid; like any compiled
-    function, it compiles again for a new batch size until it has seen a size of 1 and two others."""
+    function, it compiles again for a new batch size until it has seen a size of 1 and two
+    others."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(batch, head, query, key):

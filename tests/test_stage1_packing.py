@@ -139,7 +139,8 @@ def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
 
     settings = dict(
         dtype="float32", max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=64, device="cpu",
-        head_kernel="fused", row_packing=packing, attention="flex" if packing == "packed" else "auto",
+        head_kernel="fused", row_packing=packing,
+        attention="flex" if packing == "packed" else "auto",
     )  # fmt: skip
     teacher = resolve_teacher(str(teachers["smollm2"]))
     scorer = hf.HFScorer(teacher, compile="layers", **settings)

@@ -21,9 +21,9 @@ def resolve_compile(choice: str, device: torch.device) -> str:
     return on_device(choice, device, gpu="layers", cpu="off")
 
 
-def compile_layers(model: nn.Module, choice: str, who: str, dynamic: bool | None = None) -> None:
+def compile_layers(model: nn.Module, choice: str, who: str) -> None:
     """torch.compile each of `who`'s decoder layers in place for `choice` `layers` (nothing for
-    `off`); `dynamic`: torch.compile's (None: a size is made dynamic once it changes)."""
+    `off`); a size is made dynamic once it changes."""
     if choice == "off":
         return
     layers = decoder_layers(model)
@@ -32,7 +32,7 @@ def compile_layers(model: nn.Module, choice: str, who: str, dynamic: bool | None
             f"--compile layers: {who} has no decoder layers at model.layers; use --compile off"
         )
     for layer in layers:
-        layer.compile(dynamic=dynamic)
+        layer.compile()
 
 
 def eager_layers(model: nn.Module) -> None:
