@@ -144,14 +144,16 @@ def wait_for(condition, what: str, process: subprocess.Popen, log: Path, timeout
     return found
 
 
-def marked_pids(*titles: bytes) -> list[int]:
-    """Processes of the current marked Ray cluster whose title starts with one of `titles`."""
+def marked_pids(*titles: bytes, matches=None) -> list[int]:
+    """Processes of the current marked Ray cluster whose title starts with one of `titles`, or
+    whose command line `matches(cmdline)` accepts."""
+    matches = matches or (lambda cmdline: cmdline.startswith(titles))
     mark = f"{MARK}={os.environ[MARK]}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         try:
             title = (entry / "cmdline").read_bytes()
-            if title.startswith(titles) and mark in (entry / "environ").read_bytes().split(b"\0"):
+            if matches(title) and mark in (entry / "environ").read_bytes().split(b"\0"):
                 pids.append(int(entry.name))
         except (OSError, ValueError):
             continue

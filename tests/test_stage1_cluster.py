@@ -3,8 +3,8 @@ get (--dtype auto), from a real cluster's GCS. Paths of a stage-1 job that `ray 
 --working-dir` shipped, without a cluster: the driver finds itself in Ray's copy of the working
 directory (Ray's job supervisor says so in the driver's environment), where the cache must not go,
 from where a shipped teacher is opened in each worker's own copy, and whose corpus files the run
-holds elsewhere before joining Ray deletes it. The cluster itself, where a real job must find its shipped folder (it
-refuses --out there): tests/test_stage1_multinode.py (slow)."""
+holds elsewhere before joining Ray deletes it. The cluster itself, where a real job must find its
+shipped folder (it refuses --out there): tests/test_stage1_multinode.py (slow)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from tests.test_fault_stage1 import (
     busy,
     finished_shards,
     gone_within,
+    marked_pids,
     marked_ray_cluster,
     mid_run,
     signal_mid_run,
@@ -73,15 +73,7 @@ def is_engine(cmdline: bytes) -> bool:
 def marked_engines() -> list[int]:
     """vLLM's engine processes of the current marked Ray cluster (they inherit its mark), in this
     process's tree or orphaned, titled or not."""
-    mark = f"{MARK}={os.environ[MARK]}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError):  # not a process, or one that ended
-            if is_engine((entry / "cmdline").read_bytes()) and mark in (
-                entry / "environ"
-            ).read_bytes().split(b"\0"):
-                pids.append(int(entry.name))
-    return pids
+    return marked_pids(matches=is_engine)
 
 
 @pytest.fixture(scope="module")
