@@ -6,7 +6,8 @@ Targets: stage 1 >= 0.95 of the bare forward (issue 12) and >= 0.85 of the body 
 stage 2 >= 55% MFU, token within 3% of none.
 
     python benchmarks/bench_gpu.py [--shapes gpu|tiny] [--docs N] [--steps S]
-        [--teachers NAME ...] [--stage1-only] [--budget-seconds S] [--rows-jsonl PATH]
+        [--teachers NAME ...] [--stage1-only] [--switches LABEL ...] [--budget-seconds S]
+        [--rows-jsonl PATH]
 
 The rows come in the order the targets need them: each teacher's `stage 1 (hf)` with its floors,
 the first teacher's `+space` and `padded rows`, stage 2's `none`, `token` and floor, then the
@@ -52,7 +53,9 @@ What each row measures:
   (`HFScorer.score_columns` from host token ids: its batches built, copied, scored in sized
   chunks and read back), in this process, without Ray, tokenizing or writing: between it and
   `body + fused head` lies the scorer's host work, between it and `stage 1 (hf)` the job's (the
-  phases line says which). Each: one warm-up pass, then the best of --repeats
+  phases line says which). `scorer by unit`: the same call once per unit of the job's documents
+  per shard, in the job's order: between it and `scorer` lie the units' edges (each unit's last,
+  shorter batch, the wait for its results before the next unit's first batch is queued). Each: one warm-up pass, then the best of --repeats
   passes, synchronized; the same teacher-token count as the job. The `stage 1 (hf)` row's ratio
   is to `body`, and a line before the table gives stage 1 / bare forward.
 - stage 2: `stage2_train/train.py` in-process on the first teacher's cache; tokens/s and MFU are the
@@ -221,11 +224,14 @@ def best_rate(one_pass, tokens: int, repeats: int, device) -> float:
     return tokens / best
 
 
-def forward_rates(scorer: HFScorer, token_ids: list[np.ndarray], repeats: int, device) -> dict:
+def forward_rates(
+    scorer: HFScorer, token_ids: list[np.ndarray], per_unit: int, repeats: int, device
+) -> dict:
     """{side: teacher tokens/s} of the bare forward pass and the two floors, on the batches the
     worker builds (its windows, `--row-packing` layout, mask and positions), already on the
-    device, and of the worker's whole scoring call from host token ids; each counts every
-    teacher token, as the job's progress does."""
+    device, and of the worker's whole scoring call from host token ids, over all documents at
+    once and over the job's units of `per_unit`; each counts every teacher token, as the job's
+    progress does."""
     windows = plan_document_windows([len(i) for i in token_ids], scorer.max_length, scorer.stride)
     batches = [
         scorer.batch_inputs(token_ids, windows, layout) for layout in scorer.layouts(windows)
@@ -250,9 +256,13 @@ def forward_rates(scorer: HFScorer, token_ids: list[np.ndarray], repeats: int, d
     def scorer_pass() -> None:  # what a worker's unit does on the device, from host token ids
         scorer.score_columns(token_ids)
 
+    def scorer_units() -> None:  # the same one unit at a time: each unit's last batch, its edges
+        for begin in range(0, len(token_ids), per_unit):
+            scorer.score_columns(token_ids[begin : begin + per_unit])
+
     sides = {
         "bare forward": bare_forward, "body": body, "body + fused head": body_and_fused_head,
-        "scorer": scorer_pass,
+        "scorer": scorer_pass, "scorer by unit": scorer_units,
     }  # fmt: skip
     return {side: best_rate(run, tokens, repeats, device) for side, run in sides.items()}
 
@@ -265,7 +275,9 @@ def direct_losses(model, ids: np.ndarray, max_length: int, stride: int, device) 
     windows = plan_document_windows([len(ids)], max_length, stride)
     for start, score_from, end in zip(windows.start, windows.score_from, windows.end, strict=True):
         window = torch.as_tensor(ids[start:end], dtype=torch.long, device=device)[None]
-        logprobs = torch.log_softmax(model(input_ids=window).logits[0].float(), dim=-1)
+        # no cache: a compiled layer would compile again for each layer's cache entry
+        logits = model(input_ids=window, use_cache=False).logits
+        logprobs = torch.log_softmax(logits[0].float(), dim=-1)
         positions = torch.arange(score_from - start - 1, end - start - 1, device=device)
         picked = logprobs[positions, window[0, positions + 1]]
         loss[score_from:end] = (-picked).cpu().numpy()
@@ -391,7 +403,7 @@ def teacher_job(bench: Bench, scratch: Path, corpus: Path, name: str, dtype: str
 
 def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     """`stage 1 (hf)` of `teacher`, then its floors on the worker's batches and the loss check."""
-    max_length, stride, batch_tokens, _ = STAGE1[bench.args.shapes]
+    max_length, stride, batch_tokens, per_unit = STAGE1[bench.args.shapes]
     device, peak = bench.device, device_peak_flops(bench.device)
     began = time.perf_counter()
     with polled_device_memory(device) as polled:
@@ -408,7 +420,7 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     cached = cache_rows(teacher.out)
     token_ids = [np.asarray(r["token_ids"], dtype=np.int64) for r in cached]
     reset_peak(device)
-    floors = forward_rates(scorer, token_ids, bench.args.repeats, device)
+    floors = forward_rates(scorer, token_ids, per_unit, bench.args.repeats, device)
     bare_peak = peak_memory(device)
     model.set_attn_implementation("sdpa")  # the check's plain forward pass
     differences = []
@@ -550,6 +562,8 @@ def measure_all(bench: Bench, scratch: Path, corpus: Path, dtype: str) -> None:
         if names[0] not in measured:
             return  # its cache feeds every row below
         first, variants = measured[names[0]], dict(stage1_variants(bench.device))
+        if bench.args.switches:
+            variants = {k: v for k, v in variants.items() if k in bench.args.switches}
         variant_rows(label for label in variants if label in PRIORITY_VARIANTS)
         if bench.args.stage1_only:
             variant_rows(label for label in variants if label not in PRIORITY_VARIANTS)
@@ -586,7 +600,7 @@ def print_table(rows: list[Row], device) -> None:
     for row in rows:
         print(row_line(row, device_name(device)))
     print(
-        "ratio: stage 1, bare forward, body + fused head and scorer / body of the same teacher; stage 1 +space (--space-logprob), "
+        "ratio: stage 1, bare forward, body + fused head and the scorer rows / body of the same teacher; stage 1 +space (--space-logprob), "
         "+topk 32 and a stage 1 switch row / stage 1; stage 2 arm / stage 2 none; a stage 2 switch row / stage 2 token (whose "
         "defaults are the GPU path's on a GPU, the same as the switch rows' on a CPU). Targets: stage 1 >= 0.85 of body and 0.95 of bare forward, +space >= 0.99 on a "
         "GPU, stage 2 MFU >= 55%, token >= 0.97."
@@ -612,6 +626,10 @@ def main(argv: list[str] | None = None) -> int:
         "feeds stage 2 and the switch rows",
     )  # fmt: skip
     parser.add_argument("--stage1-only", action="store_true", help="no stage-2 rows")
+    parser.add_argument(
+        "--switches", nargs="+", choices=[label for label, _ in STAGE1_VARIANTS] + ["vllm"],
+        help="only these stage-1 switch rows, in their usual order (default: all)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.shapes = args.shapes or ("gpu" if device.type == "cuda" else "tiny")

@@ -44,12 +44,21 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
         one_pass()
         return 1.0
 
+    calls, score_columns = [], scorer.score_columns
+
+    def recorded(token_ids, *args, **kwargs):
+        calls.append([len(i) for i in token_ids])
+        return score_columns(token_ids, *args, **kwargs)
+
     with monkeypatch.context() as patch:
         patch.setattr(bench_gpu, "best_rate", count)
-        rates = bench_gpu.forward_rates(scorer, ids, 1, cpu)
-    assert set(rates) == {"bare forward", "body", "body + fused head", "scorer"}
-    sides = ("bare_forward", "body", "body_and_fused_head", "scorer_pass")
+        patch.setattr(scorer, "score_columns", recorded)
+        rates = bench_gpu.forward_rates(scorer, ids, 2, 1, cpu)
+    assert set(rates) == {"bare forward", "body", "body + fused head", "scorer", "scorer by unit"}
+    sides = ("bare_forward", "body", "body_and_fused_head", "scorer_pass", "scorer_units")
     assert timed == dict.fromkeys(sides, 39 + 89 + 14)
+    # the scorer scores all documents in one call, then the job's units of 2 in order
+    assert calls == [[39, 89, 14], [39, 89], [14]]
     assert_rate_is_tokens_per_second_of_the_best_timed_pass(monkeypatch)
 
     # 89 tokens in windows of 32 with a stride of 16: the reference is the windows module's plain
@@ -112,11 +121,13 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         ("body ", "qwen2.5-1.5b-like"),
         ("body + fused head", "qwen2.5-1.5b-like"),
         ("scorer", "qwen2.5-1.5b-like"),
+        ("scorer by unit", "qwen2.5-1.5b-like"),
         ("stage 1 (hf)", "qwen2.5-7b-like"),
         ("bare forward", "qwen2.5-7b-like"),
         ("body ", "qwen2.5-7b-like"),
         ("body + fused head", "qwen2.5-7b-like"),
         ("scorer", "qwen2.5-7b-like"),
+        ("scorer by unit", "qwen2.5-7b-like"),
         ("stage 2 none", "llama-tiny"),
         ("stage 2 token", "llama-tiny"),
         ("stage 2 token dense", "llama-tiny"),

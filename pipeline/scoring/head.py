@@ -15,9 +15,10 @@ writer stores their top-k entries as nulls.
 Two kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
   - plain: the chunk's logits copied to fp32, log-softmax (another fp32 chunk), the loss and the
     views read from it (pipeline.cross_entropy, the student's definition);
-  - fused: reductions over the logits as they are (bf16 on a GPU): log Z, the target's logit and
-    the space mask's log-sum-exp, and torch.topk of the logits, so no fp32 copy of the chunk is
-    made where the pass is compiled (on CUDA; elsewhere it runs eagerly).
+  - fused: reductions over the logits as they are (bf16 on a GPU): their max, then Z and the
+    space mask's share of it in one pass, the target's logit, and torch.topk of the logits, so
+    no fp32 copy of the chunk is made where the pass is compiled (on CUDA; elsewhere it runs
+    eagerly).
 The two agree within fp32 rounding, far inside the cache's fp16 storage (tests/test_stage1_head.py).
 """
 
@@ -89,19 +90,25 @@ def fused_columns(
 ) -> dict[str, torch.Tensor]:
     """The same columns as `plain_columns` from reductions over the logits in their own dtype
     (`--head-kernel fused`): loss = log Z - logit[target], the top-k probabilities
-    exp(logit - log Z) of torch.topk of the logits, and log p(S) = logsumexp over S - log Z.
-    Compiled, each reduction reads the chunk once, upcasting as it goes."""
-    log_z = torch.logsumexp(logits.float(), dim=-1)
-    picked = logits.gather(-1, targets[:, None]).squeeze(-1).float()
-    columns = {"loss": log_z - picked}
+    exp(logit - log Z) of torch.topk of the logits, and p(S) as the share of S's terms
+    exp(logit - max) in their sum over the vocabulary, so that compiled, the mask's sum shares
+    Z's pass over the chunk (one pass for the max, one for both sums), each reading the chunk as
+    it is and upcasting."""
+    top = logits.amax(dim=-1, keepdim=True).float()
+    shifted = logits.float() - top
+    exp = shifted.exp()
+    log_sum = exp.sum(dim=-1).log()
+    picked = shifted.gather(-1, targets[:, None]).squeeze(-1)
+    columns = {"loss": log_sum - picked}
     if topk:
         values, ids = torch.topk(logits, topk, dim=-1, sorted=True)
-        probs = (values.float() - log_z[:, None]).exp()
+        probs = (values.float() - top - log_sum[:, None]).exp()
         columns |= {TOPK_PROBS: probs, TOPK_IDS: ids}
         columns[TOPK_REST] = (1.0 - probs.sum(dim=-1)).clamp(min=0.0)
     if space is not None:
-        in_space = torch.logsumexp(logits.float().masked_fill(~space, float("-inf")), dim=-1)
-        columns[SPACE_LOGPROB] = (in_space - log_z).clamp(min=math.log(TINY), max=0.0)
+        # a mass under fp32's smallest normal (or none: log 0) reads as that bound, as plain's does
+        in_space = torch.where(space, exp, 0.0).sum(dim=-1).log()
+        columns[SPACE_LOGPROB] = (in_space - log_sum).clamp(min=math.log(TINY), max=0.0)
     return columns
 
 

@@ -1,0 +1,111 @@
+"""What stage 1's head costs per batch, column by column: the head matmul alone, and the matmul
+with each `--head-kernel`'s columns, on one batch of scored positions, as the scorer computes them
+(pipeline.scoring.head.HeadColumns in chunks of `head_chunk_rows`, compiled where a GPU compiles).
+
+    python benchmarks/bench_stage1_head.py [--shape 1.5b|7b|tiny] [--rows N] [--repeats R]
+
+Each row: milliseconds per batch (the best of --repeats synchronized passes after one warm-up)
+and its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mask of a random
+40% of the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations'
+column. bench_gpu.py's `body + fused head` and `scorer` rows hold the same head inside the whole
+batch; this script says which column costs what inside it. Random hidden states and weights of the
+teacher's shape: shapes, not values, set the speed. `--shape tiny` (the default without CUDA)
+runs in seconds on a CPU, eagerly, as a CPU scorer does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from stage2_floor import synchronize  # noqa: E402
+
+from pipeline.scoring.device import free_memory  # noqa: E402
+from pipeline.scoring.head import HeadColumns, HeadExtras  # noqa: E402
+from pipeline.scoring.hf import head_chunk_rows  # noqa: E402
+
+# (hidden size, vocabulary, scored positions per batch): Qwen2.5-1.5B and -7B, one batch of
+# bench_gpu.py's 16,384 tokens; tiny for a CPU.
+SHAPES = {"1.5b": (1536, 151936, 16384), "7b": (3584, 152064, 16384), "tiny": (64, 1000, 256)}
+SIDES = (  # label, --head-kernel, top-k, with the space column
+    ("fused loss", "fused", 0, False),
+    ("fused +space", "fused", 0, True),
+    ("fused +topk 32", "fused", 32, False),
+    ("plain loss", "plain", 0, False),
+    ("plain +space", "plain", 0, True),
+)
+
+
+def head_pass(hidden, weight, columns: HeadColumns, targets, rows: int):
+    """One batch's head: the logits of each chunk of `rows` positions and its columns."""
+
+    def run() -> None:
+        out = columns.buffer(len(targets))
+        for begin in range(0, len(targets), rows):
+            chunk = slice(begin, begin + rows)
+            columns.fill(out, chunk, hidden[chunk] @ weight.T, targets[chunk])
+
+    return run
+
+
+def best_seconds(run, repeats: int, device: torch.device) -> float:
+    with torch.inference_mode():
+        run()
+        best = float("inf")
+        for _ in range(repeats):
+            synchronize(device)
+            began = time.perf_counter()
+            run()
+            synchronize(device)
+            best = min(best, time.perf_counter() - began)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=tuple(SHAPES), help="default: 1.5b with CUDA, else tiny")
+    parser.add_argument("--rows", type=int, help="scored positions per batch (default: the shape's)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = args.shape or ("1.5b" if device.type == "cuda" else "tiny")
+    width, vocab, positions = SHAPES[shape]
+    positions = args.rows or positions
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator(device).manual_seed(0)
+    hidden = torch.randn(positions, width, generator=generator, device=device, dtype=dtype)
+    weight = torch.randn(vocab, width, generator=generator, device=device, dtype=dtype) / width**0.5
+    targets = torch.randint(0, vocab, (positions,), generator=generator, device=device)
+    space = (torch.rand(vocab, generator=generator, device=device) < 0.4).cpu().numpy()
+    rows = head_chunk_rows(vocab, "sized", free_memory(device))
+    print(f"shape {shape}: {positions} scored positions, hidden {width}, vocabulary {vocab}, "
+          f"{dtype}, chunks of {min(rows, positions)} rows, {device}")  # fmt: skip
+
+    times = {}
+
+    def logits_only() -> None:
+        for begin in range(0, positions, rows):
+            _ = hidden[begin : begin + rows] @ weight.T
+
+    times["head matmul"] = best_seconds(logits_only, args.repeats, device)
+    for label, kernel, topk, with_space in SIDES:
+        extras = HeadExtras(topk=topk, space_mask=space if with_space else None)
+        columns = HeadColumns(extras, vocab, device, kernel)
+        times[label] = best_seconds(
+            head_pass(hidden, weight, columns, targets, rows), args.repeats, device
+        )
+    print(f"{'what':<16} {'ms/batch':>9} {'ratio':>7}")
+    for label, seconds in times.items():
+        print(f"{label:<16} {seconds * 1e3:>9.2f} {seconds / times['fused loss']:>7.3f}")
+    print("ratio: / fused loss (what `stage 1 (hf)` computes on a GPU)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
