@@ -15,8 +15,9 @@ other switch rows. Each is printed as it is measured (and appended to --rows-jso
 stage-1 job's unit phases (benchmarks/stage1_runs.py: phase_summary), so that a run cut off by a
 lease's limit still reports what it measured; a row that fails is named in one line and the rest
 go on (exit 1); with --budget-seconds, a switch row (or the floor) that would end past the budget,
-by its baseline's time, is skipped and named. On an H200 the whole table takes longer than 10
-minutes: the 1.5B teacher's rows alone took 152 s (2026-11-26).
+by its baseline's time, is skipped and named; --switches picks the switch rows. On an H200 the
+whole table takes longer than 10 minutes: the 1.5B teacher's rows alone took 269 s with its layers
+compiled (2026-11-26, run 3), each switch row about 45 s.
 
 Random-weight models are built from the configs below (shapes, not weights, set the speed) and
 saved as model folders with the shipped tokenizers (qwen2.5 for the teachers, tinyllama for the
@@ -55,7 +56,10 @@ What each row measures:
   `body + fused head` lies the scorer's host work, between it and `stage 1 (hf)` the job's (the
   phases line says which). `scorer by unit`: the same call once per unit of the job's documents
   per shard, in the job's order: between it and `scorer` lie the units' edges (each unit's last,
-  shorter batch, the wait for its results before the next unit's first batch is queued). Each: one warm-up pass, then the best of --repeats
+  shorter batch, the wait for its results before the next unit's first batch is queued).
+  `scorer +space`: the `scorer` row's call with `--space-logprob`'s column, the scorer loaded
+  again with it: between it and `scorer` lies what the column costs the scoring call, between
+  it and `stage 1 +space` what it costs the job. Each: one warm-up pass, then the best of --repeats
   passes, synchronized; the same teacher-token count as the job. The `stage 1 (hf)` row's ratio
   is to `body`, and a line before the table gives stage 1 / bare forward.
 - stage 2: `stage2_train/train.py` in-process on the first teacher's cache; tokens/s and MFU are the
@@ -84,6 +88,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -109,9 +114,11 @@ from stage2_floor import floor_rate, synchronize  # noqa: E402
 
 from pipeline.flops import device_name, device_peak_flops, flop_parameters, mfu  # noqa: E402
 from pipeline.models.hf_tokenizer import save_tokenizer  # noqa: E402
+from pipeline.scoring.head import HeadExtras  # noqa: E402
 from pipeline.scoring.hf import HFScorer  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.scoring.windows import plan_document_windows  # noqa: E402
+from pipeline.space_mask import space_mask  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 
 # Qwen2.5-1.5B and -7B configs (their config.json on the hub: layers, widths, heads, vocabulary,
@@ -411,10 +418,11 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     teacher.seconds, teacher.rate = time.perf_counter() - began, sum(worker_rates)
     print(f"stage 1 (hf) {teacher.name}: {teacher.rate:,.0f} tok/s, the job {teacher.seconds:.0f} s; "
           f"{phase_summary(teacher.out)}", flush=True)  # fmt: skip
-    scorer = HFScorer(
-        resolve_teacher(str(teacher.folder)), dtype=dtype, max_length=max_length, stride=stride,
-        batch_tokens=batch_tokens, device=str(device), head_kernel="fused",
+    load = functools.partial(
+        HFScorer, resolve_teacher(str(teacher.folder)), dtype=dtype, max_length=max_length,
+        stride=stride, batch_tokens=batch_tokens, device=str(device), head_kernel="fused",
     )  # fmt: skip
+    scorer = load()
     model = scorer.model
     parameters = teacher.parameters = flop_parameters(model)
     cached = cache_rows(teacher.out)
@@ -422,6 +430,14 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     reset_peak(device)
     floors = forward_rates(scorer, token_ids, per_unit, bench.args.repeats, device)
     bare_peak = peak_memory(device)
+    # the scorer with --space-logprob's column: whether what `+space` costs the job is the
+    # scoring call's own cost, or the job's around it
+    mask = space_mask(load_tokenizer(str(teacher.folder)), scorer.vocab_size)[0]
+    spaced = load(extras=HeadExtras(space_mask=mask))
+    tokens = sum(len(ids) for ids in token_ids)
+    score = functools.partial(spaced.score_columns, token_ids)
+    floors["scorer +space"] = best_rate(score, tokens, bench.args.repeats, device)
+    del spaced, score
     model.set_attn_implementation("sdpa")  # the check's plain forward pass
     differences = []
     for row, ids in zip(cached[:LOSS_CHECK_DOCS], token_ids, strict=False):

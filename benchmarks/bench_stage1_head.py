@@ -70,7 +70,9 @@ def best_seconds(run, repeats: int, device: torch.device) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=tuple(SHAPES), help="default: 1.5b with CUDA, else tiny")
-    parser.add_argument("--rows", type=int, help="scored positions per batch (default: the shape's)")
+    parser.add_argument(
+        "--rows", type=int, help="scored positions per batch (default: the shape's)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
