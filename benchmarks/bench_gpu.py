@@ -108,9 +108,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
+from device_timing import best_seconds  # noqa: E402
 from peak_memory import peak_memory, reset_peak  # noqa: E402
 from stage1_runs import phase_summary, timed_stage1, write_corpus_slice  # noqa: E402
-from stage2_floor import floor_rate, synchronize  # noqa: E402
+from stage2_floor import floor_rate  # noqa: E402
 
 from pipeline.flops import device_name, device_peak_flops, flop_parameters, mfu  # noqa: E402
 from pipeline.models.hf_tokenizer import save_tokenizer  # noqa: E402
@@ -219,16 +220,7 @@ def build_teacher(folder: Path, shape: dict, device: torch.device, dtype: torch.
 def best_rate(one_pass, tokens: int, repeats: int, device) -> float:
     """`tokens` per second of `one_pass()`: one warm-up pass, then the best of `repeats`
     synchronized passes."""
-    with torch.inference_mode():
-        one_pass()
-        best = float("inf")
-        for _ in range(repeats):
-            synchronize(device)
-            started = time.perf_counter()
-            one_pass()
-            synchronize(device)
-            best = min(best, time.perf_counter() - started)
-    return tokens / best
+    return tokens / best_seconds(one_pass, repeats, device)
 
 
 def forward_rates(

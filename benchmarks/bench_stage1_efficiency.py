@@ -72,7 +72,9 @@ def main() -> int:
         ids = [e.ids for e in worker._tokenizer.encode_batch(unit.texts)]
         windows = plan_document_windows([len(i) for i in ids], args.max_length, args.stride)
         scorer = worker._scorer  # the worker's own batches: its layout, inputs and mask
-        batches = [scorer.batch_inputs(ids, windows, layout)[0] for layout in scorer.layouts(windows)]
+        batches = [
+            scorer.batch_inputs(ids, windows, layout)[0] for layout in scorer.layouts(windows)
+        ]
         scored = int(windows.scored.sum())
         padded = sum(b["input_ids"].numel() for b in batches)
         print(

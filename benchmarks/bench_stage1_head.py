@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from stage2_floor import synchronize  # noqa: E402
+from device_timing import best_seconds  # noqa: E402
 
 from pipeline.scoring.device import free_memory  # noqa: E402
 from pipeline.scoring.head import HeadColumns, HeadExtras  # noqa: E402
@@ -52,19 +51,6 @@ def head_pass(hidden, weight, columns: HeadColumns, targets, rows: int):
             columns.fill(out, chunk, hidden[chunk] @ weight.T, targets[chunk])
 
     return run
-
-
-def best_seconds(run, repeats: int, device: torch.device) -> float:
-    with torch.inference_mode():
-        run()
-        best = float("inf")
-        for _ in range(repeats):
-            synchronize(device)
-            began = time.perf_counter()
-            run()
-            synchronize(device)
-            best = min(best, time.perf_counter() - began)
-    return best
 
 
 def main(argv: list[str] | None = None) -> int:

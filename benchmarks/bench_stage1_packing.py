@@ -44,7 +44,9 @@ def champ_texts(wheel: Path) -> list[str]:
         if isinstance(solution, str):  # stored as a Python literal
             solution = ast.literal_eval(solution)
         steps = "\n".join(step["_text"] for step in solution["steps"])
-        texts.append(f"Problem: {problem['_text']}\nSolution: {steps}\nAnswer: {problem['_answer']}")
+        texts.append(
+            f"Problem: {problem['_text']}\nSolution: {steps}\nAnswer: {problem['_answer']}"
+        )
     return texts
 
 

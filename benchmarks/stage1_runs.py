@@ -38,7 +38,9 @@ def prepared_teacher(teacher: str | None) -> str:
 def write_corpus_slice(folder: Path, docs: int) -> Path:
     """The first `docs` documents of the shipped training split, as plain JSON lines."""
     path = Path(folder) / "docs.jsonl"
-    documents = itertools.islice(Corpus(shipped_corpus("train"), CorpusOptions(id_column="id")), docs)
+    documents = itertools.islice(
+        Corpus(shipped_corpus("train"), CorpusOptions(id_column="id")), docs
+    )
     path.write_text("".join(json.dumps({"id": d.doc_id, "text": d.text}) + "\n" for d in documents))
     return path
 

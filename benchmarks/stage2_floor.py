@@ -9,17 +9,13 @@ from __future__ import annotations
 import time
 
 import torch
+from device_timing import synchronize
 
 from pipeline.chunked_loss import chunked_token_loss
 from pipeline.flops import device_peak_flops, flop_parameters, mfu
 from pipeline.models.layers import compile_layers, resolve_compile
 from pipeline.models.student import build_student
 from pipeline.tokenizer import load_tokenizer
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def floor_rate(

@@ -149,7 +149,9 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     for switch in switches:
         assert f"stage 1 {switch} vs stage 1: max |stored loss difference| 0.00e+00" in out
     if VLLM_IMPORTS:  # vLLM's own arithmetic, stored as float16 (a step is 0.008 near 12 nats)
-        vllm = re.search(r"stage 1 vllm vs stage 1: max \|stored loss difference\| ([-+.e0-9]+)", out)
+        vllm = re.search(
+            r"stage 1 vllm vs stage 1: max \|stored loss difference\| ([-+.e0-9]+)", out
+        )
         assert float(vllm.group(1)) <= 0.02, out
     for switch in ("token dense", "token plain adamw", "token eager", "token plain loss"):
         assert f"stage 2 {switch} vs token: max |loss difference| 0.00e+00 over 3 steps" in out
@@ -199,3 +201,19 @@ def test_phase_summary_sums_each_phase_over_units_and_the_share_and_rate_of_scor
         "2 units in 6.00 s: tokenize 2.00 s, score 4.00 s, write 2.00 s; scoring 67% of it, at "
         "2,500 tok/s"
     )
+
+
+def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
+    """bench_stage1_head.py at tiny shapes (eager, as a CPU scores): a row per head pass, each a
+    ratio to the fused loss, the pass stage 1 runs on a GPU."""
+    import bench_stage1_head
+
+    assert bench_stage1_head.main(["--shape", "tiny", "--repeats", "1"]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        *label, ms, ratio = line.split() or [""]
+        if label and label[0] in ("head", "fused", "plain"):
+            rows[" ".join(label)] = (float(ms), float(ratio))
+    assert set(rows) == {"head matmul"} | {label for label, *_ in bench_stage1_head.SIDES}
+    assert rows["fused loss"][1] == 1.0
+    assert all(ms > 0 and ratio > 0 for ms, ratio in rows.values())
