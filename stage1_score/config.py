@@ -196,6 +196,13 @@ class ScoreConfig:
         "instead of minutes, and may score slower",
     )
     progress_seconds: float = option(15.0, help="seconds between progress lines")
+    profile_unit: int | None = option(
+        None,
+        help="trace unit K's scoring (torch.profiler: host ops and, on a GPU, the device's "
+        "kernels) into OUT/profile-unit-00000K.json, Chrome's trace format (Perfetto, "
+        "chrome://tracing), to see where the device waits; a unit already cached is not scored "
+        "again, so not traced; the cache is the same with or without it",
+    )
 
     def __post_init__(self) -> None:
         if self.lock_lease < 3:
@@ -223,6 +230,10 @@ class ScoreConfig:
             )
         if self.progress_seconds <= 0:
             raise ValueError("progress_seconds must be positive")
+        if self.profile_unit is not None and self.profile_unit < 0:
+            raise ValueError(
+                f"profile_unit must be a unit's index (0 or more), not {self.profile_unit}"
+            )
         self.corpus_options()  # validates the corpus options
 
     def corpus_options(self) -> CorpusOptions:

@@ -13,7 +13,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipeline.cache.manifest import CacheManifest, ShardRecord, SkippedDocument, write_manifest
+from pipeline.cache.manifest import (
+    RUN_RECORD_NAME,
+    CacheManifest,
+    ShardRecord,
+    SkippedDocument,
+    profile_name,
+    write_manifest,
+)
 from pipeline.config import to_dict
 from pipeline.corpus import Corpus
 from pipeline.errors import ConfigError, CorpusError
@@ -44,7 +51,6 @@ from stage1_score.cluster import (
 )
 from stage1_score.config import ScoreConfig, result_settings
 from stage1_score.output import (
-    RUN_RECORD_NAME,
     finished_shard,
     output_held,
     prepare_output,
@@ -210,6 +216,8 @@ def run(config: ScoreConfig) -> CacheManifest:
                 "run (joining Ray deletes the driver's copy of it)"
             )
         run_fingerprint = prepare_output(out, job.identity, config.overwrite, log.info)
+        if config.profile_unit is not None:  # an earlier run's trace is not this run's
+            Store(out).delete(profile_name(config.profile_unit))
 
         def spec(threads: int) -> WorkerSpec:
             return WorkerSpec(
@@ -236,6 +244,7 @@ def run(config: ScoreConfig) -> CacheManifest:
                 vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                 vllm_cpu_kvcache_gib=config.vllm_cpu_kvcache_gib,
                 vllm_enforce_eager=config.vllm_enforce_eager,
+                profile_unit=config.profile_unit,
             )
 
         pool = WorkerPool(config, spec, job.identity["teacher"]["backend_version"])
@@ -254,6 +263,8 @@ def run(config: ScoreConfig) -> CacheManifest:
             store.write_json(RUN_RECORD_NAME, {"config": to_dict(config)} | pool.record())
         lock.check()
         write_manifest(out, manifest)
+        if config.profile_unit is not None:
+            _report_trace(store, config.profile_unit, len(manifest.shards))
     log.info(
         f"wrote {config.out}: {counted(len(manifest.shards), 'shard')}, "
         f"{counted(manifest.total_rows, 'document')}, "
@@ -261,6 +272,22 @@ def run(config: ScoreConfig) -> CacheManifest:
         "skipped"
     )
     return manifest
+
+
+def _report_trace(store: Store, unit: int, units: int) -> None:
+    """Where `--profile-unit`'s trace is, or why there is none."""
+    name = profile_name(unit)
+    if store.size(name) is not None:
+        log.info(f"--profile-unit {unit}: unit {unit}'s scoring traced in {store.display(name)}")
+    elif unit >= units:
+        log.warning(
+            f"--profile-unit {unit}: the corpus has {units} units (0-{units - 1}); no trace"
+        )
+    else:
+        log.warning(
+            f"--profile-unit {unit}: unit {unit} was already cached, so not scored again; no trace "
+            "(trace a unit this run scores, or score into a new --out)"
+        )
 
 
 def _score_corpus(job: Plan, pool: WorkerPool, run_fingerprint: str) -> CacheManifest:

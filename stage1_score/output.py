@@ -8,6 +8,8 @@ Layout of a cache folder:
   shard-000007.json            its sidecar, written after the shard: the unit is finished
   stage1-run.json              options and workers of the last run that scored units (how, not
                                what: not identity); a rerun with nothing to do leaves it as it is
+  profile-unit-000002.json     with --profile-unit 2: a trace of unit 2's scoring (not the cache's
+                               contents; the manifest does not list it)
   manifest.json                written last, once every unit is finished
 
 A unit counts as finished only if its sidecar names this run's identity and the unit's content
@@ -27,10 +29,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.cache.manifest import (
+    CACHE_FILE_GLOBS,
     LOCK_NAME,
     MANIFEST_NAME,
     PRODUCER_NAME,
-    RUN_RECORD_NAME,
     TEMPORARY_GLOB,
     UNIT_FILES_GLOB,
     ShardRecord,
@@ -128,7 +130,7 @@ def read_sidecar(folder: str | Path, index: int) -> Sidecar | None:
 
 
 def _our_files(store: Store) -> list[str]:
-    patterns = (UNIT_FILES_GLOB, TEMPORARY_GLOB, MANIFEST_NAME, PRODUCER_NAME, RUN_RECORD_NAME)
+    patterns = [pattern for pattern in CACHE_FILE_GLOBS if pattern != LOCK_NAME]
     return sorted({name for pattern in patterns for name in store.names(pattern)})
 
 

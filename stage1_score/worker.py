@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.cache.manifest import ShardRecord
+from pipeline.cache.manifest import ShardRecord, profile_name
 from pipeline.cache.schema import (
     SCHEMA_VERSION,
     SPACE_LOGPROB,
@@ -24,9 +24,11 @@ from pipeline.cache.schema import (
 )
 from pipeline.cache.writer import build_unit_table
 from pipeline.log import configure, get_logger
+from pipeline.profiling import traced
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.teacher import TeacherSource, load_teacher_tokenizer
 from pipeline.space_mask import space_mask
+from pipeline.storage import Store
 from pipeline.storage.store import child
 from stage1_score.output import Sidecar, write_sidecar
 from stage1_score.units import WorkUnit
@@ -59,6 +61,7 @@ class WorkerSpec:
     attention: str = "auto"
     batch_overlap: str = "auto"
     compile: str = "auto"
+    profile_unit: int | None = None  # the unit whose scoring is traced (--profile-unit)
 
 
 @dataclass(frozen=True)
@@ -174,12 +177,15 @@ class UnitScorer:
         scorable = sum(max(len(e) - 1, 0) for e in encodings)  # token 0 has no prediction
         report = _ProgressLog(self.worker, unit.index, scorable, self.spec.progress_seconds)
         ids = [e.ids for e in encodings]
-        with self._device, phase(phases, "score"):
+        profiled = unit.index == self.spec.profile_unit
+        with self._device, phase(phases, "score"), traced(profiled) as trace:
             if self._extras.active:
                 columns = self._scorer.score_columns(ids, progress=report)
                 losses = columns.pop("loss")
             else:
                 columns, losses = {}, self._scorer.score(ids, progress=report)
+        if trace.data is not None:
+            Store(self.spec.out).write_bytes(profile_name(unit.index), trace.data)
         with phase(phases, "write"):
             table = build_unit_table(
                 unit.doc_ids,

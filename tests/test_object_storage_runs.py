@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.cache.manifest import LOCK_NAME, RUN_RECORD_NAME
 from pipeline.storage import Store
-from stage1_score.output import LOCK_NAME, RUN_RECORD_NAME
 from stage1_score.pool import UNITS_IN_FLIGHT_PER_WORKER
 from stage1_score.run import main as stage1
 from tests.object_store import download_all, moto_s3, objects_under, upload_folder

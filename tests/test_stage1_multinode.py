@@ -35,9 +35,9 @@ import psutil
 import pytest
 
 from apps.demo.ray_cluster import follow, local_ray_cluster, submit, worker_node
+from pipeline.cache.manifest import RUN_RECORD_NAME
 from pipeline.cache.verify import TEMPORARY_GLOB, verify_cache
 from pipeline.errors import VocagnoError
-from stage1_score.output import RUN_RECORD_NAME
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
 from tests.test_fault_stage1 import UNNICED_WORKERS, busy, frozen
 from tests.test_stage1_run import snapshot

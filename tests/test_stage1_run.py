@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cache.manifest import SkippedDocument, load_manifest
+from pipeline.cache.manifest import SkippedDocument, load_manifest, profile_name
 from pipeline.cache.verify import verify_cache
 from pipeline.config import parse_config
 from pipeline.corpus import Corpus, CorpusOptions
@@ -383,6 +383,9 @@ def test_input_errors_before_any_worker_starts(teacher, corpus, tmp_path, capsys
     cases["--tokenizer 'mistral' is not the tokenizer in the teacher's folder"] = [
         *args(teacher, corpus, tmp_path / "o"), "--tokenizer", "mistral",
     ]  # fmt: skip
+    cases["profile_unit must be a unit's index (0 or more), not -1"] = [
+        *args(teacher, corpus, tmp_path / "o"), "--profile-unit", "-1",
+    ]  # fmt: skip
     for message, command in cases.items():
         assert main(command) == 2, message
         assert message in one_line_error(capsys)
@@ -444,3 +447,33 @@ def test_run_py_works_as_a_script():
         "--overwrite",
     ):
         assert flag in result.stdout
+
+
+def test_a_profiled_unit_leaves_its_trace_and_the_cache_as_it_was(built, tmp_path, capsys):
+    """--profile-unit K traces unit K's scoring (torch.profiler, Chrome's trace format) beside the
+    cache: the trace holds the teacher's forward pass, the cache's files are byte for byte those
+    of a run without it, and a rerun with nothing to score says why it left no trace."""
+    built_out, command, first = built
+    out = tmp_path / "profiled"
+    profiled = [str(out) if arg == str(built_out) else arg for arg in command]
+    assert main([*profiled, "--profile-unit", "1"]) == 0
+    trace = out / profile_name(1)
+    assert trace.name == "profile-unit-000001.json"
+    assert f"unit 1's scoring traced in {trace}" in capsys.readouterr().err
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {event.get("name") for event in events}
+    assert {"aten::linear", "aten::embedding"} <= names, sorted(n for n in names if n)[:50]
+    assert {name: data for name, data in snapshot(out).items() if name != trace.name} == first
+    assert json.loads((out / "stage1-run.json").read_text())["config"]["profile_unit"] == 1
+
+    trace.unlink()  # everything is cached now: the rerun scores nothing, so traces nothing
+    assert main([*profiled, "--profile-unit", "1"]) == 0
+    assert not trace.exists()
+    assert "--profile-unit 1: unit 1 was already cached, so not scored again; no trace" in (
+        capsys.readouterr().err
+    )
+    assert main([*profiled, "--profile-unit", "99"]) == 0
+    units = len(json.loads((out / "manifest.json").read_text())["shards"])
+    assert f"--profile-unit 99: the corpus has {units} units (0-{units - 1}); no trace" in (
+        capsys.readouterr().err
+    )

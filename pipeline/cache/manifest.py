@@ -19,14 +19,21 @@ PRODUCER_NAME = "producer.json"
 RUN_RECORD_NAME = "stage1-run.json"
 UNIT_FILES_GLOB = "shard-*"  # the shards and their sidecars
 TEMPORARY_GLOB = ".*.tmp"
+PROFILE_GLOB = "profile-unit-*.json"  # --profile-unit's trace
 CACHE_FILE_GLOBS = (
     UNIT_FILES_GLOB,
     TEMPORARY_GLOB,
+    PROFILE_GLOB,
     MANIFEST_NAME,
     PRODUCER_NAME,
     RUN_RECORD_NAME,
     LOCK_NAME,
 )
+
+
+def profile_name(index: int) -> str:
+    """The trace of unit `index`'s scoring (`--profile-unit`), beside its shard."""
+    return f"profile-unit-{index:06d}.json"
 
 
 def cache_files(folder: Path) -> list[Path]:
