@@ -108,13 +108,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
-from device_timing import best_seconds  # noqa: E402
+from device_timing import best_seconds, synchronize  # noqa: E402
 from peak_memory import peak_memory, reset_peak  # noqa: E402
 from stage1_runs import phase_summary, timed_stage1, write_corpus_slice  # noqa: E402
 from stage2_floor import floor_rate  # noqa: E402
 
+from pipeline.cache.manifest import profile_name  # noqa: E402
 from pipeline.flops import device_name, device_peak_flops, flop_parameters, mfu  # noqa: E402
 from pipeline.models.hf_tokenizer import save_tokenizer  # noqa: E402
+from pipeline.profiling import traced  # noqa: E402
 from pipeline.scoring.head import HeadExtras  # noqa: E402
 from pipeline.scoring.hf import HFScorer  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
@@ -186,6 +188,9 @@ STAGE2_RUNS = (
     ("token plain loss", ("--guidance", "token", "--loss-kernel", "plain"), "token"),
 )
 LOSS_CHECK_DOCS = 4
+# With --profile-dir, the unit each stage-1 job traces (--profile-unit) and the scorer traces
+# again in this process: the second, past the first (and tiny shapes' runs have two).
+PROFILED_UNIT = 1
 
 
 @dataclass
@@ -397,7 +402,16 @@ def teacher_job(bench: Bench, scratch: Path, corpus: Path, name: str, dtype: str
         "--batch-tokens", str(batch_tokens), "--num-workers", "1",
         "--progress-seconds", "1e9",
     ]  # fmt: skip
+    if bench.args.profile_dir:
+        command += ["--profile-unit", str(PROFILED_UNIT)]
     return Teacher(name, folder, out, command)
+
+
+def keep_trace(bench: Bench, out: Path, label: str) -> None:
+    """With --profile-dir, the job's trace of PROFILED_UNIT copied there as `label`."""
+    if bench.args.profile_dir:
+        trace = out / profile_name(PROFILED_UNIT)
+        shutil.copyfile(trace, bench.args.profile_dir / f"{label}-unit-{PROFILED_UNIT}.json")
 
 
 def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
@@ -410,6 +424,7 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     teacher.seconds, teacher.rate = time.perf_counter() - began, sum(worker_rates)
     print(f"stage 1 (hf) {teacher.name}: {teacher.rate:,.0f} tok/s, the job {teacher.seconds:.0f} s; "
           f"{phase_summary(teacher.out)}", flush=True)  # fmt: skip
+    keep_trace(bench, teacher.out, f"{teacher.name}-stage1")
     load = functools.partial(
         HFScorer, resolve_teacher(str(teacher.folder)), dtype=dtype, max_length=max_length,
         stride=stride, batch_tokens=batch_tokens, device=str(device), head_kernel="fused",
@@ -429,6 +444,14 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     tokens = sum(len(ids) for ids in token_ids)
     score = functools.partial(spaced.score_columns, token_ids)
     floors["scorer +space"] = best_rate(score, tokens, bench.args.repeats, device)
+    if bench.args.profile_dir:  # the job's traced unit, scored here, without the job around it
+        unit = token_ids[PROFILED_UNIT * per_unit : (PROFILED_UNIT + 1) * per_unit]
+        for label, traced_scorer in (("scorer", scorer), ("scorer+space", spaced)):
+            with traced(True) as trace:
+                traced_scorer.score_columns(unit)
+                synchronize(device)
+            path = bench.args.profile_dir / f"{teacher.name}-{label}-unit-{PROFILED_UNIT}.json"
+            path.write_bytes(trace.data)
     del spaced, score
     model.set_attn_implementation("sdpa")  # the check's plain forward pass
     differences = []
@@ -470,6 +493,7 @@ def stage1_variant(bench: Bench, teacher: Teacher, label: str, options: tuple) -
     )  # fmt: skip
     print(f"stage 1 {label} vs stage 1: max |stored loss difference| {difference:.2e}; "
           f"{phase_summary(out)}")  # fmt: skip
+    keep_trace(bench, out, f"{teacher.name}-stage1-{label.replace(' ', '-')}")
     shutil.rmtree(out)
     bench.add(Row(f"stage 1 {label}", teacher.name, rate, rate / teacher.rate,
                   mfu(teacher.parameters, rate, device_peak_flops(bench.device), training=False),
@@ -629,6 +653,12 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--rows-jsonl", type=Path, help="also append each row here as measured")
     parser.add_argument(
+        "--profile-dir", type=Path,
+        help=f"trace unit {PROFILED_UNIT} of every stage-1 job (--profile-unit) and the scorer's "
+        "own pass over it, with and without the space column, into this folder (Chrome's trace "
+        "format; Perfetto opens them)",
+    )  # fmt: skip
+    parser.add_argument(
         "--teachers", nargs="+", choices=list(TEACHERS["gpu"]), default=list(TEACHERS["gpu"]),
         help="the teachers to measure (default: both); the first of them in this list's order "
         "feeds stage 2 and the switch rows",
@@ -644,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in DEFAULTS[args.shapes].items():
         setattr(args, key, getattr(args, key) or value)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if args.profile_dir:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, device)
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)

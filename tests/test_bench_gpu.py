@@ -102,10 +102,10 @@ def assert_rate_is_tokens_per_second_of_the_best_timed_pass(monkeypatch) -> None
 
 
 @pytest.mark.slow
-def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_check(capsys):
-    assert (
-        bench_gpu.main(["--shapes", "tiny", "--docs", "16", "--steps", "3", "--repeats", "1"]) == 0
-    )
+def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_check(capsys, tmp_path):
+    traces = tmp_path / "traces"
+    command = ["--shapes", "tiny", "--docs", "16", "--steps", "3", "--repeats", "1"]
+    assert bench_gpu.main([*command, "--profile-dir", str(traces)]) == 0
     out = capsys.readouterr().out
     for what, model in [
         ("stage 1 (hf)", "qwen2.5-1.5b-like"),
@@ -155,6 +155,17 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         assert float(vllm.group(1)) <= 0.02, out
     for switch in ("token dense", "token plain adamw", "token eager", "token plain loss"):
         assert f"stage 2 {switch} vs token: max |loss difference| 0.00e+00 over 3 steps" in out
+    # --profile-dir: each job's trace of the profiled unit, and the scorer's of the same unit
+    switches = bench_gpu.stage1_variants(torch.device("cpu"))  # with `vllm` where it imports
+    jobs = ["stage1"] + [f"stage1-{label.replace(' ', '-')}" for label, _ in switches]
+    expected = {
+        f"{teacher}-{what}-unit-{bench_gpu.PROFILED_UNIT}.json"
+        for teacher in bench_gpu.TEACHERS["tiny"]
+        for what in ["stage1", "scorer", "scorer+space"]
+    } | {f"qwen2.5-1.5b-like-{job}-unit-{bench_gpu.PROFILED_UNIT}.json" for job in jobs}
+    assert {path.name for path in traces.iterdir()} == expected
+    for path in traces.iterdir():
+        assert "traceEvents" in json.loads(path.read_text())
 
 
 def test_a_failed_row_is_named_and_a_row_past_the_budget_skipped_while_the_rest_go_on(
