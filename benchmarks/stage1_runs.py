@@ -62,9 +62,11 @@ def timed_stage1(command: list[str]) -> tuple[float, dict, list[float]]:
 def phase_summary(out: Path) -> str:
     """Where a run's units spent their time, from the unit phases of its run record: each phase's
     seconds summed over units, the share of the span from the first unit's start to the last
-    one's end during which a unit was on the teacher (one worker: its device's busy share), and
-    the teacher tokens per second of scoring alone (the manifest's tokens over the summed score
-    phases), to set beside bench_gpu.py's `scorer` row, the same call without the job around it."""
+    one's end during which a unit was on the teacher (its batches being queued: one worker, its
+    device's busy share, since the next unit queues behind the last batch while it is collected),
+    and the teacher tokens per second of scoring alone (the manifest's tokens over the summed
+    score phases), to set beside bench_gpu.py's `scorer` rows, the same call without the job
+    around it."""
     record = json.loads((Path(out) / RUN_RECORD_NAME).read_text())
     tokens = json.loads((Path(out) / MANIFEST_NAME).read_text())["totals"]["teacher_tokens"]
     phases = [unit["phases"] for unit in record["units"].values()]
@@ -72,7 +74,7 @@ def phase_summary(out: Path) -> str:
     span = max(p["write"][1] for p in phases) - begin
     seconds = {
         name: sum(p[name][1] - p[name][0] for p in phases)
-        for name in ("tokenize", "score", "write")
+        for name in ("tokenize", "score", "collect", "write")
     }
     summed = ", ".join(f"{name} {value:.2f} s" for name, value in seconds.items())
     return (

@@ -124,8 +124,8 @@ class ScoreConfig:
     head_chunks: HeadChunks = option(
         "auto",
         help="hf backend: rows of logits per head chunk: fixed: 2^24 logits (110 rows at a 152k "
-        "vocabulary); sized: from the device's free memory as a unit starts; auto: sized on a "
-        "GPU, fixed on a CPU",
+        "vocabulary); sized: from the device's free memory at the warm-up, at load; auto: sized "
+        "on a GPU, fixed on a CPU",
     )
     row_packing: RowPacking = option(
         "auto",
@@ -141,9 +141,10 @@ class ScoreConfig:
     batch_overlap: BatchOverlap = option(
         "auto",
         help="hf backend: on: a batch's results are read back from the device only once the next "
-        "batch is queued behind it, so its inputs, masks and kernel launches are prepared while "
-        "the device computes; off: each batch is read back before the next is built; auto: on on "
-        "a GPU, off on a CPU (where nothing runs asynchronously); the same columns either way",
+        "batch is queued behind it (a unit's last batch: the next unit's first), so its inputs, "
+        "masks and kernel launches are prepared while the device computes; off: each batch is "
+        "read back before the next is built; auto: on on a GPU, off on a CPU (where nothing runs "
+        "asynchronously); the same columns either way",
     )
     compile: CompileLayers = option(
         "auto",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,7 +70,8 @@ class UnitResult:
     shard: ShardRecord
     seconds: float
     worker: int
-    # [start, end] in the worker node's monotonic seconds of "tokenize", "score" and "write"
+    # [start, end] in the worker node's monotonic seconds of "tokenize", "score" (the unit's
+    # batches queued, holding the teacher), "collect" (its last batch read back) and "write"
     phases: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -79,6 +81,17 @@ def phase(phases: dict[str, list[float]], name: str):
     start = time.monotonic()
     yield
     phases[name] = [round(start, 3), round(time.monotonic(), 3)]
+
+
+def queue_unit(scorer, ids: list, progress) -> Callable[[], dict]:
+    """A unit's scoring in two halves: its batches queued on the device now, and the returned call
+    that reads the last of them back (where the backend queues: HF's `queue_columns`; vLLM's
+    engine returns when it is done, so there it reads nothing)."""
+    queue = getattr(scorer, "queue_columns", None)
+    if queue is not None:
+        return queue(ids, progress=progress).collect
+    columns = scorer.score_columns(ids, progress=progress)
+    return lambda: columns
 
 
 def head_extras(spec: WorkerSpec, tokenizer) -> HeadExtras:
@@ -177,13 +190,13 @@ class UnitScorer:
         scorable = sum(max(len(e) - 1, 0) for e in encodings)  # token 0 has no prediction
         report = _ProgressLog(self.worker, unit.index, scorable, self.spec.progress_seconds)
         ids = [e.ids for e in encodings]
-        profiled = unit.index == self.spec.profile_unit
-        with self._device, phase(phases, "score"), traced(profiled) as trace:
-            if self._extras.active:
-                columns = self._scorer.score_columns(ids, progress=report)
-                losses = columns.pop("loss")
-            else:
-                columns, losses = {}, self._scorer.score(ids, progress=report)
+        with traced(unit.index == self.spec.profile_unit) as trace:
+            with self._device, phase(phases, "score"):
+                collect = queue_unit(self._scorer, ids, report)
+            # The teacher is released: the next unit queues its batches behind this one's last.
+            with phase(phases, "collect"):
+                columns = collect()
+        losses = columns.pop("loss")
         if trace.data is not None:
             Store(self.spec.out).write_bytes(profile_name(unit.index), trace.data)
         with phase(phases, "write"):

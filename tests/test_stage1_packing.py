@@ -270,9 +270,17 @@ def test_overlapped_batches_cache_what_serial_batches_do(teachers, packing):
     assert len(serial_progress) >= 4  # batches enough for one to be held back behind another
     assert overlapped_progress == serial_progress
     assert serial.keys() == overlapped.keys() == {"loss", *extras.columns()}
-    for name in serial:
-        for ours, theirs in zip(overlapped[name], serial[name], strict=True):
-            np.testing.assert_array_equal(ours, theirs)
+    # The worker's two halves (stage1_score/worker.py: queue_unit): queued, every batch but the
+    # last is read back; the last only once collected, after the teacher is released.
+    held: list[int] = []
+    queued = scorer.queue_columns(ids, held.append)
+    assert held == serial_progress[:-1]
+    collected = queued.collect()
+    assert held == serial_progress
+    for columns in (overlapped, collected):
+        for name in serial:
+            for ours, theirs in zip(columns[name], serial[name], strict=True):
+                np.testing.assert_array_equal(ours, theirs)
 
 
 class DeviceReads(TorchDispatchMode):

@@ -258,6 +258,48 @@ def test_overlapped_units_cache_the_same_bytes_with_writing_beside_scoring(built
     assert beside, phases
 
 
+def test_a_unit_holds_the_teacher_only_while_its_batches_are_queued(teacher, tmp_path):
+    """--batch-overlap on (a GPU's default) under --unit-overlap: a unit holds the teacher (the
+    worker's lock) while its batches are queued, and reads its last batch back after releasing
+    it, so that the next unit queues its first batch behind that one and the device does not
+    wait at the units' edge for a read-back and the next unit's first inputs."""
+    from pipeline.scoring.teacher import resolve_teacher
+    from stage1_score.units import WorkUnit
+    from stage1_score.worker import UnitScorer, WorkerSpec
+
+    spec = WorkerSpec(
+        teacher=resolve_teacher(str(teacher)), tokenizer=None, backend="hf", dtype="float32",
+        max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=128, loss_dtype="float32",
+        out=tmp_path, run_fingerprint="test", threads=1, progress_seconds=1e9,
+        batch_overlap="on",
+    )  # fmt: skip
+    worker = UnitScorer(spec)
+    worker.describe()  # loads the teacher
+    held, queue_columns = {}, worker._scorer.queue_columns
+
+    def queue_and_watch(ids, progress):
+        held["queueing"] = worker._device.locked()
+        queued = queue_columns(ids, progress)
+        collect = queued.collect
+
+        def collect_and_watch():
+            held["in flight"] = len(queued.in_flight)
+            held["collecting"] = worker._device.locked()
+            return collect()
+
+        queued.collect = collect_and_watch
+        return queued
+
+    worker._scorer.queue_columns = queue_and_watch
+    texts = [text for _, text in shipped_documents(8)]
+    unit = WorkUnit(0, [f"d{i}" for i in range(8)], texts, [sha256_text(t) for t in texts], [],
+                    "content", 1.0)  # fmt: skip
+    phases = worker.score_unit(unit).phases
+    assert held == {"queueing": True, "in flight": 1, "collecting": False}
+    order = [phases[name] for name in ("tokenize", "score", "collect", "write")]
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(order)), phases
+
+
 def test_packed_rows_cache_what_padded_rows_do_and_are_recorded(built, tmp_path):
     """--row-packing packed (auto's choice on a GPU), through the job to its workers: every column
     but the loss byte for byte the padded cache's, the loss within fp32 rounding, and the resolved

@@ -1,9 +1,12 @@
 """A scorer's traffic with its device: inputs copied in from pinned memory without a wait,
-columns copied out behind one event, and the free memory that sizes head chunks."""
+columns copied out behind one event and read back when asked for, and the free memory that sizes
+head chunks."""
 
 from __future__ import annotations
 
 import os
+from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,3 +45,16 @@ class HostCopies:
         if self.done is not None:
             self.done.synchronize()
         return {name: values.numpy() for name, values in self.copies.items()}
+
+
+class QueuedColumns:
+    """A scoring call's columns while its last batches may still be on the device: `collect()`
+    waits for each batch in flight, `place`s its columns, and returns them all."""
+
+    def __init__(self, columns: dict, in_flight: deque, place: Callable[..., None]):
+        self.columns, self.in_flight, self.place = columns, in_flight, place
+
+    def collect(self) -> dict:
+        while self.in_flight:
+            self.place(*self.in_flight.popleft())
+        return self.columns

@@ -4,10 +4,10 @@ Per batch of windows (pipeline.scoring.windows, pipeline.scoring.batching): one 
 decoder body; then the output head is applied only to the positions whose next token is scored, a
 chunk of rows at a time, and each chunk's loss and views are computed by `--head-kernel`
 (pipeline.scoring.head). Chunks (`--head-chunks`) hold a fixed 2^24 logits, or are sized from the
-device's free memory at the start of each scoring call, so that a large vocabulary does not cost a
-head matrix product (re-reading the whole head weight) per hundred rows. Full-vocabulary
-log-probabilities of all positions (batch x length x vocabulary) are never materialized.
-`--compile layers` compiles each decoder layer of the body (pipeline.models.layers).
+device's free memory at the first scoring call (the warm-up at load), so that a large vocabulary
+does not cost a head matrix product (re-reading the whole head weight) per hundred rows.
+Full-vocabulary log-probabilities of all positions (batch x length x vocabulary) are never
+materialized. `--compile layers` compiles each decoder layer of the body (pipeline.models.layers).
 
 `--row-packing` says how windows fill the batch's rows: `padded`, one window per row,
 right-padded, with a 2-D attention mask; `packed`, several windows per row of `max_length`
@@ -42,7 +42,7 @@ from pipeline.scoring.batching import (
     padded_layouts,
     scored_positions,
 )
-from pipeline.scoring.device import HostCopies, free_memory, to_device
+from pipeline.scoring.device import HostCopies, QueuedColumns, free_memory, to_device
 from pipeline.scoring.head import HeadColumns, HeadExtras, empty_columns
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
@@ -111,6 +111,7 @@ class HFScorer:
         if compile == "auto" and not decoder_layers(self.model):
             self.compile = "off"  # a teacher of another shape runs eagerly; asked for, refused
         compile_layers(self.model, self.compile, "the teacher")
+        self._head_rows: int | None = None  # rows per head chunk, from the first scoring call
         self._warm_up(compile)
 
     def _warm_up(self, asked: str) -> None:
@@ -246,21 +247,32 @@ class HFScorer:
         """
         return self.score_columns(token_ids, progress)["loss"]
 
-    @torch.inference_mode()
     def score_columns(
         self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
     ) -> dict[str, list[np.ndarray]]:
         """{"loss": per-document losses} plus the extra columns asked for (pipeline.scoring.head),
         each a per-document array whose first axis is aligned with `token_ids`."""
+        return self.queue_columns(token_ids, progress).collect()
+
+    @torch.inference_mode()
+    def queue_columns(
+        self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
+    ) -> QueuedColumns:
+        """`score_columns` in two halves: every batch queued on the device, and all read back
+        but the one `--batch-overlap on` keeps in flight; `collect()` reads that one back. A
+        worker lets the next unit queue its first batch in between, so that the device does not
+        wait at a unit's edge for the last batch's read-back and the next one's first inputs."""
         lengths = [len(ids) for ids in token_ids]
         columns = {"loss": [np.full(n, np.nan, dtype=np.float32) for n in lengths]}
         columns |= empty_columns(self.extras, lengths)
         windows = plan_document_windows(lengths, self.max_length, self.stride)
-        # Sized chunks take the free memory once, before a batch is queued: whether the driver's
-        # query waits for queued work is not documented, and a wait per batch would undo
-        # --batch-overlap.
-        free = free_memory(self.device) if self.head_chunks == "sized" else None
-        rows = head_chunk_rows(self.vocab_size, self.head_chunks, free)
+        if self._head_rows is None:
+            # Sized chunks take the free memory once, at the first call (the warm-up's, whose
+            # full batch proves the size fits): whether CUDA's query waits for queued work (the
+            # previous unit's last batch, or this one's) is not documented.
+            free = free_memory(self.device) if self.head_chunks == "sized" else None
+            self._head_rows = head_chunk_rows(self.vocab_size, self.head_chunks, free)
+        rows = self._head_rows
 
         def place(layout: BatchLayout, copies: HostCopies) -> None:
             scored = windows.scored[layout.windows]
@@ -279,9 +291,7 @@ class HFScorer:
             in_flight.append((layout, self._score_batch(token_ids, windows, layout, rows)))
             while len(in_flight) > (self.batch_overlap == "on"):
                 place(*in_flight.popleft())
-        while in_flight:
-            place(*in_flight.popleft())
-        return columns
+        return QueuedColumns(columns, in_flight, place)
 
     def layouts(self, windows: WindowTable) -> list[BatchLayout]:
         """The batches `windows` are scored in, under `--row-packing`."""
