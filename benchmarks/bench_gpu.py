@@ -7,7 +7,7 @@ stage 2 >= 55% MFU, token within 3% of none.
 
     python benchmarks/bench_gpu.py [--shapes gpu|tiny] [--docs N] [--steps S]
         [--teachers NAME ...] [--stage1-only] [--switches LABEL ...] [--budget-seconds S]
-        [--rows-jsonl PATH]
+        [--rows-jsonl PATH] [--profile-dir DIR]
 
 The rows come in the order the targets need them: each teacher's `stage 1 (hf)` with its floors,
 the first teacher's `+space` and `padded rows`, stage 2's `none`, `token` and floor, then the
