@@ -57,6 +57,10 @@ What each row measures:
   phases line says which). `scorer by unit`: the same call once per unit of the job's documents
   per shard, in the job's order: between it and `scorer` lie the units' edges (each unit's last,
   shorter batch, the wait for its results before the next unit's first batch is queued).
+  `scorer queued units`: the units as a worker scores them, in one thread: each unit's batches
+  queued before the previous unit's last batch is collected (`HFScorer.queue_columns`): between
+  it and `scorer by unit` lies what that queueing is worth, between it and `stage 1 (hf)`'s score
+  phases what Ray and the worker's threads cost.
   `scorer +space`: the `scorer` row's call with `--space-logprob`'s column, the scorer loaded
   again with it: between it and `scorer` lies what the column costs the scoring call, between
   it and `stage 1 +space` what it costs the job. Each: one warm-up pass, then the best of --repeats
@@ -260,13 +264,23 @@ def forward_rates(
     def scorer_pass() -> None:  # what a worker's unit does on the device, from host token ids
         scorer.score_columns(token_ids)
 
+    units = [token_ids[begin : begin + per_unit] for begin in range(0, len(token_ids), per_unit)]
+
     def scorer_units() -> None:  # the same one unit at a time: each unit's last batch, its edges
-        for begin in range(0, len(token_ids), per_unit):
-            scorer.score_columns(token_ids[begin : begin + per_unit])
+        for unit in units:
+            scorer.score_columns(unit)
+
+    def scorer_queued_units() -> None:  # as a worker does: the next unit queued, then one collected
+        queued = [scorer.queue_columns(units[0])]
+        for unit in units[1:]:
+            queued.append(scorer.queue_columns(unit))
+            queued.pop(0).collect()
+        queued.pop().collect()
 
     sides = {
         "bare forward": bare_forward, "body": body, "body + fused head": body_and_fused_head,
         "scorer": scorer_pass, "scorer by unit": scorer_units,
+        "scorer queued units": scorer_queued_units,
     }  # fmt: skip
     return {side: best_rate(run, tokens, repeats, device) for side, run in sides.items()}
 

@@ -44,21 +44,26 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
         one_pass()
         return 1.0
 
-    calls, score_columns = [], scorer.score_columns
+    calls, queue_columns = [], scorer.queue_columns  # score_columns's first half
 
     def recorded(token_ids, *args, **kwargs):
         calls.append([len(i) for i in token_ids])
-        return score_columns(token_ids, *args, **kwargs)
+        return queue_columns(token_ids, *args, **kwargs)
 
     with monkeypatch.context() as patch:
         patch.setattr(bench_gpu, "best_rate", count)
-        patch.setattr(scorer, "score_columns", recorded)
+        patch.setattr(scorer, "queue_columns", recorded)
         rates = bench_gpu.forward_rates(scorer, ids, 2, 1, cpu)
-    assert set(rates) == {"bare forward", "body", "body + fused head", "scorer", "scorer by unit"}
-    sides = ("bare_forward", "body", "body_and_fused_head", "scorer_pass", "scorer_units")
+    assert set(rates) == {
+        "bare forward", "body", "body + fused head", "scorer", "scorer by unit",
+        "scorer queued units",
+    }  # fmt: skip
+    sides = ("bare_forward", "body", "body_and_fused_head", "scorer_pass", "scorer_units",
+             "scorer_queued_units")  # fmt: skip
     assert timed == dict.fromkeys(sides, 39 + 89 + 14)
-    # the scorer scores all documents in one call, then the job's units of 2 in order
-    assert calls == [[39, 89, 14], [39, 89], [14]]
+    # the scorer scores all documents in one call, then the job's units of 2 in order, then
+    # queues them as a worker does
+    assert calls == [[39, 89, 14], [39, 89], [14], [39, 89], [14]]
     assert_rate_is_tokens_per_second_of_the_best_timed_pass(monkeypatch)
 
     # 89 tokens in windows of 32 with a stride of 16: the reference is the windows module's plain
@@ -124,6 +129,7 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         ("body + fused head", "qwen2.5-1.5b-like"),
         ("scorer", "qwen2.5-1.5b-like"),
         ("scorer by unit", "qwen2.5-1.5b-like"),
+        ("scorer queued units", "qwen2.5-1.5b-like"),
         ("scorer +space", "qwen2.5-1.5b-like"),
         ("stage 1 (hf)", "qwen2.5-7b-like"),
         ("bare forward", "qwen2.5-7b-like"),
@@ -131,6 +137,7 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         ("body + fused head", "qwen2.5-7b-like"),
         ("scorer", "qwen2.5-7b-like"),
         ("scorer by unit", "qwen2.5-7b-like"),
+        ("scorer queued units", "qwen2.5-7b-like"),
         ("scorer +space", "qwen2.5-7b-like"),
         ("stage 2 none", "llama-tiny"),
         ("stage 2 token", "llama-tiny"),
