@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,17 +80,6 @@ def phase(phases: dict[str, list[float]], name: str):
     start = time.monotonic()
     yield
     phases[name] = [round(start, 3), round(time.monotonic(), 3)]
-
-
-def queue_unit(scorer, ids: list, progress) -> Callable[[], dict]:
-    """A unit's scoring in two halves: its batches queued on the device now, and the returned call
-    that reads the last of them back (where the backend queues: HF's `queue_columns`; vLLM's
-    engine returns when it is done, so there it reads nothing)."""
-    queue = getattr(scorer, "queue_columns", None)
-    if queue is not None:
-        return queue(ids, progress=progress).collect
-    columns = scorer.score_columns(ids, progress=progress)
-    return lambda: columns
 
 
 def head_extras(spec: WorkerSpec, tokenizer) -> HeadExtras:
@@ -192,10 +180,10 @@ class UnitScorer:
         ids = [e.ids for e in encodings]
         with traced(unit.index == self.spec.profile_unit) as trace:
             with self._device, phase(phases, "score"):
-                collect = queue_unit(self._scorer, ids, report)
+                queued = self._scorer.queue_columns(ids, progress=report)
             # The teacher is released: the next unit queues its batches behind this one's last.
             with phase(phases, "collect"):
-                columns = collect()
+                columns = queued.collect()
         losses = columns.pop("loss")
         if trace.data is not None:
             Store(self.spec.out).write_bytes(profile_name(unit.index), trace.data)

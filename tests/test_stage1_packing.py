@@ -270,8 +270,9 @@ def test_overlapped_batches_cache_what_serial_batches_do(teachers, packing):
     assert len(serial_progress) >= 4  # batches enough for one to be held back behind another
     assert overlapped_progress == serial_progress
     assert serial.keys() == overlapped.keys() == {"loss", *extras.columns()}
-    # The worker's two halves (stage1_score/worker.py: queue_unit): queued, every batch but the
-    # last is read back; the last only once collected, after the teacher is released.
+    # The worker's two halves (stage1_score/worker.py: UnitScorer.score_unit): queued, every
+    # batch but the last is read back; the last only once collected, after the teacher is
+    # released.
     held: list[int] = []
     queued = scorer.queue_columns(ids, held.append)
     assert held == serial_progress[:-1]

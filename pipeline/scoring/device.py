@@ -49,10 +49,16 @@ class HostCopies:
 
 class QueuedColumns:
     """A scoring call's columns while its last batches may still be on the device: `collect()`
-    waits for each batch in flight, `place`s its columns, and returns them all."""
+    waits for each batch in flight, `place`s its columns, and returns them all. A backend that
+    returns only once it is done (vLLM's engine) has nothing in flight."""
 
-    def __init__(self, columns: dict, in_flight: deque, place: Callable[..., None]):
-        self.columns, self.in_flight, self.place = columns, in_flight, place
+    def __init__(
+        self,
+        columns: dict,
+        in_flight: deque | None = None,
+        place: Callable[..., None] | None = None,
+    ):
+        self.columns, self.in_flight, self.place = columns, in_flight or deque(), place
 
     def collect(self) -> dict:
         while self.in_flight:

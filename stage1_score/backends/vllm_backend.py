@@ -35,6 +35,7 @@ import numpy as np
 
 from pipeline.cache.schema import TOPK_IDS, TOPK_PROBS, TOPK_REST
 from pipeline.errors import VocagnoError
+from pipeline.scoring.device import QueuedColumns
 from pipeline.scoring.head import HeadExtras, empty_columns
 from pipeline.scoring.teacher import TeacherSource
 from pipeline.scoring.windows import plan_document_windows
@@ -195,6 +196,13 @@ class VLLMScorer:
     ) -> list[np.ndarray]:
         """Per-document float32 losses aligned with `token_ids`; NaN where nothing predicts."""
         return self.score_columns(token_ids, progress)["loss"]
+
+    def queue_columns(
+        self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
+    ) -> QueuedColumns:
+        """`score_columns`, as the HF backend's first half: the engine returns when it is done,
+        so nothing is left in flight for `collect()`."""
+        return QueuedColumns(self.score_columns(token_ids, progress))
 
     def score_columns(
         self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
