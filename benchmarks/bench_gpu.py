@@ -41,8 +41,10 @@ What each row measures:
   built, against building and launching batch k+1 while the device runs batch k; `eager
   layers`: `--compile off`, against each decoder layer compiled; `padded rows`:
   `--row-packing padded`, a window per row, against packed rows with a document mask; the gpu
-  shapes give the one worker 32 units). `stage 1 vllm` (where vllm
-  imports): the same job with `--backend vllm`, the engine's prompt log-probabilities. Each of
+  shapes give the one worker 32 units). `stage 1 triton head` (where the kernel runs: CUDA): the
+  job with `--head-kernel triton`, the head's product and its reductions in one Triton kernel
+  (pipeline/scoring/triton_head.py), a switch turned on, whose ratio to stage 1 is what it is
+  worth. `stage 1 vllm` (where vllm imports): the same job with `--backend vllm`, the engine's prompt log-probabilities. Each of
   these rows is preceded by the largest difference of its stored losses from stage 1's: the
   columns leave the loss as it is, a switch within rounding, and vLLM within its own arithmetic.
 - bare forward, body, body + fused head: the teacher loaded as the worker loads it
@@ -50,7 +52,8 @@ What each row measures:
   as the worker's), on the batches the worker builds (its
   windows, row layout, mask and positions) already on the device: `model(...).logits` and nothing
   else; the decoder body alone, no head (the floor of any loss); the body and one fused head pass
-  over all of a batch's scored positions. `scorer`: the worker's scoring call itself
+  over all of a batch's scored positions; `body + triton head` (where the kernel runs), the same
+  with the Triton kernel's pass, which makes no logits. `scorer`: the worker's scoring call itself
   (`HFScorer.score_columns` from host token ids: its batches built, copied, scored in sized
   chunks and read back), in this process, without Ray, tokenizing or writing: between it and
   `body + fused head` lies the scorer's host work, between it and `stage 1 (hf)` the job's (the
@@ -118,10 +121,11 @@ from stage1_runs import phase_summary, timed_stage1, write_corpus_slice  # noqa:
 from stage2_floor import floor_rate  # noqa: E402
 
 from pipeline.cache.manifest import profile_name  # noqa: E402
+from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.flops import device_name, device_peak_flops, flop_parameters, mfu  # noqa: E402
 from pipeline.models.hf_tokenizer import save_tokenizer  # noqa: E402
 from pipeline.profiling import traced  # noqa: E402
-from pipeline.scoring.head import HeadExtras  # noqa: E402
+from pipeline.scoring.head import HeadColumns, HeadExtras, triton_kernel  # noqa: E402
 from pipeline.scoring.hf import HFScorer  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.scoring.windows import plan_document_windows  # noqa: E402
@@ -170,9 +174,13 @@ STAGE1_VARIANTS = (
     ("padded rows", ("--row-packing", "padded")),
 )
 # The switch rows measured before stage 2 (the rest after it): the issue's targets name +space,
+# the Triton head is the one way found to a head inside them (docs/stage1-gpu-path.md),
 # packing is the largest of the switches, a wait per batch is what the floors never do, and
 # compiled layers speed the body itself (the floors' too).
-PRIORITY_VARIANTS = ("+space", "padded rows", "serial batches", "eager layers")
+PRIORITY_VARIANTS = ("+space", "triton head", "padded rows", "serial batches", "eager layers")
+# Where the Triton head runs (CUDA), the job with it: a switch turned on, not off, whose ratio to
+# stage 1 is what the head's product and reductions in one kernel are worth.
+TRITON_VARIANT = ("triton head", ("--head-kernel", "triton"))
 # Where vllm imports, a row of the first teacher's job with `--backend vllm` (on a CPU without
 # torch.compile, whose start takes minutes there).
 VLLM_VARIANT = {"cuda": ("--backend", "vllm"), "cpu": ("--backend", "vllm", "--vllm-enforce-eager")}
@@ -254,12 +262,17 @@ def forward_rates(
         for inputs, _, _ in batches:
             _ = scorer.body(**inputs, use_cache=False).last_hidden_state
 
-    def body_and_fused_head() -> None:  # all of a batch's scored positions in one head pass
+    def body_and_head(columns: HeadColumns) -> None:  # a batch's scored positions in one pass
         for inputs, row, position in batches:
             hidden = scorer.body(**inputs, use_cache=False).last_hidden_state[row, position]
-            out = scorer.columns.buffer(len(row))
             targets = inputs["input_ids"][row, position + 1]
-            scorer.columns.fill(out, slice(None), scorer.head(hidden), targets)
+            columns.of_batch(hidden, scorer.head, targets, len(row))
+
+    def body_and_fused_head() -> None:
+        body_and_head(scorer.columns)
+
+    def body_and_triton_head() -> None:  # the head's product and reductions in one kernel
+        body_and_head(triton)
 
     def scorer_pass() -> None:  # what a worker's unit does on the device, from host token ids
         scorer.score_columns(token_ids)
@@ -278,10 +291,14 @@ def forward_rates(
         queued.pop().collect()
 
     sides = {
-        "bare forward": bare_forward, "body": body, "body + fused head": body_and_fused_head,
+        "bare forward": bare_forward, "body": body,
+        "body + fused head": body_and_fused_head,
         "scorer": scorer_pass, "scorer by unit": scorer_units,
         "scorer queued units": scorer_queued_units,
     }  # fmt: skip
+    if triton_runs(device):
+        triton = HeadColumns(HeadExtras(), scorer.vocab_size, device, "triton")
+        sides["body + triton head"] = body_and_triton_head
     return {side: best_rate(run, tokens, repeats, device) for side, run in sides.items()}
 
 
@@ -335,11 +352,22 @@ def polled_device_memory(device: torch.device):
         result["peak"] = peak[0]
 
 
+def triton_runs(device: torch.device) -> bool:
+    """Whether `--head-kernel triton` runs on `device`: on CUDA, or in Triton's interpreter."""
+    try:
+        triton_kernel(HeadExtras(), device)
+    except ConfigError:
+        return False
+    return True
+
+
 def stage1_variants(device: torch.device) -> tuple:
-    """STAGE1_VARIANTS, and the vLLM row where vllm imports."""
-    if importlib.util.find_spec("vllm") is None:
-        return STAGE1_VARIANTS
-    return (*STAGE1_VARIANTS, ("vllm", VLLM_VARIANT[device.type]))
+    """STAGE1_VARIANTS, the Triton head's row where its kernel runs, and the vLLM row where vllm
+    imports."""
+    variants = STAGE1_VARIANTS + ((TRITON_VARIANT,) if triton_runs(device) else ())
+    if importlib.util.find_spec("vllm") is not None:
+        variants += (("vllm", VLLM_VARIANT[device.type]),)
+    return variants
 
 
 class Bench:
@@ -646,7 +674,7 @@ def print_table(rows: list[Row], device) -> None:
     for row in rows:
         print(row_line(row, device_name(device)))
     print(
-        "ratio: stage 1, bare forward, body + fused head and the scorer rows / body of the same teacher; stage 1 +space (--space-logprob), "
+        "ratio: stage 1, bare forward, body + fused or triton head and the scorer rows / body of the same teacher; stage 1 +space (--space-logprob), "
         "+topk 32 and a stage 1 switch row / stage 1; stage 2 arm / stage 2 none; a stage 2 switch row / stage 2 token (whose "
         "defaults are the GPU path's on a GPU, the same as the switch rows' on a CPU). Targets: stage 1 >= 0.85 of body and 0.95 of bare forward, +space >= 0.99 on a "
         "GPU, stage 2 MFU >= 55%, token >= 0.97."
@@ -679,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--stage1-only", action="store_true", help="no stage-2 rows")
     parser.add_argument(
-        "--switches", nargs="+", choices=[label for label, _ in STAGE1_VARIANTS] + ["vllm"],
+        "--switches", nargs="+",
+        choices=[label for label, _ in (*STAGE1_VARIANTS, TRITON_VARIANT)] + ["vllm"],
         help="only these stage-1 switch rows, in their usual order (default: all)",
     )  # fmt: skip
     args = parser.parse_args(argv)

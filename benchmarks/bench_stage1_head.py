@@ -3,12 +3,17 @@ with each `--head-kernel`'s columns, on one batch of scored positions, as the sc
 (pipeline.scoring.head.HeadColumns in chunks of `head_chunk_rows`, compiled where a GPU compiles).
 
     python benchmarks/bench_stage1_head.py [--shape 1.5b|7b|tiny] [--rows N] [--repeats R]
+        [--triton-blocks P,V,W,WARPS,STAGES ...]
 
 Each row: milliseconds per batch (the best of --repeats synchronized passes after one warm-up)
 and its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mask of a random
 40% of the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations'
-column. bench_gpu.py's `body + fused head` and `scorer` rows hold the same head inside the whole
-batch; this script says which column costs what inside it. Random hidden states and weights of the
+column. `triton loss` and `triton +space` (where the kernel runs: CUDA) are `--head-kernel triton`,
+the product and the reductions in one kernel, all positions in one launch; each
+`--triton-blocks` adds a `triton P,V,W,WARPS,STAGES` row of the loss with those block sizes
+(positions, vocabulary, hidden), warps and pipeline stages instead of the kernel's fixed ones, so
+one GPU run can say which tiles suit it. bench_gpu.py's `body + fused head` and `scorer` rows hold
+the same head inside the whole batch; this script says which column costs what inside it. Random hidden states and weights of the
 teacher's shape: shapes, not values, set the speed. `--shape tiny` (the default without CUDA)
 runs in seconds on a CPU, eagerly, as a CPU scorer does.
 """
@@ -16,6 +21,7 @@ runs in seconds on a CPU, eagerly, as a CPU scorer does.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -25,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from device_timing import best_seconds  # noqa: E402
 
+from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.scoring.device import free_memory  # noqa: E402
 from pipeline.scoring.head import HeadColumns, HeadExtras  # noqa: E402
 from pipeline.scoring.hf import head_chunk_rows  # noqa: E402
@@ -38,19 +45,9 @@ SIDES = (  # label, --head-kernel, top-k, with the space column
     ("fused +topk 32", "fused", 32, False),
     ("plain loss", "plain", 0, False),
     ("plain +space", "plain", 0, True),
+    ("triton loss", "triton", 0, False),
+    ("triton +space", "triton", 0, True),
 )
-
-
-def head_pass(hidden, weight, columns: HeadColumns, targets, rows: int):
-    """One batch's head: the logits of each chunk of `rows` positions and its columns."""
-
-    def run() -> None:
-        out = columns.buffer(len(targets))
-        for begin in range(0, len(targets), rows):
-            chunk = slice(begin, begin + rows)
-            columns.fill(out, chunk, hidden[chunk] @ weight.T, targets[chunk])
-
-    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         "--rows", type=int, help="scored positions per batch (default: the shape's)"
     )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--triton-blocks", nargs="+", default=[], metavar="P,V,W,WARPS,STAGES",
+        help="a `triton` row of the loss per block sizes (positions, vocabulary, hidden), warps "
+        "and pipeline stages; the vocabulary block must divide 32768",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = args.shape or ("1.5b" if device.type == "cuda" else "tiny")
@@ -68,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator(device).manual_seed(0)
     hidden = torch.randn(positions, width, generator=generator, device=device, dtype=dtype)
-    weight = torch.randn(vocab, width, generator=generator, device=device, dtype=dtype) / width**0.5
+    head = torch.nn.Linear(width, vocab, bias=False, device=device, dtype=dtype)
+    weight = head.weight.requires_grad_(False)
+    weight.copy_(torch.randn(vocab, width, generator=generator, device=device) / width**0.5)
     targets = torch.randint(0, vocab, (positions,), generator=generator, device=device)
     space = (torch.rand(vocab, generator=generator, device=device) < 0.4).cpu().numpy()
     rows = head_chunk_rows(vocab, "sized", free_memory(device))
@@ -84,13 +88,23 @@ def main(argv: list[str] | None = None) -> int:
     times["head matmul"] = best_seconds(logits_only, args.repeats, device)
     for label, kernel, topk, with_space in SIDES:
         extras = HeadExtras(topk=topk, space_mask=space if with_space else None)
-        columns = HeadColumns(extras, vocab, device, kernel)
+        try:
+            columns = HeadColumns(extras, vocab, device, kernel)
+        except ConfigError as exc:  # the Triton kernel off CUDA
+            print(f"{label}: not measured: {exc}")
+            continue
         times[label] = best_seconds(
-            head_pass(hidden, weight, columns, targets, rows), args.repeats, device
+            functools.partial(columns.of_batch, hidden, head, targets, rows), args.repeats, device
         )
-    print(f"{'what':<16} {'ms/batch':>9} {'ratio':>7}")
+    for blocks in args.triton_blocks:
+        from pipeline.scoring.triton_head import triton_head_columns
+
+        sizes = tuple(int(size) for size in blocks.split(","))
+        run = functools.partial(triton_head_columns, hidden, weight, None, targets, None, sizes)
+        times[f"triton {blocks}"] = best_seconds(run, args.repeats, device)
+    print(f"{'what':<28} {'ms/batch':>9} {'ratio':>7}")
     for label, seconds in times.items():
-        print(f"{label:<16} {seconds * 1e3:>9.2f} {seconds / times['fused loss']:>7.3f}")
+        print(f"{label:<28} {seconds * 1e3:>9.2f} {seconds / times['fused loss']:>7.3f}")
     print("ratio: / fused loss (what `stage 1 (hf)` computes on a GPU)")
     return 0
 

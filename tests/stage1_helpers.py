@@ -132,12 +132,12 @@ MAX_LENGTH, STRIDE = 16, 6
 
 
 def columns_of(
-    folder, texts: list[str] = HEAD_TEXTS, **switches
+    folder, texts: list[str] = HEAD_TEXTS, topk: int = 8, **switches
 ) -> tuple[HFScorer, dict[str, np.ndarray]]:
-    """Every column (loss, top-8, space) of `texts`, documents concatenated."""
+    """Every column (loss, top-`topk`, space) of `texts`, documents concatenated."""
     tokenizer = load_tokenizer(str(folder))
     ids = [e.ids for e in tokenizer.encode_batch(texts)]
-    extras = HeadExtras(topk=8, space_mask=space_mask(tokenizer, tokenizer.vocab_size)[0])
+    extras = HeadExtras(topk=topk, space_mask=space_mask(tokenizer, tokenizer.vocab_size)[0])
     scorer = HFScorer(
         resolve_teacher(str(folder)), dtype="float32", max_length=MAX_LENGTH, stride=STRIDE,
         batch_tokens=64, device="cpu", extras=extras, **switches,

@@ -12,14 +12,19 @@ For a scored position t (the distribution p = softmax(logits) that predicts toke
 Unscored positions (token 0, and a one-token document) hold NaN probabilities and id -1 here; the
 writer stores their top-k entries as nulls.
 
-Two kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
+Three kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
   - plain: the chunk's logits copied to fp32, log-softmax (another fp32 chunk), the loss and the
     views read from it (pipeline.cross_entropy, the student's definition);
   - fused: reductions over the logits as they are (bf16 on a GPU): their max, then Z and the
     space mask's share of it in one pass, the target's logit, and torch.topk of the logits, so
     no fp32 copy of the chunk is made where the pass is compiled (on CUDA; elsewhere it runs
-    eagerly).
-The two agree within fp32 rounding, far inside the cache's fp16 storage (tests/test_stage1_head.py).
+    eagerly);
+  - triton: the head's matrix product and those reductions in one Triton kernel, so that no
+    logit leaves the chip (pipeline.scoring.triton_head; the loss and the space column, no
+    top-k).
+Plain and fused agree within fp32 rounding, far inside the cache's fp16 storage
+(tests/test_stage1_head.py); triton keeps the logits in fp32, so on a bf16 teacher it differs
+from them by bf16's rounding of the logits (tests/triton_interpreted.py).
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ import torch
 from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, TOPK_REST
 from pipeline.choices import compiles_on
 from pipeline.cross_entropy import token_log_probs_and_loss, token_loss
+from pipeline.errors import ConfigError
 
 MAX_TOPK = 128
 TINY = torch.finfo(torch.float32).tiny  # the space mass's floor (docs/cache-columns.md)
+PROBE_POSITIONS = 67  # the triton kernel's check at load: not a whole block of positions
 
 
 @dataclass(frozen=True)
@@ -142,11 +149,15 @@ class HeadColumns:
                     f"space mask of {len(extras.space_mask)} ids for a head of {vocab_size}"
                 )
             # in the form the kernel reads, so no chunk converts it: plain multiplies the
-            # probabilities by a float indicator, fused masks the logits with a bool one
-            mask = extras.space_mask if kernel == "fused" else extras.space_mask.astype(np.float32)
-            self.space = torch.from_numpy(mask).to(device)
-        self.extras, self.device = extras, device
-        self.compute = head_kernel_function(kernel, device)
+            # probabilities by a float indicator, fused masks the logits with a bool one, the
+            # Triton kernel loads bytes
+            form = {"plain": np.float32, "fused": np.bool_, "triton": np.int8}[kernel]
+            self.space = torch.from_numpy(extras.space_mask.astype(form)).to(device)
+        self.extras, self.device, self.kernel = extras, device, kernel
+        if kernel == "triton":
+            self.compute = triton_kernel(extras, device)
+        else:
+            self.compute = head_kernel_function(kernel, device)
 
     def buffer(self, rows: int) -> dict[str, torch.Tensor]:
         """Empty device tensors for `rows` scored positions, by column."""
@@ -161,14 +172,62 @@ class HeadColumns:
             out[SPACE_LOGPROB] = torch.empty(rows, dtype=torch.float32, device=device)
         return out
 
-    def fill(
-        self, out: dict[str, torch.Tensor], chunk: slice, logits: torch.Tensor, targets: torch.Tensor
-    ) -> None:
-        """The columns of the rows `chunk` of `out` from their logits."""
-        columns = self.compute(logits, targets, self.extras.topk, self.space)
-        for name, values in columns.items():
-            if name in out:  # ids computed but not kept (--no-topk-ids)
-                out[name][chunk] = values
+    def of_batch(
+        self,
+        hidden: torch.Tensor,
+        head: torch.nn.Linear | None,
+        targets: torch.Tensor,
+        rows: int,
+    ) -> dict[str, torch.Tensor]:
+        """The columns of a batch's scored positions from their `hidden` states under `head`
+        (None: `hidden` are the logits already), in chunks of `rows` positions; the Triton
+        kernel takes them all at once, since it makes no logits."""
+        if self.kernel == "triton":
+            return self.compute(hidden, head.weight, head.bias, targets, self.space)
+        project, topk = head or torch.nn.Identity(), self.extras.topk
+        out = self.buffer(len(targets))
+        for begin in range(0, len(targets), rows):
+            chunk = slice(begin, begin + rows)
+            columns = self.compute(project(hidden[chunk]), targets[chunk], topk, self.space)
+            for name, values in columns.items():
+                if name in out:  # ids computed but not kept (--no-topk-ids)
+                    out[name][chunk] = values
+        return out
+
+    @torch.inference_mode()
+    def probe_difference(self, head: torch.nn.Linear) -> float:
+        """Largest |difference| of the loss and the space column between this kernel and the
+        plain one on an fp32 product of the same head, over a probe of random hidden states: the
+        Triton kernel's check on the machine that compiled it."""
+        generator = torch.Generator(self.device).manual_seed(0)
+        vocab, width = head.weight.shape
+        shape, device = (PROBE_POSITIONS, width), self.device
+        hidden = torch.randn(shape, generator=generator, device=device).to(head.weight.dtype)
+        targets = torch.randint(0, vocab, shape[:1], generator=generator, device=device)
+        ours = self.of_batch(hidden, head, targets, PROBE_POSITIONS)
+        logits = hidden.float() @ head.weight.float().T
+        if head.bias is not None:
+            logits += head.bias.float()
+        space = None if self.space is None else self.space.float()
+        exact = plain_columns(logits, targets, 0, space)
+        return max(float((ours[name] - exact[name]).abs().max()) for name in exact)
+
+
+def triton_kernel(extras: HeadExtras, device: torch.device):
+    """`--head-kernel triton`'s function, or a one-line refusal where it cannot run."""
+    if extras.topk:
+        raise ConfigError(
+            "--head-kernel triton computes the loss and the space column, not top-k: use "
+            "--head-kernel fused with --topk-probs"
+        )
+    try:
+        from pipeline.scoring import triton_head
+    except ImportError as exc:
+        raise ConfigError(f"--head-kernel triton needs the triton package ({exc})") from exc
+    problem = triton_head.unavailable(device)
+    if problem:
+        raise ConfigError(f"--head-kernel triton: {problem}; use --head-kernel fused")
+    return triton_head.triton_head_columns
 
 
 def empty_columns(extras: HeadExtras, lengths: list[int]) -> dict[str, list[np.ndarray]]:

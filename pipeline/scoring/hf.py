@@ -3,9 +3,10 @@
 Per batch of windows (pipeline.scoring.windows, pipeline.scoring.batching): one forward pass of the
 decoder body; then the output head is applied only to the positions whose next token is scored, a
 chunk of rows at a time, and each chunk's loss and views are computed by `--head-kernel`
-(pipeline.scoring.head). Chunks (`--head-chunks`) hold a fixed 2^24 logits, or are sized from the
-device's free memory at the first scoring call (the warm-up at load), so that a large vocabulary
-does not cost a head matrix product (re-reading the whole head weight) per hundred rows.
+(pipeline.scoring.head); the Triton kernel takes all of them at once, as it makes no logits.
+Chunks (`--head-chunks`) hold a fixed 2^24 logits, or are sized from the device's free memory at
+the first scoring call (the warm-up at load), so that a large vocabulary does not cost a head
+matrix product (re-reading the whole head weight) per hundred rows.
 Full-vocabulary log-probabilities of all positions (batch x length x vocabulary) are never
 materialized. `--compile layers` compiles each decoder layer of the body (pipeline.models.layers).
 
@@ -105,6 +106,8 @@ class HFScorer:
         self.head_kernel = on_device(head_kernel, self.device, gpu="fused", cpu="plain")
         self.head_chunks = on_device(head_chunks, self.device, gpu="sized", cpu="fixed")
         self.columns = HeadColumns(self.extras, self.vocab_size, self.device, self.head_kernel)
+        if self.head_kernel == "triton":
+            self._check_triton_head()
         self.row_packing, self.attention = self._resolve_packing(row_packing, attention)
         self.batch_overlap = on_device(batch_overlap, self.device, gpu="on", cpu="off")
         self.compile = resolve_compile(compile, self.device)
@@ -174,6 +177,32 @@ class HFScorer:
             "batch_overlap": self.batch_overlap,
             "compile": self.compile,
         }
+
+    def _check_triton_head(self) -> None:
+        """Refuse `--head-kernel triton` in one line where its columns would not be this
+        teacher's: logits that are not head(body(x)), a kernel that does not compile here, or one
+        whose columns on a probe differ from an fp32 product's (a compiler's fault a CPU test
+        cannot see)."""
+        from pipeline.scoring.triton_head import REFERENCE_TOLERANCE
+
+        refusal = "--head-kernel triton: {}; use --head-kernel fused"
+        if not self.plain_head:
+            raise ConfigError(refusal.format(
+                "this teacher's logits are not its head applied to its body's output "
+                "(soft-capped or scaled), and the kernel computes only the latter"
+            ))  # fmt: skip
+        try:
+            difference = self.columns.probe_difference(self.head)
+        except Exception as exc:  # Triton's compile errors share no base class
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(refusal.format(
+                f"the kernel failed on a probe ({type(exc).__name__}: {first})"
+            )) from exc  # fmt: skip
+        if not difference <= REFERENCE_TOLERANCE:  # NaN too
+            raise ConfigError(refusal.format(
+                f"on a probe its columns differ from an fp32 product's by {difference:.3g} "
+                f"(more than {REFERENCE_TOLERANCE:g})"
+            ))  # fmt: skip
 
     @torch.inference_mode()
     def _head_reproduces_logits(self) -> bool:
@@ -327,12 +356,8 @@ class HFScorer:
         targets = ids[row, position + 1]
         if self.plain_head:
             hidden = self.body(**inputs, use_cache=False).last_hidden_state[row, position]
-            project = self.head
+            head = self.head
         else:
             hidden = self.model(**inputs, use_cache=False).logits[row, position]
-            project = torch.nn.Identity()
-        out = self.columns.buffer(len(targets))
-        for begin in range(0, len(targets), rows):
-            chunk = slice(begin, begin + rows)
-            self.columns.fill(out, chunk, project(hidden[chunk]), targets[chunk])
-        return HostCopies(out)
+            head = None
+        return HostCopies(self.columns.of_batch(hidden, head, targets, rows))

@@ -1,0 +1,168 @@
+"""`--head-kernel triton`: the head's matrix product and the loss's reductions in one Triton
+kernel, so that no logit leaves the chip (the kind of kernel cut-cross-entropy is; Wijmans et al.
+2025). It computes the loss and, when asked, the space column; for top-k use the fused pass.
+
+Each program takes a block of scored positions and one span of the vocabulary. Per tile of the
+span it multiplies the positions' hidden states by the tile's head rows, accumulating in fp32, and
+folds the tile into running sums: the max, Z = sum exp(logit - max), the space mask's share of Z,
+and the target's logit. The spans' partial sums are then combined in torch, on the device:
+loss = log Z - logit[target], space_logprob = log Z(S) - log Z (docs/cache-columns.md).
+
+The logits stay fp32 from the product on, where the other kernels read them from the head's output
+dtype (bf16 on a GPU): on a bf16 teacher the columns differ from fused's by bf16's rounding of the
+logits, and are the nearer to exact. Block sizes and spans are fixed, not autotuned by timing, and
+nothing is summed by atomics, so a rerun gives the same bits.
+
+Off CUDA the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+first imported; numpy, slow: for the tests), which computes no
+bfloat16 arithmetic (Triton's debugging guide): there the operands are upcast to fp32 before the
+product. A bf16 product is exact in fp32, so only the summation order differs from a GPU's.
+At load, HFScorer compares the kernel with an fp32 product on a probe, so a GPU's compiled kernel
+is checked on the machine that runs it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pipeline.cache.schema import SPACE_LOGPROB
+
+TINY_LOG = math.log(torch.finfo(torch.float32).tiny)  # the space column's floor, as the others'
+# vocabulary entries per span: a multiple of every block width; a 152k head makes five spans, five
+# times the programs that blocks of positions alone give
+SPAN = tl.constexpr(32768)
+# (positions, vocabulary, hidden) per block, warps, pipeline stages: on a GPU the shape of the
+# Triton matmul tutorial's fp16 kernel, with a narrower vocabulary tile that leaves registers for
+# the running sums; in the interpreter, big blocks, since each operation costs a numpy call
+GPU_BLOCKS = (128, 128, 64, 8, 3)
+INTERPRETER_BLOCKS = (256, 4096, 64, 1, 1)
+# Largest |difference| of the loss or the space column, kernel against an fp32 product, on the
+# load probe (HFScorer): the order of fp32 sums over a hidden size of thousands, or TF32's
+# rounding of an fp32 teacher's operands on a GPU, stays far below it; a wrong tile, mask or span
+# is a difference of whole nats.
+REFERENCE_TOLERANCE = 1e-2
+
+
+@triton.jit
+def _head_sums(
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, space_ptr,
+    max_ptr, total_ptr, space_total_ptr, picked_ptr,
+    positions, vocab, width, hidden_stride, weight_stride,
+    HAS_BIAS: tl.constexpr, HAS_SPACE: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_POSITIONS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_WIDTH: tl.constexpr,
+):  # fmt: skip
+    """One block of positions over one span of the vocabulary: its partial sums, by span."""
+    span = tl.program_id(1)
+    position = tl.program_id(0) * BLOCK_POSITIONS + tl.arange(0, BLOCK_POSITIONS)
+    hidden_rows = hidden_ptr + position.to(tl.int64)[:, None] * hidden_stride
+    position_ok = position < positions
+    target = tl.load(target_ptr + position, mask=position_ok, other=-1)
+    top = tl.full([BLOCK_POSITIONS], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_POSITIONS], tl.float32)
+    space_total = tl.zeros([BLOCK_POSITIONS], tl.float32)
+    picked = tl.zeros([BLOCK_POSITIONS], tl.float32)
+    first = span * SPAN
+    for start in range(first, tl.minimum(first + SPAN, vocab), BLOCK_VOCAB):
+        column = start + tl.arange(0, BLOCK_VOCAB)
+        column_ok = column < vocab
+        # int64 offsets: a large head's (vocabulary x width) passes 2^31
+        weight_columns = weight_ptr + column.to(tl.int64)[None, :] * weight_stride
+        logits = tl.zeros([BLOCK_POSITIONS, BLOCK_VOCAB], tl.float32)
+        for inner in range(0, width, BLOCK_WIDTH):
+            k = inner + tl.arange(0, BLOCK_WIDTH)
+            if EVEN:  # the blocks tile the hidden size: no mask along it
+                h = tl.load(hidden_rows + k[None, :], mask=position_ok[:, None], other=0.0)
+                w = tl.load(weight_columns + k[:, None], mask=column_ok[None, :], other=0.0)
+            else:
+                k_ok = k < width
+                h_ok = position_ok[:, None] & k_ok[None, :]
+                w_ok = column_ok[None, :] & k_ok[:, None]
+                h = tl.load(hidden_rows + k[None, :], mask=h_ok, other=0.0)
+                w = tl.load(weight_columns + k[:, None], mask=w_ok, other=0.0)
+            if UPCAST:
+                h, w = h.to(tl.float32), w.to(tl.float32)
+            logits = tl.dot(h, w, logits)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + column, mask=column_ok, other=0.0)
+            logits += bias.to(tl.float32)[None, :]
+        logits = tl.where(column_ok[None, :], logits, float("-inf"))
+        new_top = tl.maximum(top, tl.max(logits, 1))
+        scale = tl.exp(top - new_top)
+        exp = tl.exp(logits - new_top[:, None])
+        total = total * scale + tl.sum(exp, 1)
+        if HAS_SPACE:
+            in_space = tl.load(space_ptr + column, mask=column_ok, other=0) != 0
+            space_total = space_total * scale + tl.sum(tl.where(in_space[None, :], exp, 0.0), 1)
+        picked += tl.sum(tl.where(column[None, :] == target[:, None], logits, 0.0), 1)
+        top = new_top
+    out = span * positions + position
+    tl.store(max_ptr + out, top, mask=position_ok)
+    tl.store(total_ptr + out, total, mask=position_ok)
+    tl.store(picked_ptr + out, picked, mask=position_ok)
+    if HAS_SPACE:
+        tl.store(space_total_ptr + out, space_total, mask=position_ok)
+
+
+# Under TRITON_INTERPRET=1 (read when triton is first imported) `triton.jit` gives the
+# interpreter's function, which runs on the host.
+INTERPRETED = not isinstance(_head_sums, triton.JITFunction)
+
+
+def unavailable(device: torch.device) -> str | None:
+    """None if the kernel runs on `device`, else why not."""
+    if device.type == "cuda" or INTERPRETED:
+        return None
+    return (
+        f"Triton compiles for CUDA devices, not {device.type}; elsewhere it runs only in its "
+        f"interpreter, which TRITON_INTERPRET=1 turns on before triton is imported (slow: for "
+        f"tests)"
+    )
+
+
+def triton_head_columns(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    space: torch.Tensor | None,
+    blocks: tuple[int, int, int, int, int] | None = None,
+) -> dict[str, torch.Tensor]:
+    """{"loss": [N]} and, with a `space` mask (int8 over the vocabulary), the space column, of N
+    positions' `hidden` states [N, width] under the head `weight` [vocabulary, width] (+ `bias`),
+    fp32. `blocks` (positions, vocabulary, hidden, warps, stages) overrides the fixed ones."""
+    positions, width = hidden.shape
+    vocab = weight.shape[0]
+    block_positions, block_vocab, block_width, warps, stages = blocks or (
+        INTERPRETER_BLOCKS if INTERPRETED else GPU_BLOCKS
+    )
+    span = SPAN.value
+    if span % block_vocab:
+        raise ValueError(f"a vocabulary block of {block_vocab} does not divide the span {span}")
+    spans = -(-vocab // span)
+    hidden, weight = hidden.contiguous(), weight.contiguous()
+    sums = torch.empty(4, spans, positions, dtype=torch.float32, device=hidden.device)
+    top, total, space_total, picked = sums
+    if positions:
+        launch = {} if INTERPRETED else {"num_warps": warps, "num_stages": stages}
+        _head_sums[(-(-positions // block_positions), spans)](
+            hidden, weight, bias if bias is not None else hidden, targets,
+            space if space is not None else targets,
+            top, total, space_total, picked,
+            positions, vocab, width, hidden.stride(0), weight.stride(0),
+            HAS_BIAS=bias is not None, HAS_SPACE=space is not None, UPCAST=INTERPRETED,
+            EVEN=width % block_width == 0,
+            BLOCK_POSITIONS=block_positions, BLOCK_VOCAB=block_vocab, BLOCK_WIDTH=block_width,
+            **launch,
+        )  # fmt: skip
+    overall = top.amax(dim=0)
+    scale = (top - overall).exp()
+    log_z = (total * scale).sum(dim=0).log() + overall
+    columns = {"loss": log_z - picked.sum(dim=0)}
+    if space is not None:
+        log_space = (space_total * scale).sum(dim=0).log() + overall
+        columns[SPACE_LOGPROB] = (log_space - log_z).clamp(min=TINY_LOG, max=0.0)
+    return columns

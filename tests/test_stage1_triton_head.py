@@ -1,0 +1,40 @@
+"""`--head-kernel triton` on a CPU: its tests run in Triton's interpreter, in a process of their
+own (tests/triton_interpreted.py: TRITON_INTERPRET=1 must be set before triton is imported, and
+this process imports it without); here, without the interpreter, it is refused in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import ConfigError
+from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.teacher import resolve_teacher
+from tests.stage1_helpers import make_tiny_teacher
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_triton_kernel_in_tritons_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    run = subprocess.run(
+        [*command, "tests/triton_interpreted.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    said = run.stdout + run.stderr
+    assert run.returncode == 0, said
+    assert " passed" in said and " skipped" not in said and " deselected" not in said, said
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter is on")
+def test_without_cuda_or_the_interpreter_triton_is_refused_in_one_line(tmp_path):
+    teacher = resolve_teacher(str(make_tiny_teacher(tmp_path / "t", "smollm2")))
+    with pytest.raises(ConfigError, match=r"^--head-kernel triton: Triton compiles for CUDA "
+                       r"devices, not cpu; .*TRITON_INTERPRET=1 .*; use --head-kernel fused$"):  # fmt: skip
+        HFScorer(teacher, dtype="float32", max_length=16, stride=6, batch_tokens=64,
+                 device="cpu", head_kernel="triton")  # fmt: skip
