@@ -34,6 +34,11 @@ AdamwKernel = Literal["auto", "fused", "plain"]  # stage 2: torch's AdamW implem
 CompileLayers = Literal["auto", "layers", "off"]  # both stages: torch.compile of each layer
 LossKernel = Literal["auto", "chunked", "plain"]  # stage 2: how the per-token loss is computed
 HeadKernel = Literal["auto", "fused", "plain", "triton"]  # stage 1: how the head's columns are computed
+# stage 1's config refuses it before the teacher loads; the scorer, for every other caller
+TRITON_HEAD_WITHOUT_TOPK = (
+    "--head-kernel triton computes the loss and the space column, not top-k: use --head-kernel "
+    "fused with --topk-probs"
+)
 HeadChunks = Literal["auto", "sized", "fixed"]  # stage 1: how many rows a head chunk holds
 UnitOverlap = Literal["auto", "on", "off"]  # stage 1: a unit's CPU work beside another's scoring
 BatchOverlap = Literal["auto", "on", "off"]  # stage 1: a batch built while the last one runs

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, topk_id_dtype
 from pipeline.choices import (
+    TRITON_HEAD_WITHOUT_TOPK,
     Attention,
     BatchOverlap,
     CompileLayers,
@@ -231,6 +232,8 @@ class ScoreConfig:
                 "and of asked-for ids only, and the space mask is thousands of ids at every "
                 "position"
             )
+        if self.head_kernel == "triton" and self.topk_probs:
+            raise ValueError(TRITON_HEAD_WITHOUT_TOPK)
         if self.progress_seconds <= 0:
             raise ValueError("progress_seconds must be positive")
         if self.profile_unit is not None and self.profile_unit < 0:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, TOPK_REST
-from pipeline.choices import compiles_on
+from pipeline.choices import TRITON_HEAD_WITHOUT_TOPK, compiles_on
 from pipeline.cross_entropy import token_log_probs_and_loss, token_loss
 from pipeline.errors import ConfigError
 
@@ -216,10 +216,7 @@ class HeadColumns:
 def triton_kernel(extras: HeadExtras, device: torch.device):
     """`--head-kernel triton`'s function, or a one-line refusal where it cannot run."""
     if extras.topk:
-        raise ConfigError(
-            "--head-kernel triton computes the loss and the space column, not top-k: use "
-            "--head-kernel fused with --topk-probs"
-        )
+        raise ConfigError(TRITON_HEAD_WITHOUT_TOPK)
     try:
         from pipeline.scoring import triton_head
     except ImportError as exc:
