@@ -35,9 +35,11 @@ TINY_LOG = math.log(torch.finfo(torch.float32).tiny)  # the space column's floor
 # vocabulary entries per span: a multiple of every block width; a 152k head makes five spans, five
 # times the programs that blocks of positions alone give
 SPAN = tl.constexpr(32768)
-# (positions, vocabulary, hidden) per block, warps, pipeline stages: on a GPU the shape of the
-# Triton matmul tutorial's fp16 kernel, with a narrower vocabulary tile that leaves registers for
-# the running sums; in the interpreter, big blocks, since each operation costs a numpy call
+# (positions, vocabulary, hidden) per block, warps, pipeline stages. On a GPU: 128 x 128 x 64
+# tiles over 8 warps, 3 stages, which Triton compiles for an H100 (sm_90a) to wgmma with
+# double-buffered loads, 173-199 registers, 96 KiB of shared memory and no spill; a 128-wide tile
+# of the vocabulary doubled to 256 spills (benchmarks/triton_head_compile.py; speed unmeasured).
+# In the interpreter: big blocks, since each operation costs a numpy call.
 GPU_BLOCKS = (128, 128, 64, 8, 3)
 INTERPRETER_BLOCKS = (256, 4096, 64, 1, 1)
 # Largest |difference| of the loss or the space column, kernel against an fp32 product, on the
@@ -58,9 +60,11 @@ def _head_sums(
     """One block of positions over one span of the vocabulary: its partial sums, by span."""
     span = tl.program_id(1)
     position = tl.program_id(0) * BLOCK_POSITIONS + tl.arange(0, BLOCK_POSITIONS)
-    hidden_rows = hidden_ptr + position.to(tl.int64)[:, None] * hidden_stride
     position_ok = position < positions
-    target = tl.load(target_ptr + position, mask=position_ok, other=-1)
+    # Rows and columns past the end read the last one's memory instead of being masked, so that
+    # the loads in the product's loop carry no predicate; their results are dropped below.
+    row = tl.minimum(position, positions - 1).to(tl.int64)
+    target = tl.load(target_ptr + row).to(tl.int32)
     top = tl.full([BLOCK_POSITIONS], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_POSITIONS], tl.float32)
     space_total = tl.zeros([BLOCK_POSITIONS], tl.float32)
@@ -70,22 +74,23 @@ def _head_sums(
         column = start + tl.arange(0, BLOCK_VOCAB)
         column_ok = column < vocab
         # int64 offsets: a large head's (vocabulary x width) passes 2^31
-        weight_columns = weight_ptr + column.to(tl.int64)[None, :] * weight_stride
+        entry = tl.minimum(column, vocab - 1).to(tl.int64)
+        h_next = hidden_ptr + row[:, None] * hidden_stride + tl.arange(0, BLOCK_WIDTH)[None, :]
+        w_next = weight_ptr + entry[None, :] * weight_stride + tl.arange(0, BLOCK_WIDTH)[:, None]
         logits = tl.zeros([BLOCK_POSITIONS, BLOCK_VOCAB], tl.float32)
         for inner in range(0, width, BLOCK_WIDTH):
-            k = inner + tl.arange(0, BLOCK_WIDTH)
             if EVEN:  # the blocks tile the hidden size: no mask along it
-                h = tl.load(hidden_rows + k[None, :], mask=position_ok[:, None], other=0.0)
-                w = tl.load(weight_columns + k[:, None], mask=column_ok[None, :], other=0.0)
+                h = tl.load(h_next)
+                w = tl.load(w_next)
             else:
-                k_ok = k < width
-                h_ok = position_ok[:, None] & k_ok[None, :]
-                w_ok = column_ok[None, :] & k_ok[:, None]
-                h = tl.load(hidden_rows + k[None, :], mask=h_ok, other=0.0)
-                w = tl.load(weight_columns + k[:, None], mask=w_ok, other=0.0)
+                k = inner + tl.arange(0, BLOCK_WIDTH)
+                h = tl.load(h_next, mask=(k < width)[None, :], other=0.0)
+                w = tl.load(w_next, mask=(k < width)[:, None], other=0.0)
             if UPCAST:
                 h, w = h.to(tl.float32), w.to(tl.float32)
             logits = tl.dot(h, w, logits)
+            h_next += BLOCK_WIDTH
+            w_next += BLOCK_WIDTH
         if HAS_BIAS:
             bias = tl.load(bias_ptr + column, mask=column_ok, other=0.0)
             logits += bias.to(tl.float32)[None, :]

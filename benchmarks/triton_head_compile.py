@@ -1,0 +1,130 @@
+"""What `--head-kernel triton` compiles to for a GPU, on any machine (no GPU needed): per block
+configuration and target, the registers, the spills, the shared memory, whether the product's
+loads are software-pipelined, and which tensor-core instruction it uses.
+
+    python benchmarks/triton_head_compile.py [--blocks P,V,W,WARPS,STAGES ...] [--arch 90 80]
+
+Triton compiles the kernel (pipeline/scoring/triton_head.py) down to a cubin here, with the ptxas
+its wheel ships, specialized as a launch on a real shape is (pointers and the vocabulary, hidden
+size and strides divisible by 16, the positions not: a unit's last batch), and the cuobjdump it
+ships reads the cubin's resource use. A spill (STACK or LOCAL above 0) or a product that is not
+pipelined (no cp.async or TMA copy) is slow on any GPU; registers and shared memory bound how
+many programs share an SM. These are the compiler's facts, not speeds: a GPU run measures those
+(bench_stage1_head.py). The triton here is this project's lock's; a GPU machine's may compile
+differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from pipeline.scoring import triton_head  # noqa: E402
+
+ARCHES = {90: "H100/H200 (sm_90a)", 80: "A100 (sm_80)"}
+# the kernel's runtime arguments as a bf16 teacher's launch passes them; constexprs follow
+SIGNATURE = {
+    "hidden_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16", "target_ptr": "*i64",
+    "space_ptr": "*i8", "max_ptr": "*fp32", "total_ptr": "*fp32", "space_total_ptr": "*fp32",
+    "picked_ptr": "*fp32", "positions": "i32", "vocab": "i32", "width": "i32",
+    "hidden_stride": "i32", "weight_stride": "i32",
+}  # fmt: skip
+NOT_DIVISIBLE = {"positions"}
+
+
+@dataclass
+class Compiled:
+    registers: int
+    spill_bytes: int  # stack frame and local memory: spilled registers
+    shared_bytes: int
+    pipelined_copies: int  # cp.async and TMA copies in the PTX
+    tensor_core: str  # wgmma (Hopper), mma (Ampere) or none
+
+
+def compile_head(blocks: tuple[int, ...], arch: int, space: bool) -> Compiled:
+    """The kernel compiled for sm_`arch` with `blocks` (positions, vocabulary, hidden, warps,
+    stages), with or without the space column."""
+    positions, vocab, width, warps, stages = blocks
+    names = triton_head._head_sums.arg_names
+    signature = SIGNATURE | {name: "constexpr" for name in names if name not in SIGNATURE}
+    if list(signature) != names:
+        raise RuntimeError(f"the kernel's arguments changed: {names}")
+    constants = dict(
+        HAS_BIAS=False, HAS_SPACE=space, UPCAST=False, EVEN=True,
+        BLOCK_POSITIONS=positions, BLOCK_VOCAB=vocab, BLOCK_WIDTH=width,
+    )  # fmt: skip
+    attrs = {
+        (index,): [["tt.divisibility", 16]]
+        for index, name in enumerate(SIGNATURE)
+        if name not in NOT_DIVISIBLE
+    }
+    source = ASTSource(fn=triton_head._head_sums, signature=signature, constexprs=constants,
+                       attrs=attrs)  # fmt: skip
+    kernel = triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages}
+    )
+    usage = resource_usage(kernel.asm["cubin"])
+    ptx = kernel.asm["ptx"]
+    core = "wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "none"
+    return Compiled(
+        registers=usage["REG"], spill_bytes=usage["STACK"] + usage["LOCAL"],
+        shared_bytes=kernel.metadata.shared, pipelined_copies=ptx.count("cp.async"),
+        tensor_core=core,
+    )  # fmt: skip
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """cuobjdump's resource use of the cubin's kernel: REG, STACK, SHARED, LOCAL, ..."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        said = subprocess.run(
+            [str(tool), "-res-usage", file.name], capture_output=True, text=True, check=True
+        ).stdout
+    return {key: int(value) for key, value in re.findall(r"(\w+)(?:\[\d+\])?:(\d+)", said)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--blocks", nargs="+", metavar="P,V,W,WARPS,STAGES",
+        default=[",".join(map(str, triton_head.GPU_BLOCKS))],
+        help="block configurations (default: the kernel's fixed one)",
+    )  # fmt: skip
+    parser.add_argument("--arch", nargs="+", type=int, choices=tuple(ARCHES), default=[90, 80])
+    args = parser.parse_args(argv)
+    header = (
+        f"{'blocks':<20} {'target':<20} {'column':<7} {'registers':>9} {'spill B':>8} "
+        f"{'shared KiB':>10} {'pipelined':>9}  tensor cores"
+    )
+    print(header)
+    print("-" * len(header))
+    for blocks in args.blocks:
+        sizes = tuple(int(size) for size in blocks.split(","))
+        for arch in args.arch:
+            for space in (False, True):
+                c = compile_head(sizes, arch, space)
+                print(
+                    f"{blocks:<20} {ARCHES[arch]:<20} {'+space' if space else 'loss':<7} "
+                    f"{c.registers:>9} {c.spill_bytes:>8} {c.shared_bytes / 1024:>10.0f} "
+                    f"{'yes' if c.pipelined_copies else 'no':>9}  {c.tensor_core}"
+                )
+    print(f"triton {triton.__version__}; spill B: stack and local bytes (0: none); pipelined: the "
+          "product's loads double-buffered by cp.async")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
