@@ -3,16 +3,18 @@ with each `--head-kernel`'s columns, on one batch of scored positions, as the sc
 (pipeline.scoring.head.HeadColumns in chunks of `head_chunk_rows`, compiled where a GPU compiles).
 
     python benchmarks/bench_stage1_head.py [--shape 1.5b|7b|tiny] [--rows N] [--repeats R]
-        [--triton-blocks P,V,W,WARPS,STAGES ...]
+        [--triton-blocks P,V,W,SPAN,GROUP,WARPS,STAGES ...]
 
 Each row: milliseconds per batch (the best of --repeats synchronized passes after one warm-up)
 and its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mask of a random
 40% of the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations'
 column. `triton loss` and `triton +space` (where the kernel runs: CUDA) are `--head-kernel triton`,
 the product and the reductions in one kernel, all positions in one launch; each
-`--triton-blocks` adds a `triton P,V,W,WARPS,STAGES` row of the loss with those block sizes
-(positions, vocabulary, hidden), warps and pipeline stages instead of the kernel's fixed ones, so
-one GPU run can say which tiles suit it. bench_gpu.py's `body + fused head` and `scorer` rows hold
+`--triton-blocks` adds a `triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
+(pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a
+program's span of the vocabulary, the blocks of positions grouped, warps, pipeline stages)
+instead of the kernel's fixed ones, so one GPU run can say which suit it
+(benchmarks/triton_head_compile.py says which spill, without a GPU). bench_gpu.py's `body + fused head` and `scorer` rows hold
 the same head inside the whole batch; this script says which column costs what inside it. Random hidden states and weights of the
 teacher's shape: shapes, not values, set the speed. `--shape tiny` (the default without CUDA)
 runs in seconds on a CPU, eagerly, as a CPU scorer does.
@@ -58,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--triton-blocks", nargs="+", default=[], metavar="P,V,W,WARPS,STAGES",
-        help="a `triton` row of the loss per block sizes (positions, vocabulary, hidden), warps "
-        "and pipeline stages; the vocabulary block must divide 32768",
+        "--triton-blocks", nargs="+", default=[], metavar="P,V,W,SPAN,GROUP,WARPS,STAGES",
+        help="a `triton` row of the loss per blocks (pipeline.scoring.triton_head.Blocks); the "
+        "span is a multiple of the vocabulary tile",
     )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -97,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             functools.partial(columns.of_batch, hidden, head, targets, rows), args.repeats, device
         )
     for blocks in args.triton_blocks:
-        from pipeline.scoring.triton_head import triton_head_columns
+        from pipeline.scoring.triton_head import Blocks, triton_head_columns
 
-        sizes = tuple(int(size) for size in blocks.split(","))
+        sizes = Blocks(*(int(size) for size in blocks.split(",")))
         run = functools.partial(triton_head_columns, hidden, weight, None, targets, None, sizes)
         times[f"triton {blocks}"] = best_seconds(run, args.repeats, device)
     print(f"{'what':<28} {'ms/batch':>9} {'ratio':>7}")

@@ -2,7 +2,8 @@
 configuration and target, the registers, the spills, the shared memory, whether the product's
 loads are software-pipelined, and which tensor-core instruction it uses.
 
-    python benchmarks/triton_head_compile.py [--blocks P,V,W,WARPS,STAGES ...] [--arch 90 80]
+    python benchmarks/triton_head_compile.py [--blocks P,V,W,SPAN,GROUP,WARPS,STAGES ...]
+        [--arch 90 80]
 
 Triton compiles the kernel (pipeline/scoring/triton_head.py) down to a cubin here, with the ptxas
 its wheel ships, specialized as a launch on a real shape is (pointers and the vocabulary, hidden
@@ -52,17 +53,16 @@ class Compiled:
     tensor_core: str  # wgmma (Hopper), mma (Ampere) or none
 
 
-def compile_head(blocks: tuple[int, ...], arch: int, space: bool) -> Compiled:
-    """The kernel compiled for sm_`arch` with `blocks` (positions, vocabulary, hidden, warps,
-    stages), with or without the space column."""
-    positions, vocab, width, warps, stages = blocks
+def compile_head(blocks: triton_head.Blocks, arch: int, space: bool) -> Compiled:
+    """The kernel compiled for sm_`arch` with `blocks`, with or without the space column."""
     names = triton_head._head_sums.arg_names
     signature = SIGNATURE | {name: "constexpr" for name in names if name not in SIGNATURE}
     if list(signature) != names:
         raise RuntimeError(f"the kernel's arguments changed: {names}")
     constants = dict(
         HAS_BIAS=False, HAS_SPACE=space, UPCAST=False, EVEN=True,
-        BLOCK_POSITIONS=positions, BLOCK_VOCAB=vocab, BLOCK_WIDTH=width,
+        BLOCK_POSITIONS=blocks.positions, BLOCK_VOCAB=blocks.vocab, BLOCK_WIDTH=blocks.width,
+        SPAN=blocks.span, GROUP=blocks.group,
     )  # fmt: skip
     attrs = {
         (index,): [["tt.divisibility", 16]]
@@ -71,9 +71,8 @@ def compile_head(blocks: tuple[int, ...], arch: int, space: bool) -> Compiled:
     }
     source = ASTSource(fn=triton_head._head_sums, signature=signature, constexprs=constants,
                        attrs=attrs)  # fmt: skip
-    kernel = triton.compile(
-        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages}
-    )
+    options = {"num_warps": blocks.warps, "num_stages": blocks.stages}
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     usage = resource_usage(kernel.asm["cubin"])
     ptx = kernel.asm["ptx"]
     core = "wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "none"
@@ -99,25 +98,25 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--blocks", nargs="+", metavar="P,V,W,WARPS,STAGES",
+        "--blocks", nargs="+", metavar="P,V,W,SPAN,GROUP,WARPS,STAGES",
         default=[",".join(map(str, triton_head.GPU_BLOCKS))],
         help="block configurations (default: the kernel's fixed one)",
     )  # fmt: skip
     parser.add_argument("--arch", nargs="+", type=int, choices=tuple(ARCHES), default=[90, 80])
     args = parser.parse_args(argv)
     header = (
-        f"{'blocks':<20} {'target':<20} {'column':<7} {'registers':>9} {'spill B':>8} "
+        f"{'blocks':<28} {'target':<20} {'column':<7} {'registers':>9} {'spill B':>8} "
         f"{'shared KiB':>10} {'pipelined':>9}  tensor cores"
     )
     print(header)
     print("-" * len(header))
     for blocks in args.blocks:
-        sizes = tuple(int(size) for size in blocks.split(","))
+        sizes = triton_head.Blocks(*(int(size) for size in blocks.split(",")))
         for arch in args.arch:
             for space in (False, True):
                 c = compile_head(sizes, arch, space)
                 print(
-                    f"{blocks:<20} {ARCHES[arch]:<20} {'+space' if space else 'loss':<7} "
+                    f"{blocks:<28} {ARCHES[arch]:<20} {'+space' if space else 'loss':<7} "
                     f"{c.registers:>9} {c.spill_bytes:>8} {c.shared_bytes / 1024:>10.0f} "
                     f"{'yes' if c.pipelined_copies else 'no':>9}  {c.tensor_core}"
                 )

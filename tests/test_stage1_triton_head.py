@@ -58,4 +58,4 @@ def test_the_kernel_compiles_for_hopper_and_ampere_pipelined_without_spills():
             assert compiled.pipelined_copies > 0, (arch, space, compiled)
             assert compiled.spill_bytes == 0, (arch, space, compiled)
             assert compiled.shared_bytes <= shared * 1024, (arch, space, compiled)
-    assert compile_head((128, 256, 64, 8, 3), 90, True).spill_bytes > 0
+    assert compile_head(GPU_BLOCKS._replace(vocab=256), 90, True).spill_bytes > 0

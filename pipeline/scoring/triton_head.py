@@ -2,8 +2,9 @@
 kernel, so that no logit leaves the chip (the kind of kernel cut-cross-entropy is; Wijmans et al.
 2025). It computes the loss and, when asked, the space column; for top-k use the fused pass.
 
-Each program takes a block of scored positions and one span of the vocabulary. Per tile of the
-span it multiplies the positions' hidden states by the tile's head rows, accumulating in fp32, and
+Each program takes a block of scored positions and one span of the vocabulary (programs ordered
+so that those running at once share a few blocks of positions and a few spans, as a grouped
+matrix product's tiles are, and both stay in L2). Per tile of the span it multiplies the positions' hidden states by the tile's head rows, accumulating in fp32, and
 folds the tile into running sums: the max, Z = sum exp(logit - max), the space mask's share of Z,
 and the target's logit. The spans' partial sums are then combined in torch, on the device:
 loss = log Z - logit[target], space_logprob = log Z(S) - log Z (docs/cache-columns.md).
@@ -24,6 +25,7 @@ is checked on the machine that runs it.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -32,16 +34,32 @@ import triton.language as tl
 from pipeline.cache.schema import SPACE_LOGPROB
 
 TINY_LOG = math.log(torch.finfo(torch.float32).tiny)  # the space column's floor, as the others'
-# vocabulary entries per span: a multiple of every block width; a 152k head makes five spans, five
-# times the programs that blocks of positions alone give
-SPAN = tl.constexpr(32768)
-# (positions, vocabulary, hidden) per block, warps, pipeline stages. On a GPU: 128 x 128 x 64
-# tiles over 8 warps, 3 stages, which Triton compiles for an H100 (sm_90a) to wgmma with
-# double-buffered loads, 173-199 registers, 96 KiB of shared memory and no spill; a 128-wide tile
-# of the vocabulary doubled to 256 spills (benchmarks/triton_head_compile.py; speed unmeasured).
+
+
+class Blocks(NamedTuple):
+    """How the kernel divides the work: a program's tile of positions x vocabulary entries x
+    hidden size, the vocabulary entries it takes in turn (its span, a multiple of its tile), the
+    blocks of positions that take the spans in turn before the next such group starts, and the
+    launch's warps and software-pipeline stages."""
+
+    positions: int
+    vocab: int
+    width: int
+    span: int
+    group: int
+    warps: int
+    stages: int
+
+
+# On a GPU: 128 x 128 x 64 tiles over 8 warps, 3 stages, which Triton compiles for an H100
+# (sm_90a) to wgmma with double-buffered loads, 173-205 registers, 96 KiB of shared memory and no
+# spill; a vocabulary tile of 256 spills (benchmarks/triton_head_compile.py; speed unmeasured).
+# Spans of 16 tiles and groups of 8 blocks: the 132 programs an H100 runs at once read about 8
+# blocks of hidden states and 16 tiles of the head (3 and 6 MiB at the 1.5B shape), where one
+# span per block of positions held 128 blocks' hidden states (48 MiB, L2's size) in play.
+GPU_BLOCKS = Blocks(128, 128, 64, 2048, 8, 8, 3)
 # In the interpreter: big blocks, since each operation costs a numpy call.
-GPU_BLOCKS = (128, 128, 64, 8, 3)
-INTERPRETER_BLOCKS = (256, 4096, 64, 1, 1)
+INTERPRETER_BLOCKS = Blocks(256, 4096, 64, 8192, 2, 1, 1)
 # Largest |difference| of the loss or the space column, kernel against an fp32 product, on the
 # load probe (HFScorer): the order of fp32 sums over a hidden size of thousands, or TF32's
 # rounding of an fp32 teacher's operands on a GPU, stays far below it; a wrong tile, mask or span
@@ -56,10 +74,17 @@ def _head_sums(
     positions, vocab, width, hidden_stride, weight_stride,
     HAS_BIAS: tl.constexpr, HAS_SPACE: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_POSITIONS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_WIDTH: tl.constexpr,
+    SPAN: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """One block of positions over one span of the vocabulary: its partial sums, by span."""
-    span = tl.program_id(1)
-    position = tl.program_id(0) * BLOCK_POSITIONS + tl.arange(0, BLOCK_POSITIONS)
+    # program -> (block, span), GROUP blocks at a time, each group's spans in turn
+    spans = tl.cdiv(vocab, SPAN)
+    per_group = GROUP * spans
+    group_first = tl.program_id(0) // per_group * GROUP
+    group_size = tl.minimum(tl.cdiv(positions, BLOCK_POSITIONS) - group_first, GROUP)
+    block = group_first + tl.program_id(0) % per_group % group_size
+    span = tl.program_id(0) % per_group // group_size
+    position = block * BLOCK_POSITIONS + tl.arange(0, BLOCK_POSITIONS)
     position_ok = position < positions
     # Rows and columns past the end read the last one's memory instead of being masked, so that
     # the loads in the product's loop carry no predicate; their results are dropped below.
@@ -134,34 +159,31 @@ def triton_head_columns(
     bias: torch.Tensor | None,
     targets: torch.Tensor,
     space: torch.Tensor | None,
-    blocks: tuple[int, int, int, int, int] | None = None,
+    blocks: Blocks | None = None,
 ) -> dict[str, torch.Tensor]:
     """{"loss": [N]} and, with a `space` mask (int8 over the vocabulary), the space column, of N
     positions' `hidden` states [N, width] under the head `weight` [vocabulary, width] (+ `bias`),
-    fp32. `blocks` (positions, vocabulary, hidden, warps, stages) overrides the fixed ones."""
+    fp32. `blocks` overrides the fixed ones."""
     positions, width = hidden.shape
     vocab = weight.shape[0]
-    block_positions, block_vocab, block_width, warps, stages = blocks or (
-        INTERPRETER_BLOCKS if INTERPRETED else GPU_BLOCKS
-    )
-    span = SPAN.value
-    if span % block_vocab:
-        raise ValueError(f"a vocabulary block of {block_vocab} does not divide the span {span}")
-    spans = -(-vocab // span)
+    blocks = blocks or (INTERPRETER_BLOCKS if INTERPRETED else GPU_BLOCKS)
+    if blocks.span % blocks.vocab:
+        raise ValueError(f"a span of {blocks.span} is not a multiple of the tile's {blocks.vocab}")
+    spans = -(-vocab // blocks.span)
     hidden, weight = hidden.contiguous(), weight.contiguous()
     sums = torch.empty(4, spans, positions, dtype=torch.float32, device=hidden.device)
     top, total, space_total, picked = sums
     if positions:
-        launch = {} if INTERPRETED else {"num_warps": warps, "num_stages": stages}
-        _head_sums[(-(-positions // block_positions), spans)](
+        launch = {} if INTERPRETED else {"num_warps": blocks.warps, "num_stages": blocks.stages}
+        _head_sums[(-(-positions // blocks.positions) * spans,)](
             hidden, weight, bias if bias is not None else hidden, targets,
             space if space is not None else targets,
             top, total, space_total, picked,
             positions, vocab, width, hidden.stride(0), weight.stride(0),
             HAS_BIAS=bias is not None, HAS_SPACE=space is not None, UPCAST=INTERPRETED,
-            EVEN=width % block_width == 0,
-            BLOCK_POSITIONS=block_positions, BLOCK_VOCAB=block_vocab, BLOCK_WIDTH=block_width,
-            **launch,
+            EVEN=width % blocks.width == 0, BLOCK_POSITIONS=blocks.positions,
+            BLOCK_VOCAB=blocks.vocab, BLOCK_WIDTH=blocks.width, SPAN=blocks.span,
+            GROUP=blocks.group, **launch,
         )  # fmt: skip
     overall = top.amax(dim=0)
     scale = (top - overall).exp()
