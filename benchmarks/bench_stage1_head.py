@@ -5,19 +5,19 @@ with each `--head-kernel`'s columns, on one batch of scored positions, as the sc
     python benchmarks/bench_stage1_head.py [--shape 1.5b|7b|tiny] [--rows N] [--repeats R]
         [--triton-blocks P,V,W,SPAN,GROUP,WARPS,STAGES ...]
 
-Each row: milliseconds per batch (the best of --repeats synchronized passes after one warm-up)
-and its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mask of a random
-40% of the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations'
-column. `triton loss` and `triton +space` (where the kernel runs: CUDA) are `--head-kernel triton`,
-the product and the reductions in one kernel, all positions in one launch; each
-`--triton-blocks` adds a `triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
-(pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a
-program's span of the vocabulary, the blocks of positions grouped, warps, pipeline stages)
-instead of the kernel's fixed ones, so one GPU run can say which suit it
-(benchmarks/triton_head_compile.py says which spill, without a GPU). bench_gpu.py's `body + fused head` and `scorer` rows hold
-the same head inside the whole batch; this script says which column costs what inside it. Random hidden states and weights of the
-teacher's shape: shapes, not values, set the speed. `--shape tiny` (the default without CUDA)
-runs in seconds on a CPU, eagerly, as a CPU scorer does.
+Each row: milliseconds per batch (the best of --repeats synchronized passes after one warm-up) and
+its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mask of a random 40% of
+the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations' column.
+`triton loss` and `triton +space` (where the kernel runs: CUDA) are `--head-kernel triton`, the
+product and the reductions in one kernel, all positions in one launch; each `--triton-blocks` adds a
+`triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
+(pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a program's
+span of the vocabulary, the blocks of positions grouped, warps, pipeline stages) instead of the
+kernel's fixed ones, so one GPU run can say which suit it (benchmarks/triton_head_compile.py says
+which spill, without a GPU). bench_gpu.py's `body + fused head` and `scorer` rows hold the same head
+inside the whole batch; this script says which column costs what inside it. Random hidden states and
+weights of the teacher's shape: shapes, not values, set the speed. `--shape tiny` (the default
+without CUDA) runs in seconds on a CPU, eagerly, as a CPU scorer does.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -62,7 +63,7 @@ def compile_head(blocks: triton_head.Blocks, arch: int, space: bool) -> Compiled
     constants = dict(
         HAS_BIAS=False, HAS_SPACE=space, UPCAST=False, EVEN=True,
         BLOCK_POSITIONS=blocks.positions, BLOCK_VOCAB=blocks.vocab, BLOCK_WIDTH=blocks.width,
-        SPAN=blocks.span, GROUP=blocks.group,
+        SPAN=blocks.span, GROUP=blocks.group, PRECISION=triton_head.dot_precision(torch.bfloat16),
     )  # fmt: skip
     attrs = {
         (index,): [["tt.divisibility", 16]]

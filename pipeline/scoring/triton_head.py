@@ -2,12 +2,13 @@
 kernel, so that no logit leaves the chip (the kind of kernel cut-cross-entropy is; Wijmans et al.
 2025). It computes the loss and, when asked, the space column; for top-k use the fused pass.
 
-Each program takes a block of scored positions and one span of the vocabulary (programs ordered
-so that those running at once share a few blocks of positions and a few spans, as a grouped
-matrix product's tiles are, and both stay in L2). Per tile of the span it multiplies the positions' hidden states by the tile's head rows, accumulating in fp32, and
-folds the tile into running sums: the max, Z = sum exp(logit - max), the space mask's share of Z,
-and the target's logit. The spans' partial sums are then combined in torch, on the device:
-loss = log Z - logit[target], space_logprob = log Z(S) - log Z (docs/cache-columns.md).
+Each program takes a block of scored positions and one span of the vocabulary (programs ordered so
+that those running at once share a few blocks of positions and a few spans, as a grouped matrix
+product's tiles are, and both stay in L2). Per tile of the span it multiplies the positions' hidden
+states by the tile's head rows, accumulating in fp32, and folds the tile into running sums: the max,
+Z = sum exp(logit - max), the space mask's share of Z, and the target's logit. The spans' partial
+sums are then combined in torch, on the device: loss = log Z - logit[target], space_logprob = log
+Z(S) - log Z (docs/cache-columns.md).
 
 The logits stay fp32 from the product on, where the other kernels read them from the head's output
 dtype (bf16 on a GPU): on a bf16 teacher the columns differ from fused's by bf16's rounding of the
@@ -74,7 +75,7 @@ def _head_sums(
     positions, vocab, width, hidden_stride, weight_stride,
     HAS_BIAS: tl.constexpr, HAS_SPACE: tl.constexpr, UPCAST: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_POSITIONS: tl.constexpr, BLOCK_VOCAB: tl.constexpr, BLOCK_WIDTH: tl.constexpr,
-    SPAN: tl.constexpr, GROUP: tl.constexpr,
+    SPAN: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One block of positions over one span of the vocabulary: its partial sums, by span."""
     # program -> (block, span), GROUP blocks at a time, each group's spans in turn
@@ -113,7 +114,7 @@ def _head_sums(
                 w = tl.load(w_next, mask=(k < width)[:, None], other=0.0)
             if UPCAST:
                 h, w = h.to(tl.float32), w.to(tl.float32)
-            logits = tl.dot(h, w, logits)
+            logits = tl.dot(h, w, logits, input_precision=PRECISION)
             h_next += BLOCK_WIDTH
             w_next += BLOCK_WIDTH
         if HAS_BIAS:
@@ -153,6 +154,13 @@ def unavailable(device: torch.device) -> str | None:
     )
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: an fp32 teacher's product in full fp32, as torch's matmul
+    computes it unless TF32 is allowed (a bf16 or fp16 product ignores it)."""
+    full = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    return "ieee" if full else "tf32"
+
+
 def triton_head_columns(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -183,7 +191,7 @@ def triton_head_columns(
             HAS_BIAS=bias is not None, HAS_SPACE=space is not None, UPCAST=INTERPRETED,
             EVEN=width % blocks.width == 0, BLOCK_POSITIONS=blocks.positions,
             BLOCK_VOCAB=blocks.vocab, BLOCK_WIDTH=blocks.width, SPAN=blocks.span,
-            GROUP=blocks.group, **launch,
+            GROUP=blocks.group, PRECISION=dot_precision(weight.dtype), **launch,
         )  # fmt: skip
     overall = top.amax(dim=0)
     scale = (top - overall).exp()
