@@ -213,6 +213,33 @@ class HeadColumns:
         return max(float((ours[name] - exact[name]).abs().max()) for name in exact)
 
 
+def check_triton_head(columns: HeadColumns, head: torch.nn.Linear, plain_head: bool) -> None:
+    """Refuse `--head-kernel triton` in one line where its columns would not be the teacher's:
+    logits that are not `head` applied to the body's output (`plain_head` False), a kernel that
+    does not compile here, or one whose columns on a probe differ from an fp32 product's (a
+    compiler's fault a CPU test cannot see)."""
+    from pipeline.scoring.triton_head import REFERENCE_TOLERANCE
+
+    refusal = "--head-kernel triton: {}; use --head-kernel fused"
+    if not plain_head:
+        raise ConfigError(refusal.format(
+            "this teacher's logits are not its head applied to its body's output "
+            "(soft-capped or scaled), and the kernel computes only the latter"
+        ))  # fmt: skip
+    try:
+        difference = columns.probe_difference(head)
+    except Exception as exc:  # Triton's compile errors share no base class
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(refusal.format(
+            f"the kernel failed on a probe ({type(exc).__name__}: {first})"
+        )) from exc  # fmt: skip
+    if not difference <= REFERENCE_TOLERANCE:  # NaN too
+        raise ConfigError(refusal.format(
+            f"on a probe its columns differ from an fp32 product's by {difference:.3g} "
+            f"(more than {REFERENCE_TOLERANCE:g})"
+        ))  # fmt: skip
+
+
 def triton_kernel(extras: HeadExtras, device: torch.device):
     """`--head-kernel triton`'s function, or a one-line refusal where it cannot run."""
     if extras.topk:

@@ -44,7 +44,7 @@ from pipeline.scoring.batching import (
     scored_positions,
 )
 from pipeline.scoring.device import HostCopies, QueuedColumns, free_memory, to_device
-from pipeline.scoring.head import HeadColumns, HeadExtras, empty_columns
+from pipeline.scoring.head import HeadColumns, HeadExtras, check_triton_head, empty_columns
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
 
@@ -107,7 +107,7 @@ class HFScorer:
         self.head_chunks = on_device(head_chunks, self.device, gpu="sized", cpu="fixed")
         self.columns = HeadColumns(self.extras, self.vocab_size, self.device, self.head_kernel)
         if self.head_kernel == "triton":
-            self._check_triton_head()
+            check_triton_head(self.columns, self.head, self.plain_head)
         self.row_packing, self.attention = self._resolve_packing(row_packing, attention)
         self.batch_overlap = on_device(batch_overlap, self.device, gpu="on", cpu="off")
         self.compile = resolve_compile(compile, self.device)
@@ -177,32 +177,6 @@ class HFScorer:
             "batch_overlap": self.batch_overlap,
             "compile": self.compile,
         }
-
-    def _check_triton_head(self) -> None:
-        """Refuse `--head-kernel triton` in one line where its columns would not be this
-        teacher's: logits that are not head(body(x)), a kernel that does not compile here, or one
-        whose columns on a probe differ from an fp32 product's (a compiler's fault a CPU test
-        cannot see)."""
-        from pipeline.scoring.triton_head import REFERENCE_TOLERANCE
-
-        refusal = "--head-kernel triton: {}; use --head-kernel fused"
-        if not self.plain_head:
-            raise ConfigError(refusal.format(
-                "this teacher's logits are not its head applied to its body's output "
-                "(soft-capped or scaled), and the kernel computes only the latter"
-            ))  # fmt: skip
-        try:
-            difference = self.columns.probe_difference(self.head)
-        except Exception as exc:  # Triton's compile errors share no base class
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            raise ConfigError(refusal.format(
-                f"the kernel failed on a probe ({type(exc).__name__}: {first})"
-            )) from exc  # fmt: skip
-        if not difference <= REFERENCE_TOLERANCE:  # NaN too
-            raise ConfigError(refusal.format(
-                f"on a probe its columns differ from an fp32 product's by {difference:.3g} "
-                f"(more than {REFERENCE_TOLERANCE:g})"
-            ))  # fmt: skip
 
     @torch.inference_mode()
     def _head_reproduces_logits(self) -> bool:
