@@ -44,9 +44,11 @@ What each row measures:
   shapes give the one worker 32 units). `stage 1 triton head` (where the kernel runs: CUDA): the
   job with `--head-kernel triton`, the head's product and its reductions in one Triton kernel
   (pipeline/scoring/triton_head.py), a switch turned on, whose ratio to stage 1 is what it is
-  worth. `stage 1 vllm` (where vllm imports): the same job with `--backend vllm`, the engine's prompt log-probabilities. Each of
-  these rows is preceded by the largest difference of its stored losses from stage 1's: the
-  columns leave the loss as it is, a switch within rounding, and vLLM within its own arithmetic.
+  worth. `stage 1 vllm` (where vllm imports): the same job with `--backend vllm`, the engine's
+  prompt log-probabilities. Each of these rows is preceded by the largest difference of its
+  stored losses from stage 1's: the columns leave the loss as it is, a switch within rounding
+  (the Triton head by bf16's rounding of the logits, which it does not round), and vLLM within its
+  own arithmetic.
 - bare forward, body, body + fused head: the teacher loaded as the worker loads it
   (pipeline.scoring.hf.HFScorer, the same `auto` switches: on a GPU its decoder layers compiled,
   as the worker's), on the batches the worker builds (its

@@ -19,8 +19,8 @@ Off CUDA the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1, set b
 first imported; numpy, slow: for the tests), which computes no
 bfloat16 arithmetic (Triton's debugging guide): there the operands are upcast to fp32 before the
 product. A bf16 product is exact in fp32, so only the summation order differs from a GPU's.
-At load, HFScorer compares the kernel with an fp32 product on a probe, so a GPU's compiled kernel
-is checked on the machine that runs it.
+At load, the scorer compares the kernel with an fp32 product on a probe, so a GPU's compiled
+kernel is checked on the machine that runs it.
 """
 
 from __future__ import annotations
@@ -56,14 +56,15 @@ class Blocks(NamedTuple):
 # (sm_90a) to wgmma with double-buffered loads, 173-205 registers, 96 KiB of shared memory and no
 # spill; a vocabulary tile of 256 spills (benchmarks/triton_head_compile.py; speed unmeasured).
 # Spans of 16 tiles and groups of 8 blocks: the 132 programs an H100 runs at once read about 8
-# blocks of hidden states and 16 tiles of the head (3 and 6 MiB at the 1.5B shape), where one
-# span per block of positions held 128 blocks' hidden states (48 MiB, L2's size) in play.
+# blocks of hidden states and 16 tiles of the head (3 and 6 MiB at the 1.5B shape); one long span
+# per block of positions would keep 128 blocks' hidden states (48 MiB, L2's size) in play.
 GPU_BLOCKS = Blocks(128, 128, 64, 2048, 8, 8, 3)
 # In the interpreter: big blocks, since each operation costs a numpy call.
 INTERPRETER_BLOCKS = Blocks(256, 4096, 64, 8192, 2, 1, 1)
 # Largest |difference| of the loss or the space column, kernel against an fp32 product, on the
-# load probe (HFScorer): the order of fp32 sums over a hidden size of thousands, or TF32's
-# rounding of an fp32 teacher's operands on a GPU, stays far below it; a wrong tile, mask or span
+# load probe (pipeline.scoring.head.check_triton_head): the order of fp32 sums over a hidden size
+# of thousands, or TF32's rounding of an fp32 teacher's operands where torch allows it, stays far
+# below it; a wrong tile, mask or span
 # is a difference of whole nats.
 REFERENCE_TOLERANCE = 1e-2
 
