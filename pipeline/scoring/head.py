@@ -44,6 +44,7 @@ from pipeline.errors import ConfigError
 MAX_TOPK = 128
 TINY = torch.finfo(torch.float32).tiny  # the space mass's floor (docs/cache-columns.md)
 PROBE_POSITIONS = 67  # the triton kernel's check at load: not a whole block of positions
+PROBE_HEAD_ROWS = 16384  # its reference's head rows upcast at once (96 MiB at a hidden size of 1536)
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,9 @@ class HeadColumns:
         hidden = torch.randn(shape, generator=generator, device=device).to(head.weight.dtype)
         targets = torch.randint(0, vocab, shape[:1], generator=generator, device=device)
         ours = self.of_batch(hidden, head, targets, PROBE_POSITIONS)
-        logits = hidden.float() @ head.weight.float().T
+        # the head upcast a slice at a time: a 7B head in fp32 at once would be 2 GiB
+        parts = head.weight.split(PROBE_HEAD_ROWS)
+        logits = torch.cat([hidden.float() @ part.float().T for part in parts], dim=1)
         if head.bias is not None:
             logits += head.bias.float()
         space = None if self.space is None else self.space.float()
