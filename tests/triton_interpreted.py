@@ -112,6 +112,16 @@ def test_triton_is_refused_in_one_line_where_its_columns_would_not_be_the_teache
                        r"from an fp32 product's by 1 \(more than 0.01\); use --head-kernel fused$"):  # fmt: skip
         hf.HFScorer(teacher, head_kernel="triton", **settings)
 
+    # ... or NaN for one kind of batch only (planted: the one-position launch, compiled apart)
+    monkeypatch.setattr(
+        triton_head, "triton_head_columns",
+        lambda *args: {name: value if len(value) > 1 else value * float("nan")
+                       for name, value in columns(*args).items()},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^--head-kernel triton: on a probe its columns differ "
+                       r"from an fp32 product's by nan "):  # fmt: skip
+        hf.HFScorer(teacher, head_kernel="triton", **settings)
+
     # ... and one that fails to build or run (planted: a compiler's error)
     def failing(*args):
         raise RuntimeError("PassManager::run failed\nmore detail")

@@ -43,7 +43,10 @@ from pipeline.errors import ConfigError
 
 MAX_TOPK = 128
 TINY = torch.finfo(torch.float32).tiny  # the space mass's floor (docs/cache-columns.md)
-PROBE_POSITIONS = 67  # the triton kernel's check at load: not a whole block of positions
+# The Triton kernel's check at load, on batches of these many positions: Triton compiles a kernel
+# again for an integer argument of 1 and for a multiple of 16, so each kind of count a unit can
+# give is compiled (and checked) here, not inside a unit; 67 is not a whole block either.
+PROBE_POSITIONS = (67, 64, 1)
 PROBE_HEAD_ROWS = 16384  # its reference's head rows upcast at once (96 MiB at a hidden size of 1536)
 
 
@@ -198,22 +201,25 @@ class HeadColumns:
     @torch.inference_mode()
     def probe_difference(self, head: torch.nn.Linear) -> float:
         """Largest |difference| of the loss and the space column between this kernel and the
-        plain one on an fp32 product of the same head, over a probe of random hidden states: the
+        plain one on an fp32 product of the same head, over probes of random hidden states: the
         Triton kernel's check on the machine that compiled it."""
         generator = torch.Generator(self.device).manual_seed(0)
         vocab, width = head.weight.shape
-        shape, device = (PROBE_POSITIONS, width), self.device
-        hidden = torch.randn(shape, generator=generator, device=device).to(head.weight.dtype)
-        targets = torch.randint(0, vocab, shape[:1], generator=generator, device=device)
-        ours = self.of_batch(hidden, head, targets, PROBE_POSITIONS)
-        # the head upcast a slice at a time: a 7B head in fp32 at once would be 2 GiB
-        parts = head.weight.split(PROBE_HEAD_ROWS)
-        logits = torch.cat([hidden.float() @ part.float().T for part in parts], dim=1)
-        if head.bias is not None:
-            logits += head.bias.float()
         space = None if self.space is None else self.space.float()
-        exact = plain_columns(logits, targets, 0, space)
-        return max(float((ours[name] - exact[name]).abs().max()) for name in exact)
+        differences = []
+        for positions in PROBE_POSITIONS:
+            shape, device = (positions, width), self.device
+            hidden = torch.randn(shape, generator=generator, device=device).to(head.weight.dtype)
+            targets = torch.randint(0, vocab, shape[:1], generator=generator, device=device)
+            ours = self.of_batch(hidden, head, targets, positions)
+            # the head upcast a slice at a time: a 7B head in fp32 at once would be 2 GiB
+            parts = head.weight.split(PROBE_HEAD_ROWS)
+            logits = torch.cat([hidden.float() @ part.float().T for part in parts], dim=1)
+            if head.bias is not None:
+                logits += head.bias.float()
+            exact = plain_columns(logits, targets, 0, space)
+            differences += [float((ours[name] - exact[name]).abs().max()) for name in exact]
+        return float(np.max(differences))  # NaN if any is
 
 
 def check_triton_head(columns: HeadColumns, head: torch.nn.Linear, plain_head: bool) -> None:
