@@ -44,7 +44,7 @@ What each row measures:
   shapes give the one worker 32 units). `stage 1 triton head` (where the kernel runs: CUDA): the
   job with `--head-kernel triton`, the head's product and its reductions in one Triton kernel
   (pipeline/scoring/triton_head.py), a switch turned on, whose ratio to stage 1 is what it is
-  worth. `stage 1 vllm` (where vllm imports): the same job with `--backend vllm`, the engine's
+  worth; `stage 1 triton head +space` the same with `--space-logprob`. `stage 1 vllm` (where vllm imports): the same job with `--backend vllm`, the engine's
   prompt log-probabilities. Each of these rows is preceded by the largest difference of its
   stored losses from stage 1's: the columns leave the loss as it is, a switch within rounding
   (the Triton head by bf16's rounding of the logits, which it does not round), and vLLM within its
@@ -180,9 +180,13 @@ STAGE1_VARIANTS = (
 # packing is the largest of the switches, a wait per batch is what the floors never do, and
 # compiled layers speed the body itself (the floors' too).
 PRIORITY_VARIANTS = ("+space", "triton head", "padded rows", "serial batches", "eager layers")
-# Where the Triton head runs (CUDA), the job with it: a switch turned on, not off, whose ratio to
-# stage 1 is what the head's product and reductions in one kernel are worth.
-TRITON_VARIANT = ("triton head", ("--head-kernel", "triton"))
+# Where the Triton head runs (CUDA), the job with it, without and with the space column: switches
+# turned on, not off, whose ratios to stage 1 are what the head's product and reductions in one
+# kernel are worth (and, the second over the first, what +space costs it).
+TRITON_VARIANTS = (
+    ("triton head", ("--head-kernel", "triton")),
+    ("triton head +space", ("--head-kernel", "triton", "--space-logprob")),
+)
 # Where vllm imports, a row of the first teacher's job with `--backend vllm` (on a CPU without
 # torch.compile, whose start takes minutes there).
 VLLM_VARIANT = {"cuda": ("--backend", "vllm"), "cpu": ("--backend", "vllm", "--vllm-enforce-eager")}
@@ -366,7 +370,7 @@ def triton_runs(device: torch.device) -> bool:
 def stage1_variants(device: torch.device) -> tuple:
     """STAGE1_VARIANTS, the Triton head's row where its kernel runs, and the vLLM row where vllm
     imports."""
-    variants = STAGE1_VARIANTS + ((TRITON_VARIANT,) if triton_runs(device) else ())
+    variants = STAGE1_VARIANTS + (TRITON_VARIANTS if triton_runs(device) else ())
     if importlib.util.find_spec("vllm") is not None:
         variants += (("vllm", VLLM_VARIANT[device.type]),)
     return variants
@@ -710,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage1-only", action="store_true", help="no stage-2 rows")
     parser.add_argument(
         "--switches", nargs="+",
-        choices=[label for label, _ in (*STAGE1_VARIANTS, TRITON_VARIANT)] + ["vllm"],
+        choices=[label for label, _ in (*STAGE1_VARIANTS, *TRITON_VARIANTS)] + ["vllm"],
         help="only these stage-1 switch rows, in their usual order (default: all)",
     )  # fmt: skip
     args = parser.parse_args(argv)

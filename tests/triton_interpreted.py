@@ -4,20 +4,32 @@ TRITON_INTERPRET=1 (it must be set before triton is first imported); not collect
 
 What a user relies on: the kernel's columns are those of an fp32 product of the same head (plain
 log-softmax), for every shape its blocks and masks handle; a scorer with it caches what the plain
-one caches; and it is refused in one line where its columns would not be the teacher's."""
+one caches, and so does the stage-1 job, which records it; and it is refused in one line where its
+columns would not be the teacher's."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
+from pipeline.cache.verify import verify_cache
 from pipeline.errors import ConfigError
 from pipeline.scoring import hf, triton_head
 from pipeline.scoring.head import TINY, plain_columns
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.scoring.triton_head import triton_head_columns
-from tests.stage1_helpers import assert_within_one_float16_step, columns_of, make_tiny_teacher
+from stage1_score.run import main
+from tests.stage1_helpers import (
+    assert_within_one_float16_step,
+    columns_of,
+    make_tiny_teacher,
+    shipped_documents,
+    write_jsonl_corpus,
+)
 
 assert triton_head.INTERPRETED, "run with TRITON_INTERPRET=1 (tests/test_stage1_triton_head.py)"
 
@@ -130,3 +142,35 @@ def test_triton_is_refused_in_one_line_where_its_columns_would_not_be_the_teache
     with pytest.raises(ConfigError, match=r"^--head-kernel triton: the kernel failed on a probe "
                        r"\(RuntimeError: PassManager::run failed\); use --head-kernel fused$"):  # fmt: skip
         hf.HFScorer(teacher, head_kernel="triton", **settings)
+
+
+def test_the_stage1_job_caches_with_it_what_plain_caches_and_records_it(teachers, tmp_path):
+    """Through the real job (a local Ray, whose workers inherit TRITON_INTERPRET=1): the cache
+    verifies, `stage1-run.json` records the kernel, and every stored loss and space column is the
+    plain run's within one float16 step."""
+    ray = pytest.importorskip("ray")
+    corpus = write_jsonl_corpus(tmp_path / "docs.jsonl", shipped_documents(12))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        caches = {}
+        for kernel in ("triton", "plain"):
+            caches[kernel] = out = tmp_path / kernel
+            assert main([
+                "--teacher", str(teachers["smollm2"]), "--corpus", str(corpus), "--out", str(out),
+                "--id-column", "id", "--docs-per-shard", "6", "--max-length", "64",
+                "--stride", "24", "--space-logprob", "--head-kernel", kernel,
+            ]) == 0  # fmt: skip
+            assert verify_cache(out)[1] == []
+            backend = json.loads((out / "stage1-run.json").read_text())["backend"]
+            assert backend["head_kernel"] == kernel
+    finally:
+        ray.shutdown()
+    tables = {k: pq.read_table(sorted(out.glob("*.parquet"))) for k, out in caches.items()}
+    assert tables["triton"]["doc_id"] == tables["plain"]["doc_id"]
+    for column in ("loss", "space_logprob"):
+        ours, plain = (
+            np.concatenate([np.asarray(v, np.float32) for v in tables[k][column].to_pylist()])
+            for k in ("triton", "plain")
+        )
+        assert len(ours) > 1000
+        assert_within_one_float16_step(ours, plain, column)
