@@ -663,7 +663,7 @@ def measure_all(bench: Bench, scratch: Path, corpus: Path, dtype: str) -> None:
 
 def row_line(row: Row, device: str) -> str:
     return (
-        f"{row.what:<25} {row.model:<18} {row.tokens_per_second:>11,.0f} "
+        f"{row.what:<27} {row.model:<18} {row.tokens_per_second:>11,.0f} "
         f"{'' if row.ratio is None else f'{row.ratio:.3f}':>7} "
         f"{'n/a' if row.mfu is None else f'{row.mfu:.1%}':>7} "
         f"{'n/a' if row.peak_bytes is None else f'{row.peak_bytes / 2**30:.2f}':>12}  {device}"
@@ -672,7 +672,7 @@ def row_line(row: Row, device: str) -> str:
 
 def print_table(rows: list[Row], device) -> None:
     header = (
-        f"{'what':<25} {'model':<18} {'tokens/s':>11} {'ratio':>7} {'MFU':>7} "
+        f"{'what':<27} {'model':<18} {'tokens/s':>11} {'ratio':>7} {'MFU':>7} "
         f"{'peak mem GiB':>12}  device"
     )
     print(header)
