@@ -52,7 +52,7 @@ def exact_columns(hidden, weight, bias, targets, space):
 @pytest.mark.parametrize(
     "positions, vocab, width",
     [
-        (300, 70_000, 100),  # two blocks of positions, three spans (the last short), a ragged width
+        (300, 70_000, 100),  # two blocks of positions, nine spans (the last short), a ragged width
         (5, 1000, 128),  # one partial block and tile; a width the blocks tile (no mask along it)
         (600, 10_000, 32),  # three blocks: a group of two, then a group of one; two spans
         (0, 1000, 64),  # an empty batch
