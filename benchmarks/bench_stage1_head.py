@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         times[label] = best_seconds(
             functools.partial(columns.of_batch, hidden, head, targets, rows), args.repeats, device
         )
-    for blocks in args.triton_blocks:
+    for blocks in args.triton_blocks if "triton loss" in times else ():  # where the kernel runs
         from pipeline.scoring.triton_head import Blocks, triton_head_columns
 
         sizes = Blocks(*(int(size) for size in blocks.split(",")))
