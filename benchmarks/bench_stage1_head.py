@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         sizes = Blocks(*(int(size) for size in blocks.split(",")))
         run = functools.partial(triton_head_columns, hidden, weight, None, targets, None, sizes)
         times[f"triton {blocks}"] = best_seconds(run, args.repeats, device)
-    print(f"{'what':<28} {'ms/batch':>9} {'ratio':>7}")
+    print(f"{'what':<34} {'ms/batch':>9} {'ratio':>7}")
     for label, seconds in times.items():
-        print(f"{label:<28} {seconds * 1e3:>9.2f} {seconds / times['fused loss']:>7.3f}")
+        print(f"{label:<34} {seconds * 1e3:>9.2f} {seconds / times['fused loss']:>7.3f}")
     print("ratio: / fused loss (what `stage 1 (hf)` computes on a GPU)")
     return 0
 
