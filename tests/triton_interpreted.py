@@ -19,7 +19,7 @@ import torch
 from pipeline.cache.verify import verify_cache
 from pipeline.errors import ConfigError
 from pipeline.scoring import hf, triton_head
-from pipeline.scoring.head import TINY, plain_columns
+from pipeline.scoring.head import TINY, exact_columns
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.scoring.triton_head import triton_head_columns
 from stage1_score.run import main
@@ -38,14 +38,6 @@ assert triton_head.INTERPRETED, "run with TRITON_INTERPRET=1 (tests/test_stage1_
 def teachers(tmp_path_factory):
     root = tmp_path_factory.mktemp("teachers")
     return {name: make_tiny_teacher(root / name, name) for name in ("smollm2", "tinyllama")}
-
-
-def exact_columns(hidden, weight, bias, targets, space):
-    """The plain kernel's columns of the fp32 product: what the Triton kernel must give."""
-    logits = hidden.float() @ weight.float().T
-    if bias is not None:
-        logits += bias.float()
-    return plain_columns(logits, targets, 0, None if space is None else space.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

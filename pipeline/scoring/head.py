@@ -47,7 +47,7 @@ TINY = torch.finfo(torch.float32).tiny  # the space mass's floor (docs/cache-col
 # again for an integer argument of 1 and for a multiple of 16, so each kind of count a unit can
 # give is compiled (and checked) here, not inside a unit; 67 is not a whole block either.
 PROBE_POSITIONS = (67, 64, 1)
-PROBE_HEAD_ROWS = 16384  # its reference's head rows upcast at once (96 MiB at a hidden size of 1536)
+REFERENCE_HEAD_ROWS = 16384  # head rows exact_columns upcasts at once (96 MiB at 1536 wide)
 
 
 @dataclass(frozen=True)
@@ -157,11 +157,10 @@ class HeadColumns:
             # Triton kernel loads bytes
             form = {"plain": np.float32, "fused": np.bool_, "triton": np.int8}[kernel]
             self.space = torch.from_numpy(extras.space_mask.astype(form)).to(device)
-        self.extras, self.device, self.kernel = extras, device, kernel
-        if kernel == "triton":
-            self.compute = triton_kernel(extras, device)
-        else:
-            self.compute = head_kernel_function(kernel, device)
+        self.extras, self.device = extras, device
+        # the Triton kernel takes hidden states and the head; the others, a chunk's logits
+        self.triton = triton_kernel(extras, device) if kernel == "triton" else None
+        self.compute = None if self.triton else head_kernel_function(kernel, device)
 
     def buffer(self, rows: int) -> dict[str, torch.Tensor]:
         """Empty device tensors for `rows` scored positions, by column."""
@@ -186,8 +185,8 @@ class HeadColumns:
         """The columns of a batch's scored positions from their `hidden` states under `head`
         (None: `hidden` are the logits already), in chunks of `rows` positions; the Triton
         kernel takes them all at once, since it makes no logits."""
-        if self.kernel == "triton":
-            return self.compute(hidden, head.weight, head.bias, targets, self.space)
+        if self.triton is not None:
+            return self.triton(hidden, head.weight, head.bias, targets, self.space)
         project, topk = head or torch.nn.Identity(), self.extras.topk
         out = self.buffer(len(targets))
         for begin in range(0, len(targets), rows):
@@ -201,25 +200,36 @@ class HeadColumns:
     @torch.inference_mode()
     def probe_difference(self, head: torch.nn.Linear) -> float:
         """Largest |difference| of the loss and the space column between this kernel and the
-        plain one on an fp32 product of the same head, over probes of random hidden states: the
-        Triton kernel's check on the machine that compiled it."""
+        plain one on an fp32 product of the same head (`exact_columns`), over probes of random
+        hidden states: the Triton kernel's check on the machine that compiled it."""
         generator = torch.Generator(self.device).manual_seed(0)
         vocab, width = head.weight.shape
-        space = None if self.space is None else self.space.float()
         differences = []
         for positions in PROBE_POSITIONS:
             shape, device = (positions, width), self.device
             hidden = torch.randn(shape, generator=generator, device=device).to(head.weight.dtype)
             targets = torch.randint(0, vocab, shape[:1], generator=generator, device=device)
             ours = self.of_batch(hidden, head, targets, positions)
-            # the head upcast a slice at a time: a 7B head in fp32 at once would be 2 GiB
-            parts = head.weight.split(PROBE_HEAD_ROWS)
-            logits = torch.cat([hidden.float() @ part.float().T for part in parts], dim=1)
-            if head.bias is not None:
-                logits += head.bias.float()
-            exact = plain_columns(logits, targets, 0, space)
+            exact = exact_columns(hidden, head.weight, head.bias, targets, self.space)
             differences += [float((ours[name] - exact[name]).abs().max()) for name in exact]
         return float(np.max(differences))  # NaN if any is
+
+
+def exact_columns(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    space: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """The loss (and, with a `space` mask, the space column) of `hidden` states under the head
+    `weight` (+ `bias`) from an fp32 product and the plain kernel: the reference the Triton kernel
+    must give. The head is upcast a slice at a time: a 7B head in fp32 at once would be 2 GiB."""
+    parts = weight.split(REFERENCE_HEAD_ROWS)
+    logits = torch.cat([hidden.float() @ part.float().T for part in parts], dim=1)
+    if bias is not None:
+        logits += bias.float()
+    return plain_columns(logits, targets, 0, None if space is None else space.float())
 
 
 def check_triton_head(columns: HeadColumns, head: torch.nn.Linear, plain_head: bool) -> None:
