@@ -44,18 +44,21 @@ What each row measures:
   shapes give the one worker 32 units). `stage 1 triton head` (where the kernel runs: CUDA): the
   job with `--head-kernel triton`, the head's product and its reductions in one Triton kernel
   (pipeline/scoring/triton_head.py), a switch turned on, whose ratio to stage 1 is what it is
-  worth; `stage 1 triton head +space` the same with `--space-logprob`. `stage 1 vllm` (where vllm imports): the same job with `--backend vllm`, the engine's
-  prompt log-probabilities. Each of these rows is preceded by the largest difference of its
-  stored losses from stage 1's: the columns leave the loss as it is, a switch within rounding
-  (the Triton head by bf16's rounding of the logits, which it does not round), and vLLM within its
-  own arithmetic.
+  worth; `stage 1 triton head +space` the same with `--space-logprob`; `stage 1 onepass head`
+  and `+space` likewise with `--head-kernel onepass`, fused's logits reduced by a Triton kernel
+  that reads each once. `stage 1 vllm` (where vllm imports): the same job with `--backend
+  vllm`, the engine's prompt log-probabilities. Each of these rows is preceded by the largest
+  difference of its stored losses from stage 1's: the columns leave the loss as it is, a switch
+  within rounding (the Triton head by bf16's rounding of the logits, which it does not round),
+  and vLLM within its own arithmetic.
 - bare forward, body, body + fused head: the teacher loaded as the worker loads it
   (pipeline.scoring.hf.HFScorer, the same `auto` switches: on a GPU its decoder layers compiled,
   as the worker's), on the batches the worker builds (its
   windows, row layout, mask and positions) already on the device: `model(...).logits` and nothing
   else; the decoder body alone, no head (the floor of any loss); the body and one fused head pass
-  over all of a batch's scored positions; `body + triton head` (where the kernel runs), the same
-  with the Triton kernel's pass, which makes no logits. `scorer`: the worker's scoring call itself
+  over all of a batch's scored positions; `body + triton head` and `body + onepass head` (where
+  the kernels run), the same with the Triton kernel's pass, which makes no logits, and with
+  onepass's. `scorer`: the worker's scoring call itself
   (`HFScorer.score_columns` from host token ids: its batches built, copied, scored in sized
   chunks and read back), in this process, without Ray, tokenizing or writing: between it and
   `body + fused head` lies the scorer's host work, between it and `stage 1 (hf)` the job's (the
@@ -179,11 +182,16 @@ STAGE1_VARIANTS = (
 # the Triton head is the one way found to a head inside them (docs/stage1-gpu-path.md),
 # packing is the largest of the switches, a wait per batch is what the floors never do, and
 # compiled layers speed the body itself (the floors' too).
-PRIORITY_VARIANTS = ("+space", "triton head", "padded rows", "serial batches", "eager layers")
-# Where the Triton head runs (CUDA), the job with it, without and with the space column: switches
-# turned on, not off, whose ratios to stage 1 are what the head's product and reductions in one
-# kernel are worth (and, the second over the first, what +space costs it).
+PRIORITY_VARIANTS = (
+    "onepass head", "+space", "triton head", "padded rows", "serial batches", "eager layers"
+)
+# Where the Triton kernels run (CUDA), the job with each, without and with the space column:
+# switches turned on, not off, whose ratios to stage 1 are what the head's product and reductions
+# in one kernel, or one read of the logits, are worth (and, +space over the row before, what the
+# column costs under it).
 TRITON_VARIANTS = (
+    ("onepass head", ("--head-kernel", "onepass")),
+    ("onepass head +space", ("--head-kernel", "onepass", "--space-logprob")),
     ("triton head", ("--head-kernel", "triton")),
     ("triton head +space", ("--head-kernel", "triton", "--space-logprob")),
 )
@@ -277,9 +285,6 @@ def forward_rates(
     def body_and_fused_head() -> None:
         body_and_head(scorer.columns)
 
-    def body_and_triton_head() -> None:  # the head's product and reductions in one kernel
-        body_and_head(triton)
-
     def scorer_pass() -> None:  # what a worker's unit does on the device, from host token ids
         scorer.score_columns(token_ids)
 
@@ -302,9 +307,10 @@ def forward_rates(
         "scorer": scorer_pass, "scorer by unit": scorer_units,
         "scorer queued units": scorer_queued_units,
     }  # fmt: skip
-    if triton_runs(device):
-        triton = HeadColumns(HeadExtras(), scorer.vocab_size, device, "triton")
-        sides["body + triton head"] = body_and_triton_head
+    if triton_runs(device):  # the head's product and reductions in one kernel; one read of logits
+        for kernel in ("triton", "onepass"):
+            columns = HeadColumns(HeadExtras(), scorer.vocab_size, device, kernel)
+            sides[f"body + {kernel} head"] = functools.partial(body_and_head, columns)
     return {side: best_rate(run, tokens, repeats, device) for side, run in sides.items()}
 
 
@@ -680,7 +686,7 @@ def print_table(rows: list[Row], device) -> None:
     for row in rows:
         print(row_line(row, device_name(device)))
     print(
-        "ratio: stage 1, bare forward, body + fused or triton head and the scorer rows / body of the same teacher; stage 1 +space (--space-logprob), "
+        "ratio: stage 1, bare forward, body + fused, triton or onepass head and the scorer rows / body of the same teacher; stage 1 +space (--space-logprob), "
         "+topk 32 and a stage 1 switch row / stage 1; stage 2 arm / stage 2 none; a stage 2 switch row / stage 2 token (whose "
         "defaults are the GPU path's on a GPU, the same as the switch rows' on a CPU). Targets: stage 1 >= 0.85 of body and 0.95 of bare forward, +space >= 0.99 on a "
         "GPU, stage 2 MFU >= 55%, token >= 0.97."

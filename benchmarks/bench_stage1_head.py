@@ -8,7 +8,8 @@ with each `--head-kernel`'s columns, on one batch of scored positions, as the sc
 Each row: milliseconds per batch (the best of --repeats synchronized passes after one warm-up) and
 its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mask of a random 40% of
 the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations' column.
-`triton loss` and `triton +space` (where the kernel runs: CUDA) are `--head-kernel triton`, the
+`onepass ...` rows (where Triton runs: CUDA) are `--head-kernel onepass`, fused's logits reduced
+by a kernel that reads each once; `triton loss` and `triton +space` are `--head-kernel triton`, the
 product and the reductions in one kernel, all positions in one launch; each `--triton-blocks` adds a
 `triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
 (pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a program's
@@ -47,6 +48,9 @@ SIDES = (  # label, --head-kernel, top-k, with the space column
     ("fused +topk 32", "fused", 32, False),
     ("plain loss", "plain", 0, False),
     ("plain +space", "plain", 0, True),
+    ("onepass loss", "onepass", 0, False),
+    ("onepass +space", "onepass", 0, True),
+    ("onepass +topk 32", "onepass", 32, False),
     ("triton loss", "triton", 0, False),
     ("triton +space", "triton", 0, True),
 )
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         extras = HeadExtras(topk=topk, space_mask=space if with_space else None)
         try:
             columns = HeadColumns(extras, vocab, device, kernel)
-        except ConfigError as exc:  # the Triton kernel off CUDA
+        except ConfigError as exc:  # the Triton kernels off CUDA
             print(f"{label}: not measured: {exc}")
             continue
         times[label] = best_seconds(

@@ -1,6 +1,7 @@
 """What `--head-kernel triton` compiles to for a GPU, on any machine (no GPU needed): per block
 configuration and target, the registers, the spills, the shared memory, whether the product's
-loads are software-pipelined, and which tensor-core instruction it uses.
+loads are software-pipelined, and which tensor-core instruction it uses; and for `--head-kernel
+onepass`'s row kernel, its registers, spills and the width of its loads of the logits.
 
     python benchmarks/triton_head_compile.py [--blocks P,V,W,SPAN,GROUP,WARPS,STAGES ...]
         [--arch 90 80]
@@ -43,6 +44,12 @@ SIGNATURE = {
     "hidden_stride": "i32", "weight_stride": "i32",
 }  # fmt: skip
 NOT_DIVISIBLE = {"positions"}
+# the row kernel's (onepass), likewise: bf16 logits, rows of a vocabulary divisible by 16
+ROW_SIGNATURE = {
+    "logits_ptr": "*bf16", "target_ptr": "*i64", "space_ptr": "*i8", "max_ptr": "*fp32",
+    "total_ptr": "*fp32", "space_total_ptr": "*fp32", "picked_ptr": "*fp32", "vocab": "i32",
+    "row_stride": "i32",
+}  # fmt: skip
 
 
 @dataclass
@@ -84,6 +91,33 @@ def compile_head(blocks: triton_head.Blocks, arch: int, space: bool) -> Compiled
     )  # fmt: skip
 
 
+@dataclass
+class CompiledRows:
+    registers: int
+    spill_bytes: int
+    load_bytes: int  # the widest global load of the logits: 16 is a full vector load
+
+
+def compile_rows(arch: int, space: bool) -> CompiledRows:
+    """`--head-kernel onepass`'s row kernel compiled for sm_`arch` with its fixed block."""
+    names = triton_head._row_sums.arg_names
+    signature = ROW_SIGNATURE | {name: "constexpr" for name in names if name not in ROW_SIGNATURE}
+    if list(signature) != names:
+        raise RuntimeError(f"the row kernel's arguments changed: {names}")
+    attrs = {(index,): [["tt.divisibility", 16]] for index in range(len(ROW_SIGNATURE))}
+    constants = dict(HAS_SPACE=space, BLOCK=triton_head.ROW_BLOCK)
+    source = ASTSource(fn=triton_head._row_sums, signature=signature, constexprs=constants,
+                       attrs=attrs)  # fmt: skip
+    options = {"num_warps": triton_head.ROW_WARPS}
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    usage = resource_usage(kernel.asm["cubin"])
+    widths = [int(n) for n in re.findall(r"ld\.global(?:\.\w+)*\.v(\d)\.b32", kernel.asm["ptx"])]
+    return CompiledRows(
+        registers=usage["REG"], spill_bytes=usage["STACK"] + usage["LOCAL"],
+        load_bytes=4 * max(widths, default=0),
+    )  # fmt: skip
+
+
 def resource_usage(cubin: bytes) -> dict[str, int]:
     """cuobjdump's resource use of the cubin's kernel: REG, STACK, SHARED, LOCAL, ..."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -121,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"{c.registers:>9} {c.spill_bytes:>8} {c.shared_bytes / 1024:>10.0f} "
                     f"{'yes' if c.pipelined_copies else 'no':>9}  {c.tensor_core}"
                 )
+    for arch in args.arch:
+        for space in (False, True):
+            r = compile_rows(arch, space)
+            print(
+                f"{'onepass rows':<28} {ARCHES[arch]:<20} {'+space' if space else 'loss':<7} "
+                f"{r.registers:>9} {r.spill_bytes:>8}  loads of {r.load_bytes} B"
+            )
     print(f"triton {triton.__version__}; spill B: stack and local bytes (0: none); pipelined: the "
           "product's loads double-buffered by cp.async")  # fmt: skip
     return 0

@@ -227,7 +227,7 @@ def test_phase_summary_sums_each_phase_over_units_and_the_share_and_rate_of_scor
 
 def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
     """bench_stage1_head.py at tiny shapes (eager, as a CPU scores): a row per head pass, each a
-    ratio to the fused loss, the pass stage 1 runs on a GPU; the Triton kernel's rows, which need
+    ratio to the fused loss, the pass stage 1 runs on a GPU; the Triton kernels' rows, which need
     CUDA (or Triton's interpreter), are named as not measured."""
     import bench_stage1_head
 
@@ -235,13 +235,16 @@ def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
     rows, said = {}, capsys.readouterr().out
     for line in said.splitlines():
         *label, ms, ratio = line.split() or [""]
-        if label and label[0] in ("head", "fused", "plain", "triton") and ms[0].isdigit():
+        kernels = ("head", "fused", "plain", "onepass", "triton")
+        if label and label[0] in kernels and ms[0].isdigit():
             rows[" ".join(label)] = (float(ms), float(ratio))
     sides = {label for label, *_ in bench_stage1_head.SIDES}
     if not bench_gpu.triton_runs(torch.device("cpu")):
-        triton = {label for label in sides if label.startswith("triton")}
-        assert all(f"{label}: not measured: --head-kernel triton: " in said for label in triton)
-        sides -= triton
+        for kernel in ("onepass", "triton"):
+            triton = {label for label in sides if label.startswith(kernel)}
+            message = f": not measured: --head-kernel {kernel}: "
+            assert len(triton) > 1 and all(label + message in said for label in triton)
+            sides -= triton
     assert set(rows) == {"head matmul"} | sides
     assert rows["fused loss"][1] == 1.0
     assert all(ms > 0 and ratio > 0 for ms, ratio in rows.values())

@@ -1,7 +1,8 @@
-"""`--head-kernel triton` on a CPU: its tests run in Triton's interpreter, in a process of their
-own (tests/triton_interpreted.py: TRITON_INTERPRET=1 must be set before triton is imported, and
-this process imports it without); here, without the interpreter, it is refused in one line, and
-the kernel is compiled for the GPUs it is meant for (benchmarks/triton_head_compile.py)."""
+"""`--head-kernel triton` and `onepass` on a CPU: their tests run in Triton's interpreter, in a
+process of their own (tests/triton_interpreted.py: TRITON_INTERPRET=1 must be set before triton
+is imported, and this process imports it without); here, without the interpreter, each is refused
+in one line, and the kernels are compiled for the GPUs they are meant for
+(benchmarks/triton_head_compile.py)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,13 @@ def test_the_triton_kernel_in_tritons_interpreter():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter is on")
-def test_without_cuda_or_the_interpreter_triton_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize("kernel", ["triton", "onepass"])
+def test_without_cuda_or_the_interpreter_triton_is_refused_in_one_line(tmp_path, kernel):
     teacher = resolve_teacher(str(make_tiny_teacher(tmp_path / "t", "smollm2")))
-    with pytest.raises(ConfigError, match=r"^--head-kernel triton: Triton compiles for CUDA "
+    with pytest.raises(ConfigError, match=rf"^--head-kernel {kernel}: Triton compiles for CUDA "
                        r"devices, not cpu; .*TRITON_INTERPRET=1 .*; use --head-kernel fused$"):  # fmt: skip
         HFScorer(teacher, dtype="float32", max_length=16, stride=6, batch_tokens=64,
-                 device="cpu", head_kernel="triton")  # fmt: skip
+                 device="cpu", head_kernel=kernel)  # fmt: skip
 
 
 def test_the_kernel_compiles_for_hopper_and_ampere_pipelined_without_spills():
@@ -61,3 +63,15 @@ def test_the_kernel_compiles_for_hopper_and_ampere_pipelined_without_spills():
             assert compiled.spill_bytes == 0, (arch, space, compiled)
             assert compiled.shared_bytes <= shared * 1024, (arch, space, compiled)
     assert compile_head(GPU_BLOCKS._replace(vocab=256), 90, True).spill_bytes > 0
+
+
+def test_the_row_kernel_compiles_to_full_vector_loads_without_spills():
+    """onepass is worth something only if its one read of the logits runs at the memory's speed:
+    compiled for an H100/H200 and an A100, the row kernel loads the logits 16 bytes at a time
+    and spills no register."""
+    from triton_head_compile import compile_rows
+
+    for arch in (90, 80):
+        for space in (False, True):
+            compiled = compile_rows(arch, space)
+            assert compiled.load_bytes == 16 and compiled.spill_bytes == 0, (arch, space, compiled)

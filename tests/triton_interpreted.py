@@ -1,11 +1,13 @@
-"""`--head-kernel triton` (pipeline/scoring/triton_head.py) in Triton's interpreter, the kernel's
-only form on a CPU. Run by tests/test_stage1_triton_head.py in a process of its own, started with
-TRITON_INTERPRET=1 (it must be set before triton is first imported); not collected otherwise.
+"""`--head-kernel triton` and `onepass` (pipeline/scoring/triton_head.py) in Triton's interpreter,
+their kernels' only form on a CPU. Run by tests/test_stage1_triton_head.py in a process of its
+own, started with TRITON_INTERPRET=1 (it must be set before triton is first imported); not
+collected otherwise.
 
-What a user relies on: the kernel's columns are those of an fp32 product of the same head (plain
-log-softmax), for every shape its blocks and masks handle; a scorer with it caches what the plain
-one caches, and so does the stage-1 job, which records it; and it is refused in one line where its
-columns would not be the teacher's."""
+What a user relies on: the triton kernel's columns are those of an fp32 product of the same head
+(plain log-softmax), and onepass's those of the plain kernel on the same logits, for every shape
+their blocks and masks handle; a scorer with either caches what the plain one caches, and so does
+the stage-1 job, which records it; and each is refused in one line where its columns would not be
+the teacher's."""
 
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ import torch
 from pipeline.cache.verify import verify_cache
 from pipeline.errors import ConfigError
 from pipeline.scoring import hf, triton_head
-from pipeline.scoring.head import TINY, exact_columns
+from pipeline.scoring.head import TINY, exact_columns, head_kernel_function
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.scoring.triton_head import triton_head_columns
 from stage1_score.run import main
 from tests.stage1_helpers import (
+    assert_same_topk_ids_but_ties,
     assert_within_one_float16_step,
     columns_of,
     make_tiny_teacher,
@@ -83,6 +86,78 @@ def test_the_space_column_has_the_others_floor():
         torch.testing.assert_close(column, torch.full((2,), float(np.log(TINY))))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "rows, vocab",
+    [
+        (7, 150_000),  # three of the interpreter's row blocks, the last short
+        (3, 1000),  # one partial block
+        (0, 1000),  # an empty chunk
+    ],
+)
+def test_onepass_gives_the_plain_kernels_columns_on_the_same_logits(dtype, rows, vocab):
+    """Each logit read once, the max and the sums together: the plain kernel's loss, top-k and
+    space column of the same logits (as fused reads them: in their own dtype, and here rows
+    strided apart, as a slice of a wider chunk is), computed in float64. Against plain's fp32 the
+    difference would be plain's own rounding: at 150k logits of this spread its loss is 3.3e-5
+    from float64's, onepass's 1.2e-6."""
+    generator = torch.Generator().manual_seed(rows + vocab)
+    wider = (torch.randn(rows, vocab + 3, generator=generator) * 4).to(dtype)
+    logits = wider[:, 1 : vocab + 1]
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    space = torch.rand(vocab, generator=generator) < 0.3
+    onepass = head_kernel_function("onepass", torch.device("cpu"))
+    for topk in (0, 8):
+        for mask in (None, space):
+            ours = onepass(logits, targets, topk, None if mask is None else mask.to(torch.int8))
+            exact = plain_in_float64(logits, targets, topk, mask)
+            assert ours.keys() == exact.keys()
+            for name, value in exact.items():
+                if name == "topk_ids":  # the ids of equal logits (bf16 ties) in either order
+                    picked = logits.gather(1, ours[name])
+                    torch.testing.assert_close(picked, logits.gather(1, value))
+                else:
+                    torch.testing.assert_close(ours[name], value.float(), rtol=1e-5, atol=2e-6)
+
+
+def plain_in_float64(logits, targets, topk, space):
+    """plain_columns's definitions (pipeline.scoring.head), computed in float64."""
+    log_probs = logits.double().log_softmax(dim=-1)
+    columns = {"loss": -log_probs.gather(1, targets[:, None]).squeeze(1)}
+    if topk:
+        values, ids = log_probs.topk(topk, dim=-1)
+        probs = values.exp()
+        columns |= {"topk_probs": probs, "topk_ids": ids, "topk_rest": (1 - probs.sum(-1)).clamp(0)}
+    if space is not None:
+        columns["space_logprob"] = log_probs[:, space].logsumexp(-1).clamp(min=np.log(TINY))
+    return columns
+
+
+def test_onepass_has_the_space_columns_floor():
+    logits = torch.zeros(2, 300)
+    logits[:, 3] = -300.0
+    only_far = torch.zeros(300, dtype=torch.int8)
+    only_far[3] = 1
+    onepass = head_kernel_function("onepass", torch.device("cpu"))
+    for mask in (torch.zeros(300, dtype=torch.int8), only_far):
+        column = onepass(logits, torch.tensor([7, 3]), 0, mask)["space_logprob"]
+        torch.testing.assert_close(column, torch.full((2,), float(np.log(TINY))))
+
+
+@pytest.mark.parametrize("name", ["smollm2", "tinyllama"])  # byte-level, SentencePiece
+def test_onepass_caches_every_column_the_plain_head_does(teachers, name):
+    scorer, ours = columns_of(teachers[name], head_kernel="onepass")
+    _, plain = columns_of(teachers[name], head_kernel="plain")
+    assert scorer.describe()["head_kernel"] == "onepass"
+    assert ours.keys() == plain.keys() == {
+        "loss", "topk_probs", "topk_ids", "topk_rest", "space_logprob"
+    }  # fmt: skip
+    for column in ("loss", "topk_probs", "topk_rest", "space_logprob"):
+        assert_within_one_float16_step(ours[column], plain[column], column)
+        np.testing.assert_allclose(ours[column], plain[column], rtol=1e-5, atol=2e-6)
+    assert_same_topk_ids_but_ties(ours, plain)
+
+
 @pytest.mark.parametrize("name", ["smollm2", "tinyllama"])  # byte-level, SentencePiece
 def test_the_triton_head_caches_what_the_plain_one_does(teachers, name):
     scorer, ours = columns_of(teachers[name], topk=0, head_kernel="triton")
@@ -136,16 +211,41 @@ def test_triton_is_refused_in_one_line_where_its_columns_would_not_be_the_teache
         hf.HFScorer(teacher, head_kernel="triton", **settings)
 
 
+def test_onepass_is_checked_at_load_against_the_plain_kernel(teachers, monkeypatch):
+    """onepass reads the teacher's own logits, so a soft-capped teacher may use it; its kernel is
+    probed at load as triton's is (planted: one nat off, and a compiler's error)."""
+    settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
+    teacher = resolve_teacher(str(teachers["smollm2"]))
+    row_sums = triton_head.logit_row_sums
+
+    def one_nat_off(*args):
+        columns, log_z = row_sums(*args)
+        return {name: value + 1 for name, value in columns.items()}, log_z
+
+    monkeypatch.setattr(triton_head, "logit_row_sums", one_nat_off)
+    with pytest.raises(ConfigError, match=r"^--head-kernel onepass: on a probe its columns "
+                       r"differ from the plain kernel's by 1 \(more than 0.01\); use "
+                       r"--head-kernel fused$"):  # fmt: skip
+        hf.HFScorer(teacher, head_kernel="onepass", **settings)
+
+    def failing(*args):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(triton_head, "logit_row_sums", failing)
+    with pytest.raises(ConfigError, match=r"^--head-kernel onepass: the kernel failed on a probe"):
+        hf.HFScorer(teacher, head_kernel="onepass", **settings)
+
+
 def test_the_stage1_job_caches_with_it_what_plain_caches_and_records_it(teachers, tmp_path):
-    """Through the real job (a local Ray, whose workers inherit TRITON_INTERPRET=1): the cache
-    verifies, `stage1-run.json` records the kernel, and every stored loss and space column is the
-    plain run's within one float16 step."""
+    """Through the real job (a local Ray, whose workers inherit TRITON_INTERPRET=1), with each
+    Triton kernel: the cache verifies, `stage1-run.json` records the kernel, and every stored loss
+    and space column is the plain run's within one float16 step."""
     ray = pytest.importorskip("ray")
     corpus = write_jsonl_corpus(tmp_path / "docs.jsonl", shipped_documents(12))
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         caches = {}
-        for kernel in ("triton", "plain"):
+        for kernel in ("triton", "onepass", "plain"):
             caches[kernel] = out = tmp_path / kernel
             assert main([
                 "--teacher", str(teachers["smollm2"]), "--corpus", str(corpus), "--out", str(out),
@@ -158,11 +258,12 @@ def test_the_stage1_job_caches_with_it_what_plain_caches_and_records_it(teachers
     finally:
         ray.shutdown()
     tables = {k: pq.read_table(sorted(out.glob("*.parquet"))) for k, out in caches.items()}
-    assert tables["triton"]["doc_id"] == tables["plain"]["doc_id"]
-    for column in ("loss", "space_logprob"):
-        ours, plain = (
-            np.concatenate([np.asarray(v, np.float32) for v in tables[k][column].to_pylist()])
-            for k in ("triton", "plain")
-        )
-        assert len(ours) > 1000
-        assert_within_one_float16_step(ours, plain, column)
+    for kernel in ("triton", "onepass"):
+        assert tables[kernel]["doc_id"] == tables["plain"]["doc_id"]
+        for column in ("loss", "space_logprob"):
+            ours, plain = (
+                np.concatenate([np.asarray(v, np.float32) for v in tables[k][column].to_pylist()])
+                for k in (kernel, "plain")
+            )
+            assert len(ours) > 1000
+            assert_within_one_float16_step(ours, plain, column)

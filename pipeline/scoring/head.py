@@ -19,12 +19,15 @@ Three kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
     space mask's share of it in one pass, the target's logit, and torch.topk of the logits, so
     no fp32 copy of the chunk is made where the pass is compiled (on CUDA; elsewhere it runs
     eagerly);
+  - onepass: fused's logits, reduced by a Triton kernel that reads each logit once (the max and
+    the sums together, rescaled as the max grows), and torch.topk of the logits
+    (pipeline.scoring.triton_head: logit_row_sums);
   - triton: the head's matrix product and those reductions in one Triton kernel, so that no
     logit leaves the chip (pipeline.scoring.triton_head; the loss and the space column, no
     top-k).
-Plain and fused agree within fp32 rounding, far inside the cache's fp16 storage
-(tests/test_stage1_head.py); triton keeps the logits in fp32, so on a bf16 teacher it differs
-from them by bf16's rounding of the logits (tests/triton_interpreted.py).
+Plain, fused and onepass agree within fp32 rounding, far inside the cache's fp16 storage
+(tests/test_stage1_head.py, tests/triton_interpreted.py); triton keeps the logits in fp32, so on
+a bf16 teacher it differs from them by bf16's rounding of the logits.
 """
 
 from __future__ import annotations
@@ -112,14 +115,31 @@ def fused_columns(
     picked = shifted.gather(-1, targets[:, None]).squeeze(-1)
     columns = {"loss": log_sum - picked}
     if topk:
-        values, ids = torch.topk(logits, topk, dim=-1, sorted=True)
-        probs = (values.float() - top - log_sum[:, None]).exp()
-        columns |= {TOPK_PROBS: probs, TOPK_IDS: ids}
-        columns[TOPK_REST] = (1.0 - probs.sum(dim=-1)).clamp(min=0.0)
+        columns |= topk_columns(logits, topk, top.squeeze(-1) + log_sum)
     if space is not None:
         # a mass under fp32's smallest normal (or none: log 0) reads as that bound, as plain's does
         in_space = torch.where(space, exp, 0.0).sum(dim=-1).log()
         columns[SPACE_LOGPROB] = (in_space - log_sum).clamp(min=math.log(TINY), max=0.0)
+    return columns
+
+
+def topk_columns(logits: torch.Tensor, topk: int, log_z: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The top-k columns of `logits` [rows, V] whose log Z is `log_z` [rows]: torch.topk of the
+    logits as they are, their probabilities exp(logit - log Z) and the rest."""
+    values, ids = torch.topk(logits, topk, dim=-1, sorted=True)
+    probs = (values.float() - log_z[:, None]).exp()
+    rest = (1.0 - probs.sum(dim=-1)).clamp(min=0.0)
+    return {TOPK_PROBS: probs, TOPK_IDS: ids, TOPK_REST: rest}
+
+
+def onepass_columns(
+    row_sums, logits: torch.Tensor, targets: torch.Tensor, topk: int, space: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """`--head-kernel onepass`: the loss and the space column from `row_sums`
+    (triton_head.logit_row_sums: one read of each logit), the top-k from `topk_columns`."""
+    columns, log_z = row_sums(logits, targets, space)
+    if topk:
+        columns |= topk_columns(logits, topk, log_z)
     return columns
 
 
@@ -131,10 +151,12 @@ def compiled_fused_columns():
 
 
 def head_kernel_function(kernel: str, device: torch.device):
-    """What computes a chunk's columns for `--head-kernel` `kernel` (plain or fused) on
+    """What computes a chunk's columns for `--head-kernel` `kernel` (plain, fused or onepass) on
     `device`: fused is compiled where `compiles_on` says (CUDA), eager elsewhere."""
     if kernel == "plain":
         return plain_columns
+    if kernel == "onepass":
+        return functools.partial(onepass_columns, triton_module(kernel, device).logit_row_sums)
     return compiled_fused_columns() if compiles_on(device) else fused_columns
 
 
@@ -154,10 +176,10 @@ class HeadColumns:
                 )
             # in the form the kernel reads, so no chunk converts it: plain multiplies the
             # probabilities by a float indicator, fused masks the logits with a bool one, the
-            # Triton kernel loads bytes
-            form = {"plain": np.float32, "fused": np.bool_, "triton": np.int8}[kernel]
+            # Triton kernels load bytes
+            form = {"plain": np.float32, "fused": np.bool_}.get(kernel, np.int8)  # Triton's
             self.space = torch.from_numpy(extras.space_mask.astype(form)).to(device)
-        self.extras, self.device = extras, device
+        self.extras, self.device, self.kernel = extras, device, kernel
         # the Triton kernel takes hidden states and the head; the others, a chunk's logits
         self.triton = triton_kernel(extras, device) if kernel == "triton" else None
         self.compute = None if self.triton else head_kernel_function(kernel, device)
@@ -200,8 +222,9 @@ class HeadColumns:
     @torch.inference_mode()
     def probe_difference(self, head: torch.nn.Linear) -> float:
         """Largest |difference| of the loss and the space column between this kernel and the
-        plain one on an fp32 product of the same head (`exact_columns`), over probes of random
-        hidden states: the Triton kernel's check on the machine that compiled it."""
+        plain one on the logits it reads, over probes of random hidden states: an fp32 product
+        of the same head for the triton kernel (`exact_columns`), the head's own product for the
+        others. A Triton kernel's check on the machine that compiled it."""
         generator = torch.Generator(self.device).manual_seed(0)
         vocab, width = head.weight.shape
         differences = []
@@ -210,7 +233,11 @@ class HeadColumns:
             hidden = torch.randn(shape, generator=generator, device=device).to(head.weight.dtype)
             targets = torch.randint(0, vocab, shape[:1], generator=generator, device=device)
             ours = self.of_batch(hidden, head, targets, positions)
-            exact = exact_columns(hidden, head.weight, head.bias, targets, self.space)
+            if self.triton is not None:
+                exact = exact_columns(hidden, head.weight, head.bias, targets, self.space)
+            else:
+                space = None if self.space is None else self.space.float()
+                exact = plain_columns(head(hidden).float(), targets, 0, space)
             differences += [float((ours[name] - exact[name]).abs().max()) for name in exact]
         return float(np.max(differences))  # NaN if any is
 
@@ -232,15 +259,16 @@ def exact_columns(
     return plain_columns(logits, targets, 0, None if space is None else space.float())
 
 
-def check_triton_head(columns: HeadColumns, head: torch.nn.Linear, plain_head: bool) -> None:
-    """Refuse `--head-kernel triton` in one line where its columns would not be the teacher's:
-    logits that are not `head` applied to the body's output (`plain_head` False), a kernel that
-    does not compile here, or one whose columns on a probe differ from an fp32 product's (a
-    compiler's fault a CPU test cannot see)."""
+def check_triton_kernel(columns: HeadColumns, head: torch.nn.Linear, plain_head: bool) -> None:
+    """Refuse `--head-kernel triton` or `onepass` in one line where its columns would not be the
+    teacher's: for triton, logits that are not `head` applied to the body's output (`plain_head`
+    False); a kernel that does not compile here, or one whose columns on a probe differ from the
+    plain kernel's on the logits it reads (a compiler's fault a CPU test cannot see)."""
     from pipeline.scoring.triton_head import REFERENCE_TOLERANCE
 
-    refusal = "--head-kernel triton: {}; use --head-kernel fused"
-    if not plain_head:
+    refusal = f"--head-kernel {columns.kernel}: {{}}; use --head-kernel fused"
+    reference = "an fp32 product's" if columns.triton is not None else "the plain kernel's"
+    if columns.triton is not None and not plain_head:
         raise ConfigError(refusal.format(
             "this teacher's logits are not its head applied to its body's output "
             "(soft-capped or scaled), and the kernel computes only the latter"
@@ -254,7 +282,7 @@ def check_triton_head(columns: HeadColumns, head: torch.nn.Linear, plain_head: b
         )) from exc  # fmt: skip
     if not difference <= REFERENCE_TOLERANCE:  # NaN too
         raise ConfigError(refusal.format(
-            f"on a probe its columns differ from an fp32 product's by {difference:.3g} "
+            f"on a probe its columns differ from {reference} by {difference:.3g} "
             f"(more than {REFERENCE_TOLERANCE:g})"
         ))  # fmt: skip
 
@@ -263,14 +291,20 @@ def triton_kernel(extras: HeadExtras, device: torch.device):
     """`--head-kernel triton`'s function, or a one-line refusal where it cannot run."""
     if extras.topk:
         raise ConfigError(TRITON_HEAD_WITHOUT_TOPK)
+    return triton_module("triton", device).triton_head_columns
+
+
+def triton_module(kernel: str, device: torch.device):
+    """pipeline.scoring.triton_head for `--head-kernel` `kernel`, or a one-line refusal where
+    its kernels cannot run on `device`."""
     try:
         from pipeline.scoring import triton_head
     except ImportError as exc:
-        raise ConfigError(f"--head-kernel triton needs the triton package ({exc})") from exc
+        raise ConfigError(f"--head-kernel {kernel} needs the triton package ({exc})") from exc
     problem = triton_head.unavailable(device)
     if problem:
-        raise ConfigError(f"--head-kernel triton: {problem}; use --head-kernel fused")
-    return triton_head.triton_head_columns
+        raise ConfigError(f"--head-kernel {kernel}: {problem}; use --head-kernel fused")
+    return triton_head
 
 
 def empty_columns(extras: HeadExtras, lengths: list[int]) -> dict[str, list[np.ndarray]]:

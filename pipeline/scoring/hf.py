@@ -44,7 +44,7 @@ from pipeline.scoring.batching import (
     scored_positions,
 )
 from pipeline.scoring.device import HostCopies, QueuedColumns, free_memory, to_device
-from pipeline.scoring.head import HeadColumns, HeadExtras, check_triton_head, empty_columns
+from pipeline.scoring.head import HeadColumns, HeadExtras, check_triton_kernel, empty_columns
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
 
@@ -106,8 +106,8 @@ class HFScorer:
         self.head_kernel = on_device(head_kernel, self.device, gpu="fused", cpu="plain")
         self.head_chunks = on_device(head_chunks, self.device, gpu="sized", cpu="fixed")
         self.columns = HeadColumns(self.extras, self.vocab_size, self.device, self.head_kernel)
-        if self.head_kernel == "triton":
-            check_triton_head(self.columns, self.head, self.plain_head)
+        if self.head_kernel in ("triton", "onepass"):
+            check_triton_kernel(self.columns, self.head, self.plain_head)
         self.row_packing, self.attention = self._resolve_packing(row_packing, attention)
         self.batch_overlap = on_device(batch_overlap, self.device, gpu="on", cpu="off")
         self.compile = resolve_compile(compile, self.device)

@@ -1,4 +1,6 @@
-"""`--head-kernel triton`: the head's matrix product and the loss's reductions in one Triton
+"""The head's Triton kernels.
+
+`--head-kernel triton`: the head's matrix product and the loss's reductions in one Triton
 kernel, so that no logit leaves the chip (the kind of kernel cut-cross-entropy is; Wijmans et al.
 2025). It computes the loss and, when asked, the space column; for top-k use the fused pass.
 
@@ -21,6 +23,11 @@ bfloat16 arithmetic (Triton's debugging guide): there the operands are upcast to
 product. A bf16 product is exact in fp32, so only the summation order differs from a GPU's.
 At load, the scorer compares the kernel with an fp32 product on a probe, so a GPU's compiled
 kernel is checked on the machine that runs it.
+
+`--head-kernel onepass`: the logits as the fused pass takes them (cuBLAS's product, in the head's
+dtype), reduced by one Triton program per row that reads each logit once: the same running sums
+(`logit_row_sums`). The fused pass's compiled reduction reads each row twice, once for its max and
+once for the sums (docs/stage1-gpu-path.md, run 5). Its columns are fused's up to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -62,11 +69,15 @@ GPU_BLOCKS = Blocks(128, 128, 64, 2048, 8, 8, 3)
 # In the interpreter: big blocks, since each operation costs a numpy call.
 INTERPRETER_BLOCKS = Blocks(256, 4096, 64, 8192, 2, 1, 1)
 # Largest |difference| of the loss or the space column, kernel against an fp32 product, on the
-# load probe (pipeline.scoring.head.check_triton_head): the order of fp32 sums over a hidden size
+# load probe (pipeline.scoring.head.check_triton_kernel): the order of fp32 sums over a hidden size
 # of thousands, or TF32's rounding of an fp32 teacher's operands where torch allows it, stays far
 # below it; a wrong tile, mask or span
 # is a difference of whole nats.
 REFERENCE_TOLERANCE = 1e-2
+# logit_row_sums: logits a program reduces at a step (8 KiB of bf16, 16 per thread of 8 warps on
+# a GPU; in the interpreter, whole rows of the tests' vocabularies at once)
+ROW_BLOCK, ROW_WARPS = 4096, 8
+INTERPRETER_ROW_BLOCK = 65536
 
 
 @triton.jit
@@ -139,6 +150,37 @@ def _head_sums(
         tl.store(space_total_ptr + out, space_total, mask=position_ok)
 
 
+@triton.jit
+def _row_sums(
+    logits_ptr, target_ptr, space_ptr, max_ptr, total_ptr, space_total_ptr, picked_ptr,
+    vocab, row_stride, HAS_SPACE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One row of logits, read once: its max, Z and the space mask's share of Z (rescaled as
+    the max grows, as `_head_sums`'s are), and the target's logit."""
+    row = tl.program_id(0).to(tl.int64)
+    logits_ptr += row * row_stride
+    top = tl.full([], float("-inf"), tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    space_total = tl.full([], 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK):
+        column = start + tl.arange(0, BLOCK)
+        column_ok = column < vocab
+        logits = tl.load(logits_ptr + column, mask=column_ok, other=float("-inf")).to(tl.float32)
+        new_top = tl.maximum(top, tl.max(logits, 0))
+        scale = tl.exp(top - new_top)
+        exp = tl.exp(logits - new_top)
+        total = total * scale + tl.sum(exp, 0)
+        if HAS_SPACE:
+            in_space = tl.load(space_ptr + column, mask=column_ok, other=0) != 0
+            space_total = space_total * scale + tl.sum(tl.where(in_space, exp, 0.0), 0)
+        top = new_top
+    tl.store(max_ptr + row, top)
+    tl.store(total_ptr + row, total)
+    tl.store(picked_ptr + row, tl.load(logits_ptr + tl.load(target_ptr + row)).to(tl.float32))
+    if HAS_SPACE:
+        tl.store(space_total_ptr + row, space_total)
+
+
 # Under TRITON_INTERPRET=1 (read when triton is first imported) `triton.jit` gives the
 # interpreter's function, which runs on the host.
 INTERPRETED = not isinstance(_head_sums, triton.JITFunction)
@@ -194,11 +236,45 @@ def triton_head_columns(
             BLOCK_VOCAB=blocks.vocab, BLOCK_WIDTH=blocks.width, SPAN=blocks.span,
             GROUP=blocks.group, PRECISION=dot_precision(weight.dtype), **launch,
         )  # fmt: skip
+    return combined_columns(sums, space is not None)[0]
+
+
+def logit_row_sums(
+    logits: torch.Tensor, targets: torch.Tensor, space: torch.Tensor | None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """`--head-kernel onepass`'s reduction of `logits` [N, vocabulary] (any float dtype, rows
+    contiguous): ({"loss": [N]} and, with a `space` mask (int8), the space column; log Z [N]),
+    fp32, each logit read once."""
+    rows, vocab = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if INTERPRETED:  # it computes no bf16 arithmetic (see above)
+        logits = logits.float()
+    sums = torch.empty(4, 1, rows, dtype=torch.float32, device=logits.device)
+    top, total, space_total, picked = sums[:, 0]
+    if rows:
+        block = INTERPRETER_ROW_BLOCK if INTERPRETED else ROW_BLOCK
+        launch = {} if INTERPRETED else {"num_warps": ROW_WARPS}
+        _row_sums[(rows,)](
+            logits, targets, space if space is not None else targets,
+            top, total, space_total, picked, vocab, logits.stride(0),
+            HAS_SPACE=space is not None, BLOCK=block, **launch,
+        )  # fmt: skip
+    return combined_columns(sums, space is not None)
+
+
+def combined_columns(
+    sums: torch.Tensor, has_space: bool
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The columns and log Z of the kernels' partial sums [4 (max, Z, the space share of Z, the
+    target's logit), spans, positions], combined across spans: loss = log Z - logit[target],
+    space_logprob = log Z(S) - log Z, at least the others' floor."""
+    top, total, space_total, picked = sums
     overall = top.amax(dim=0)
     scale = (top - overall).exp()
     log_z = (total * scale).sum(dim=0).log() + overall
     columns = {"loss": log_z - picked.sum(dim=0)}
-    if space is not None:
+    if has_space:
         log_space = (space_total * scale).sum(dim=0).log() + overall
         columns[SPACE_LOGPROB] = (log_space - log_z).clamp(min=TINY_LOG, max=0.0)
-    return columns
+    return columns, log_z
