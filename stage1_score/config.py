@@ -122,9 +122,8 @@ class ScoreConfig:
         "an fp32 log-softmax of each chunk; auto: fused on a GPU, plain on a CPU; the same "
         "columns up to fp32 rounding; onepass: fused's logits reduced by a Triton kernel on "
         "CUDA that reads each once (checked at load); triton: the head's product and the "
-        "reductions in one "
-        "Triton kernel on CUDA, no logits kept (loss and --space-logprob, no top-k; checked "
-        "against an fp32 product at load) (docs/stage1-gpu-path.md)",
+        "reductions in one Triton kernel on CUDA, no logits kept (loss and --space-logprob, no "
+        "top-k; checked against an fp32 product at load) (docs/stage1-gpu-path.md)",
     )
     head_chunks: HeadChunks = option(
         "auto",

@@ -12,7 +12,7 @@ For a scored position t (the distribution p = softmax(logits) that predicts toke
 Unscored positions (token 0, and a one-token document) hold NaN probabilities and id -1 here; the
 writer stores their top-k entries as nulls.
 
-Three kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
+Four kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
   - plain: the chunk's logits copied to fp32, log-softmax (another fp32 chunk), the loss and the
     views read from it (pipeline.cross_entropy, the student's definition);
   - fused: reductions over the logits as they are (bf16 on a GPU): their max, then Z and the

@@ -242,9 +242,9 @@ def triton_head_columns(
 def logit_row_sums(
     logits: torch.Tensor, targets: torch.Tensor, space: torch.Tensor | None
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """`--head-kernel onepass`'s reduction of `logits` [N, vocabulary] (any float dtype, rows
-    contiguous): ({"loss": [N]} and, with a `space` mask (int8), the space column; log Z [N]),
-    fp32, each logit read once."""
+    """`--head-kernel onepass`'s reduction of `logits` [N, vocabulary] (any float dtype; rows may
+    lie strided apart): ({"loss": [N]} and, with a `space` mask (int8), the space column; log Z
+    [N]), fp32, each logit read once."""
     rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
