@@ -178,10 +178,10 @@ STAGE1_VARIANTS = (
     ("eager layers", ("--compile", "off")),
     ("padded rows", ("--row-packing", "padded")),
 )
-# The switch rows measured before stage 2 (the rest after it): the issue's targets name +space,
-# the Triton head is the one way found to a head inside them (docs/stage1-gpu-path.md),
-# packing is the largest of the switches, a wait per batch is what the floors never do, and
-# compiled layers speed the body itself (the floors' too).
+# The switch rows measured before stage 2 (the rest after it): onepass is the head run 5's
+# traces point at and the issue's targets name +space (docs/stage1-gpu-path.md), the Triton
+# head measured no faster than fused there, packing is the largest of the switches, a wait per
+# batch is what the floors never do, and compiled layers speed the body itself (the floors' too).
 PRIORITY_VARIANTS = (
     "onepass head", "+space", "triton head", "padded rows", "serial batches", "eager layers"
 )

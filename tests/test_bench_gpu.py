@@ -241,10 +241,10 @@ def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
     sides = {label for label, *_ in bench_stage1_head.SIDES}
     if not bench_gpu.triton_runs(torch.device("cpu")):
         for kernel in ("onepass", "triton"):
-            triton = {label for label in sides if label.startswith(kernel)}
+            unmeasured = {label for label in sides if label.startswith(kernel)}
             message = f": not measured: --head-kernel {kernel}: "
-            assert len(triton) > 1 and all(label + message in said for label in triton)
-            sides -= triton
+            assert len(unmeasured) > 1 and all(label + message in said for label in unmeasured)
+            sides -= unmeasured
     assert set(rows) == {"head matmul"} | sides
     assert rows["fused loss"][1] == 1.0
     assert all(ms > 0 and ratio > 0 for ms, ratio in rows.values())
