@@ -9,7 +9,10 @@ Each row: milliseconds per batch (the best of --repeats synchronized passes afte
 its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mask of a random 40% of
 the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations' column.
 `onepass ...` rows (where Triton runs: CUDA) are `--head-kernel onepass`, fused's logits reduced
-by a kernel that reads each once; `triton loss` and `triton +space` are `--head-kernel triton`, the
+by a kernel that reads each once; `fused loss, one-pass form` (where the fused pass compiles: CUDA)
+is the fused loss written as Inductor's one-pass rewrite of a max and a sum of exp(x - max)
+(`prepare_softmax_online`) matches it, which `fused_columns` is not (docs/stage1-gpu-path.md: run
+5's reduction read each row twice); `triton loss` and `triton +space` are `--head-kernel triton`, the
 product and the reductions in one kernel, all positions in one launch; each `--triton-blocks` adds a
 `triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
 (pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a program's
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from device_timing import best_seconds  # noqa: E402
 
+from pipeline.choices import compiles_on  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.scoring.device import free_memory  # noqa: E402
 from pipeline.scoring.head import HeadColumns, HeadExtras  # noqa: E402
@@ -54,6 +58,15 @@ SIDES = (  # label, --head-kernel, top-k, with the space column
     ("triton loss", "triton", 0, False),
     ("triton +space", "triton", 0, True),
 )
+
+
+def one_pass_form_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """fused_columns's loss, log Z - logit[target], with its max and its sum taken of the same
+    fp32 view of the logits, keepdim: the graph Inductor's one-pass rewrite matches on CUDA."""
+    x = logits.float()
+    shifted = x - x.amax(dim=-1, keepdim=True)
+    log_z = shifted.exp().sum(dim=-1, keepdim=True).log()
+    return (log_z - shifted.gather(-1, targets[:, None])).squeeze(-1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,6 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         times[label] = best_seconds(
             functools.partial(columns.of_batch, hidden, head, targets, rows), args.repeats, device
         )
+    if compiles_on(device):
+        one_pass = torch.compile(one_pass_form_loss, dynamic=True)
+
+        def one_pass_form() -> None:
+            for begin in range(0, positions, rows):
+                chunk = slice(begin, begin + rows)
+                one_pass(hidden[chunk] @ weight.T, targets[chunk])
+
+        times["fused loss, one-pass form"] = best_seconds(one_pass_form, args.repeats, device)
     for blocks in args.triton_blocks if "triton loss" in times else ():  # where the kernel runs
         from pipeline.scoring.triton_head import Blocks, triton_head_columns
 

@@ -248,3 +248,43 @@ def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
     assert set(rows) == {"head matmul"} | sides
     assert rows["fused loss"][1] == 1.0
     assert all(ms > 0 and ratio > 0 for ms, ratio in rows.values())
+
+
+def test_the_head_bench_one_pass_form_is_what_inductor_rewrites_and_fused_is_not(monkeypatch):
+    """`fused loss, one-pass form` measures the fused loss as Inductor's one-pass rewrite
+    (`prepare_softmax_online`: the max and the sum in one read) takes it on CUDA, where
+    `fused_columns`'s graph, the default head on a GPU, is not taken by it (the docs' reading of
+    run 5's reduction). The rewrite applies on CUDA only; here its device check is lifted, and
+    the rewrite is seen where Inductor lowers it (a CPU cannot compile the result, so the compile
+    that takes it fails). The form's loss is fused's."""
+    import bench_stage1_head
+    from torch._inductor import inductor_prims, lowering
+    from torch._inductor.fx_passes import post_grad
+
+    from pipeline.scoring.head import fused_columns
+
+    rewritten = []
+    prim = inductor_prims.prepare_softmax_online
+    lower = lowering.lowerings[prim]
+    monkeypatch.setattr(post_grad, "prepare_softmax_extra_check", lambda match: True)
+    spy = lambda *args, **kwargs: rewritten.append(1) or lower(*args, **kwargs)  # noqa: E731
+    monkeypatch.setitem(lowering.lowerings, prim, spy)
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 4096, generator=generator) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 4096, (8,), generator=generator)
+    forms = {
+        "fused": lambda logits, targets: fused_columns(logits, targets, 0, None)["loss"],
+        "one-pass": bench_stage1_head.one_pass_form_loss,
+    }
+    for name, form in forms.items():
+        torch._dynamo.reset()
+        rewritten.clear()
+        try:
+            torch.compile(form)(logits, targets)
+        except Exception:  # the CPU's codegen has no one-pass reduction
+            assert rewritten, name
+        assert bool(rewritten) == (name == "one-pass"), name
+    torch._dynamo.reset()
+    torch.testing.assert_close(
+        bench_stage1_head.one_pass_form_loss(logits, targets), forms["fused"](logits, targets)
+    )
