@@ -211,9 +211,15 @@ def test_triton_is_refused_in_one_line_where_its_columns_would_not_be_the_teache
         hf.HFScorer(teacher, head_kernel="triton", **settings)
 
 
-def test_onepass_is_checked_at_load_against_the_plain_kernel(teachers, monkeypatch):
-    """onepass reads the teacher's own logits, so a soft-capped teacher may use it; its kernel is
-    probed at load as triton's is (planted: one nat off, and a compiler's error)."""
+def test_onepass_is_checked_at_load_against_the_plain_kernel(teachers, tmp_path, monkeypatch):
+    """onepass reads the teacher's own logits, so a soft-capped teacher (Gemma 2), which triton
+    refuses, caches with it what plain caches; its kernel is probed at load as triton's is
+    (planted: one nat off, and a compiler's error)."""
+    capped = make_tiny_teacher(tmp_path / "gemma2", "smollm2", arch="gemma2")
+    _, ours = columns_of(capped, topk=0, head_kernel="onepass")
+    _, plain = columns_of(capped, topk=0, head_kernel="plain")
+    for column in ("loss", "space_logprob"):
+        np.testing.assert_allclose(ours[column], plain[column], rtol=1e-5, atol=2e-6)
     settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
     teacher = resolve_teacher(str(teachers["smollm2"]))
     row_sums = triton_head.logit_row_sums
