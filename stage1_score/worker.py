@@ -23,6 +23,7 @@ from pipeline.cache.schema import (
     write_shard,
 )
 from pipeline.cache.writer import build_unit_table
+from pipeline.interpreter import tune_interpreter
 from pipeline.log import configure, get_logger
 from pipeline.profiling import traced
 from pipeline.scoring.head import HeadExtras
@@ -61,6 +62,7 @@ class WorkerSpec:
     attention: str = "auto"
     batch_overlap: str = "auto"
     compile: str = "auto"
+    interpreter: str = "default"  # the worker process's lock hand-over (pipeline.interpreter)
     profile_unit: int | None = None  # the unit whose scoring is traced (--profile-unit)
 
 
@@ -152,10 +154,11 @@ class UnitScorer:
         self._tokenizer = load_teacher_tokenizer(self.spec.teacher, self.spec.tokenizer)
         self._extras = head_extras(self.spec, self._tokenizer)
         self._scorer = load_scorer(self.spec, self._extras)
+        self._interpreter = tune_interpreter(self.spec.interpreter)
 
     def describe(self) -> dict:
         self._load()
-        return self._scorer.describe() | {"threads": self.spec.threads}
+        return self._scorer.describe() | self._interpreter | {"threads": self.spec.threads}
 
     def start(self) -> dict:
         """As a Ray actor: load the teacher, and say which backend and which node this is."""
@@ -174,7 +177,6 @@ class UnitScorer:
         started, phases = time.monotonic(), {}
         with phase(phases, "tokenize"):
             encodings = self._tokenizer.encode_batch(unit.texts)
-        total = sum(len(e) for e in encodings)
         scorable = sum(max(len(e) - 1, 0) for e in encodings)  # token 0 has no prediction
         report = _ProgressLog(self.worker, unit.index, scorable, self.spec.progress_seconds)
         ids = [e.ids for e in encodings]
@@ -188,29 +190,34 @@ class UnitScorer:
         if trace.data is not None:
             Store(self.spec.out).write_bytes(profile_name(unit.index), trace.data)
         with phase(phases, "write"):
-            table = build_unit_table(
-                unit.doc_ids,
-                unit.texts,
-                unit.text_sha256,
-                encodings,
-                losses,
-                self.spec.loss_dtype,
-                columns,
-                self.spec.settings,
-            )
-            name = shard_name(unit.index)
-            footer = {
-                "unit": unit.index,
-                "run_fingerprint": self.spec.run_fingerprint,
-                "content_sha256": unit.content_sha256,
-                "schema_version": SCHEMA_VERSION,
-            }
-            size, digest = write_shard(child(self.spec.out, name), table, footer)
-            record = ShardRecord(unit.index, name, len(unit), total, size, digest)
-            write_sidecar(
-                self.spec.out, Sidecar(record, self.spec.run_fingerprint, unit.content_sha256)
-            )
+            record = write_unit(self.spec, unit, encodings, losses, columns)
         return UnitResult(record, time.monotonic() - started, self.worker, phases)
+
+
+def write_unit(spec: WorkerSpec, unit: WorkUnit, encodings, losses, columns) -> ShardRecord:
+    """The unit's shard (atomically), then its sidecar: the worker's host work after scoring."""
+    table = build_unit_table(
+        unit.doc_ids,
+        unit.texts,
+        unit.text_sha256,
+        encodings,
+        losses,
+        spec.loss_dtype,
+        columns,
+        spec.settings,
+    )
+    name = shard_name(unit.index)
+    footer = {
+        "unit": unit.index,
+        "run_fingerprint": spec.run_fingerprint,
+        "content_sha256": unit.content_sha256,
+        "schema_version": SCHEMA_VERSION,
+    }
+    size, digest = write_shard(child(spec.out, name), table, footer)
+    total = sum(len(e) for e in encodings)
+    record = ShardRecord(unit.index, name, len(unit), total, size, digest)
+    write_sidecar(spec.out, Sidecar(record, spec.run_fingerprint, unit.content_sha256))
+    return record
 
 
 class _ProgressLog:
