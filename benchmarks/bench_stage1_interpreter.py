@@ -42,7 +42,6 @@ import transformers  # noqa: E402
 
 from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
 from pipeline.interpreter import tune_interpreter  # noqa: E402
-from pipeline.io import sha256_text  # noqa: E402
 from pipeline.shipped import shipped_corpus  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from stage1_score.units import plan_units  # noqa: E402
@@ -116,7 +115,9 @@ def set_interpreter(mode: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=int, default=1000, help="documents a unit (--docs-per-shard)")
+    parser.add_argument(
+        "--docs", type=int, default=1000, help="documents a unit (--docs-per-shard)"
+    )
     parser.add_argument("--units", type=int, default=4, help="distinct units cycled through")
     parser.add_argument("--tokenizer", default="qwen2.5", help="the teacher's tokenizer")
     parser.add_argument("--seconds", type=float, default=3.0, help="host work per side and round")
@@ -156,7 +157,9 @@ def main() -> int:
         shares[mode] = rate / base
         print(f"{mode:14s} {rate:18,.0f} {shares[mode]:15.3f} {waiting:21.3f} {wait:10.1f} ms "
               f"{done:8.2f}")  # fmt: skip
-    print(f"tuned / default, launches beside the host work: {shares['tuned'] / shares['default']:.2f}x")
+    print(
+        f"tuned / default, launches beside the host work: {shares['tuned'] / shares['default']:.2f}x"
+    )
     return 0
 
 
