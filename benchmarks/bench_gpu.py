@@ -92,7 +92,8 @@ MFU: 2 N (forward) or 6 N (training) x tokens/s over the device's peak dense bf1
 (pipeline/flops.py, NVIDIA datasheets; N without the input embedding; stage 2's over the target
 tokens trained, not padding); n/a on a CPU. Peak memory: torch.cuda.max_memory_allocated
 in this process (the bare forward, stage 2), or for stage 1, whose worker is a Ray actor, the
-device's used memory polled every 0.1 s above what was used before; on a CPU the process's RSS
+device's used memory polled every 0.1 s above what was used before, once a finished job's worker
+has freed its own (polled_device_memory); on a CPU the process's RSS
 high-water mark (resource.getrusage, so it never goes down) and n/a for stage 1.
 The loss check scores the first documents of the cache again with a plain unpadded forward pass per
 window and compares with the stored (float16) losses.
@@ -220,6 +221,10 @@ LOSS_CHECK_DOCS = 4
 # With --profile-dir, the unit each stage-1 job traces (--profile-unit) and the scorer traces
 # again in this process: the second, past the first (and tiny shapes' runs have two).
 PROFILED_UNIT = 1
+# How long, and to within what of the idle level, a job's row waits at its start for the device
+# memory a finished job's worker held to be freed.
+SETTLE_SECONDS = 30.0
+SETTLE_MARGIN = 1 << 30
 
 
 @dataclass
@@ -343,19 +348,34 @@ def cache_rows(cache: Path) -> list[dict]:
     ]
 
 
+def used_device_memory(device: torch.device) -> int:
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 @contextlib.contextmanager
-def polled_device_memory(device: torch.device):
-    """{"peak": bytes} of device memory in use above the level at entry, polled; None on CPU."""
+def polled_device_memory(device: torch.device, idle: int | None = None):
+    """{"peak": bytes} of device memory in use above the level at entry, polled; None on CPU.
+    Given `idle` (the bytes in use before any job), the level at entry is taken once the memory in
+    use is back within SETTLE_MARGIN of it, for up to SETTLE_SECONDS: a finished job's worker
+    process frees its memory after the job returns, and a level taken while it still held it
+    made a later job's peak read 0 (run 5)."""
     result: dict = {"peak": None}
     if device.type != "cuda":
         yield result
         return
-    used = lambda: (lambda free, total: total - free)(*torch.cuda.mem_get_info(device))  # noqa: E731
-    base, done, peak = used(), threading.Event(), [0]
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while idle is not None and used_device_memory(device) > idle + SETTLE_MARGIN:
+        if time.monotonic() > deadline:
+            print(f"device memory not back to its idle level after {SETTLE_SECONDS:g} s: this "
+                  "row's peak is counted above what was still in use", flush=True)  # fmt: skip
+            break
+        time.sleep(0.1)
+    base, done, peak = used_device_memory(device), threading.Event(), [0]
 
     def poll() -> None:
         while not done.wait(0.1):
-            peak[0] = max(peak[0], used() - base)
+            peak[0] = max(peak[0], used_device_memory(device) - base)
 
     thread = threading.Thread(target=poll, daemon=True)
     thread.start()
@@ -398,6 +418,8 @@ class Bench:
         self.failed: list[str] = []
         self.skipped: list[str] = []
         self.started = time.perf_counter()
+        # the device memory in use before any job, which each job's row waits to see again
+        self.idle_memory = used_device_memory(device) if device.type == "cuda" else None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -476,7 +498,7 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     max_length, stride, batch_tokens, per_unit = STAGE1[bench.args.shapes]
     device, peak = bench.device, device_peak_flops(bench.device)
     began = time.perf_counter()
-    with polled_device_memory(device) as polled:
+    with polled_device_memory(device, bench.idle_memory) as polled:
         _, _, worker_rates = timed_stage1(teacher.command)
     teacher.seconds, teacher.rate = time.perf_counter() - began, sum(worker_rates)
     print(f"stage 1 (hf) {teacher.name}: {teacher.rate:,.0f} tok/s, the job {teacher.seconds:.0f} s; "
@@ -541,7 +563,7 @@ def stage1_variant(bench: Bench, teacher: Teacher, label: str, options: tuple) -
     difference of its stored losses from stage 1's."""
     out = teacher.out.with_name(f"{teacher.out.name}-{label.replace(' ', '-')}")
     command = [str(out) if arg == str(teacher.out) else arg for arg in teacher.command]
-    with polled_device_memory(bench.device) as polled:
+    with polled_device_memory(bench.device, bench.idle_memory) as polled:
         rate = sum(timed_stage1([*command, *options])[2])
     difference = max(
         float(np.nanmax(np.abs(np.asarray(a["loss"], np.float32) -
