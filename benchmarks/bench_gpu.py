@@ -28,6 +28,12 @@ What each row measures:
 - stage 1: `stage1_score/run.py` in-process on a local Ray (Ray must be installed), one worker;
   tokens/s is the worker's rate of teacher tokens (every token of every document) from the final
   progress line. The worker compiles what it compiles at load, before its first unit.
+- stage 1 steady: the same job's teacher tokens over the span from its first unit's scoring to
+  its last unit's read-back (benchmarks/stage1_runs.py: steady_rate): what a job of many units
+  approaches, without the first unit's tokenizing and the last one's writing, which nothing
+  hides at a job's edges and a long job amortizes; every unit's own edges stay in. Its ratio is
+  to `body` too. Units are `--docs-per-shard` documents (256 at gpu shapes, as runs 1-6 measured;
+  the job's own default, 1,000, gives each unit about four times as many batches).
 - stage 1 +space: the same job with `--space-logprob` (ALM's column, docs/cache-columns.md), for
   the first teacher, as a ratio to stage 1 without it.
 - stage 1 +topk 32: the same with `--topk-probs 32` (the distillations' column), as a ratio to
@@ -125,7 +131,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 from device_timing import best_seconds, synchronize  # noqa: E402
 from peak_memory import peak_memory, reset_peak  # noqa: E402
-from stage1_runs import phase_summary, timed_stage1, write_corpus_slice  # noqa: E402
+from stage1_runs import phase_summary, steady_rate, timed_stage1, write_corpus_slice  # noqa: E402
 from stage2_floor import floor_rate  # noqa: E402
 
 from pipeline.cache.manifest import profile_name  # noqa: E402
@@ -166,8 +172,8 @@ TEACHERS = {
         ),
     },
 }  # fmt: skip
-# Windows, batches and steps per shape: (max_length, stride, batch_tokens, docs per shard).
-STAGE1 = {"gpu": (2048, 1024, 16384, 256), "tiny": (128, 64, 512, 8)}
+# Windows and batches per shape: (max_length, stride, batch_tokens).
+STAGE1 = {"gpu": (2048, 1024, 16384), "tiny": (128, 64, 512)}
 # Rows of the first teacher beside `stage 1 (hf)`, each a ratio to it: the cost of ALM's column
 # and of the distillations' top 32, each switch of stage 1's GPU path turned to its plain value
 # (issue 28), and `--interpreter tuned`, not a default, turned on. None may change a stored loss.
@@ -202,9 +208,14 @@ TRITON_VARIANTS = (
 # Where vllm imports, a row of the first teacher's job with `--backend vllm` (on a CPU without
 # torch.compile, whose start takes minutes there).
 VLLM_VARIANT = {"cuda": ("--backend", "vllm"), "cpu": ("--backend", "vllm", "--vllm-enforce-eager")}
-# gpu: 8,192 documents, 32 units of 256. At 2,048 (8 units, about 3 s of a 1.5B teacher's device
-# work on an H200) the first unit's tokenizing and the last one's writing may weigh on the rate.
-DEFAULTS = {"gpu": {"docs": 8192, "steps": 12}, "tiny": {"docs": 16, "steps": 4}}
+# gpu: 8,192 documents, 32 units of 256, as runs 1-6 measured (the job's own default is 1,000 a
+# unit). At 2,048 (8 units, about 3 s of a 1.5B teacher's device work on an H200) the first unit's
+# tokenizing and the last one's writing may weigh on `stage 1 (hf)`; `stage 1 steady` leaves them
+# out.
+DEFAULTS = {
+    "gpu": {"docs": 8192, "steps": 12, "docs_per_shard": 256},
+    "tiny": {"docs": 16, "steps": 4, "docs_per_shard": 8},
+}
 # stage-2 student preset, seq_len, micro-batch size, micro-batches per step, loader workers
 STAGE2 = {"gpu": ("tinyllama-1.1b", 2048, 4, 4, 2), "tiny": ("llama-tiny", 64, 2, 2, 0)}
 # stage-2 rows: (label, options, the row its ratio is taken against). A switch row turns one of
@@ -468,7 +479,7 @@ class Teacher:
 
 
 def teacher_job(bench: Bench, scratch: Path, corpus: Path, name: str, dtype: str) -> Teacher:
-    max_length, stride, batch_tokens, per_shard = STAGE1[bench.args.shapes]
+    max_length, stride, batch_tokens = STAGE1[bench.args.shapes]
     folder = build_teacher(scratch / name, TEACHERS[bench.args.shapes][name], bench.device,
                            getattr(torch, dtype))  # fmt: skip
     if bench.device.type == "cuda":
@@ -476,7 +487,7 @@ def teacher_job(bench: Bench, scratch: Path, corpus: Path, name: str, dtype: str
     out = scratch / f"cache-{name}"
     command = [
         "--teacher", str(folder), "--corpus", str(corpus), "--out", str(out),
-        "--id-column", "id", "--docs-per-shard", str(per_shard), "--dtype", dtype,
+        "--id-column", "id", "--docs-per-shard", str(bench.args.docs_per_shard), "--dtype", dtype,
         "--max-length", str(max_length), "--stride", str(stride),
         "--batch-tokens", str(batch_tokens), "--num-workers", "1",
         "--progress-seconds", "1e9",
@@ -495,7 +506,8 @@ def keep_trace(bench: Bench, out: Path, label: str) -> None:
 
 def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     """`stage 1 (hf)` of `teacher`, then its floors on the worker's batches and the loss check."""
-    max_length, stride, batch_tokens, per_unit = STAGE1[bench.args.shapes]
+    max_length, stride, batch_tokens = STAGE1[bench.args.shapes]
+    per_unit = bench.args.docs_per_shard
     device, peak = bench.device, device_peak_flops(bench.device)
     began = time.perf_counter()
     with polled_device_memory(device, bench.idle_memory) as polled:
@@ -553,6 +565,9 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     body_rate = floors["body"]
     bench.add(Row("stage 1 (hf)", teacher.name, teacher.rate, teacher.rate / body_rate,
                   mfu(parameters, teacher.rate, peak, training=False), polled["peak"]))  # fmt: skip
+    steady = steady_rate(teacher.out)
+    bench.add(Row("stage 1 steady", teacher.name, steady, steady / body_rate,
+                  mfu(parameters, steady, peak, training=False), polled["peak"]))  # fmt: skip
     for side, rate in floors.items():
         bench.add(Row(side, teacher.name, rate, rate / body_rate,
                       mfu(parameters, rate, peak, training=False), bare_peak))  # fmt: skip
@@ -722,6 +737,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=("gpu", "tiny"), help="default: gpu with CUDA")
     parser.add_argument("--docs", type=int, help="documents of the shipped training split")
+    parser.add_argument(
+        "--docs-per-shard", type=int,
+        help="documents a stage-1 unit (default: 256 at gpu shapes, as runs 1-6 measured, "
+        "where the job's own default is 1,000)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, help="stage-2 optimizer steps per arm")
     parser.add_argument("--repeats", type=int, default=3, help="timed bare-forward passes")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")

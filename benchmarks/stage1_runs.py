@@ -81,3 +81,18 @@ def phase_summary(out: Path) -> str:
         f"{len(phases)} units in {span:.2f} s: {summed}; scoring {seconds['score'] / span:.0%} of "
         f"it, at {tokens / seconds['score']:,.0f} tok/s"
     )
+
+
+def steady_rate(out: Path) -> float:
+    """A one-worker run's teacher tokens per second between its edges: the manifest's tokens over
+    the span from its first unit's scoring to its last unit's read-back. What a long job
+    approaches: it leaves out the first unit's tokenizing and the last one's writing, which no
+    scoring hides and a job of many units amortizes, and keeps every unit's edges within (the
+    phases are the worker node's monotonic seconds: one worker's clock)."""
+    record = json.loads((Path(out) / RUN_RECORD_NAME).read_text())
+    tokens = json.loads((Path(out) / MANIFEST_NAME).read_text())["totals"]["teacher_tokens"]
+    phases = [unit["phases"] for unit in record["units"].values()]
+    if len({unit["worker"] for unit in record["units"].values()}) != 1:
+        raise ValueError("steady_rate reads one worker's clock: the run had several workers")
+    span = max(p["collect"][1] for p in phases) - min(p["score"][0] for p in phases)
+    return tokens / span

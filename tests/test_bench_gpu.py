@@ -116,6 +116,7 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     out = capsys.readouterr().out
     for what, model in [
         ("stage 1 (hf)", "qwen2.5-1.5b-like"),
+        ("stage 1 steady", "qwen2.5-1.5b-like"),
         ("stage 1 +space", "qwen2.5-1.5b-like"),
         ("stage 1 +topk 32", "qwen2.5-1.5b-like"),
         ("stage 1 plain head", "qwen2.5-1.5b-like"),
@@ -133,6 +134,7 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         ("scorer queued units", "qwen2.5-1.5b-like"),
         ("scorer +space", "qwen2.5-1.5b-like"),
         ("stage 1 (hf)", "qwen2.5-7b-like"),
+        ("stage 1 steady", "qwen2.5-7b-like"),
         ("bare forward", "qwen2.5-7b-like"),
         ("body ", "qwen2.5-7b-like"),
         ("body + fused head", "qwen2.5-7b-like"),
@@ -211,13 +213,15 @@ def test_a_failed_row_is_named_and_a_row_past_the_budget_skipped_while_the_rest_
 
 
 def test_phase_summary_sums_each_phase_over_units_and_the_share_and_rate_of_scoring(tmp_path):
-    from stage1_runs import phase_summary
+    """And `stage 1 steady`'s rate: the tokens over [the first unit's scoring, the last one's
+    read-back], without the first tokenizing and the last writing, one worker's clock."""
+    from stage1_runs import phase_summary, steady_rate
 
-    units = {
-        "0": {"phases": {"tokenize": [10, 11], "score": [11, 13], "collect": [13, 13.5],
-                         "write": [13.5, 14]}},
-        "1": {"phases": {"tokenize": [11, 12], "score": [13, 15], "collect": [15, 15.5],
-                         "write": [15.5, 16]}},
+    units = {  # unit 1 tokenized while unit 0 scored
+        "0": {"worker": 0, "phases": {"tokenize": [10, 11], "score": [11, 13],
+                                      "collect": [13, 13.5], "write": [13.5, 14]}},
+        "1": {"worker": 0, "phases": {"tokenize": [11, 12], "score": [13, 15],
+                                      "collect": [15, 15.5], "write": [15.5, 16]}},
     }  # fmt: skip
     (tmp_path / "stage1-run.json").write_text(json.dumps({"units": units}))
     (tmp_path / "manifest.json").write_text(json.dumps({"totals": {"teacher_tokens": 10_000}}))
@@ -225,6 +229,11 @@ def test_phase_summary_sums_each_phase_over_units_and_the_share_and_rate_of_scor
         "2 units in 6.00 s: tokenize 2.00 s, score 4.00 s, collect 1.00 s, write 1.00 s; scoring "
         "67% of it, at 2,500 tok/s"
     )
+    assert steady_rate(tmp_path) == pytest.approx(10_000 / (15.5 - 11))
+    units["1"]["worker"] = 1  # another worker's clock
+    (tmp_path / "stage1-run.json").write_text(json.dumps({"units": units}))
+    with pytest.raises(ValueError, match="one worker"):
+        steady_rate(tmp_path)
 
 
 def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
