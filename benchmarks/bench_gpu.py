@@ -726,7 +726,7 @@ def print_table(rows: list[Row], device) -> None:
     for row in rows:
         print(row_line(row, device_name(device)))
     print(
-        "ratio: stage 1, bare forward, body + fused, triton or onepass head and the scorer rows / body of the same teacher; stage 1 +space (--space-logprob), "
+        "ratio: stage 1 (hf) and steady, bare forward, body + fused, triton or onepass head and the scorer rows / body of the same teacher; stage 1 +space (--space-logprob), "
         "+topk 32 and a stage 1 switch row / stage 1; stage 2 arm / stage 2 none; a stage 2 switch row / stage 2 token (whose "
         "defaults are the GPU path's on a GPU, the same as the switch rows' on a CPU). Targets: stage 1 >= 0.85 of body and 0.95 of bare forward, +space >= 0.99 on a "
         "GPU, stage 2 MFU >= 55%, token >= 0.97."
