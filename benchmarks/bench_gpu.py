@@ -364,19 +364,24 @@ def used_device_memory(device: torch.device) -> int:
     return total - free
 
 
+def others_device_memory(device: torch.device) -> int:
+    """Device memory in use beyond what this process's allocator holds: the workers', mostly."""
+    return used_device_memory(device) - torch.cuda.memory_reserved(device)
+
+
 @contextlib.contextmanager
 def polled_device_memory(device: torch.device, idle: int | None = None):
     """{"peak": bytes} of device memory in use above the level at entry, polled; None on CPU.
-    Given `idle` (the bytes in use before any job), the level at entry is taken once the memory in
-    use is back within SETTLE_MARGIN of it, for up to SETTLE_SECONDS: a finished job's worker
-    process frees its memory after the job returns, and a level taken while it still held it
-    made a later job's peak read 0 (run 5)."""
+    Given `idle` (others_device_memory before any job), the level at entry is taken once the
+    memory other processes use is back within SETTLE_MARGIN of it, for up to SETTLE_SECONDS: a
+    finished job's worker process frees its memory after the job returns, and a level taken while
+    it still held it made a later job's peak read 0 (run 5)."""
     result: dict = {"peak": None}
     if device.type != "cuda":
         yield result
         return
     deadline = time.monotonic() + SETTLE_SECONDS
-    while idle is not None and used_device_memory(device) > idle + SETTLE_MARGIN:
+    while idle is not None and others_device_memory(device) > idle + SETTLE_MARGIN:
         if time.monotonic() > deadline:
             print(f"device memory not back to its idle level after {SETTLE_SECONDS:g} s: this "
                   "row's peak is counted above what was still in use", flush=True)  # fmt: skip
@@ -429,8 +434,8 @@ class Bench:
         self.failed: list[str] = []
         self.skipped: list[str] = []
         self.started = time.perf_counter()
-        # the device memory in use before any job, which each job's row waits to see again
-        self.idle_memory = used_device_memory(device) if device.type == "cuda" else None
+        # other processes' device memory before any job, which each job's row waits to see again
+        self.idle_memory = others_device_memory(device) if device.type == "cuda" else None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started

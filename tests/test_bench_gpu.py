@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +180,32 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     assert {path.name for path in traces.iterdir()} == expected
     for path in traces.iterdir():
         assert "traceEvents" in json.loads(path.read_text())
+
+
+def test_a_job_rows_memory_is_counted_once_the_last_jobs_worker_has_freed_its_own(monkeypatch):
+    """Run 5's `triton head` row read a peak of 0: its level was taken while the previous job's
+    worker still held its memory. The level is now taken once other processes' memory is back
+    near its idle level (a device's memory scripted here: no GPU)."""
+    gib, total = 1 << 30, 80 << 30
+    state = {"others": 12 * gib, "reads": 0}
+
+    def mem_get_info(device):
+        state["reads"] += 1
+        if state["reads"] == 5:  # the last job's worker is gone
+            state["others"] = gib // 2
+        return total - state["others"], total
+
+    monkeypatch.setattr(bench_gpu.torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(bench_gpu.torch.cuda, "memory_reserved", lambda device: 0)
+    cuda = torch.device("cuda")
+    with bench_gpu.polled_device_memory(cuda, idle=gib // 2) as polled:
+        assert state["others"] == gib // 2  # waited for the worker to go
+        state["others"] = 9 * gib  # this job's worker
+        seen = state["reads"]
+        deadline = time.monotonic() + 10
+        while state["reads"] < seen + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert polled["peak"] == 9 * gib - gib // 2
 
 
 def test_a_failed_row_is_named_and_a_row_past_the_budget_skipped_while_the_rest_go_on(
