@@ -15,10 +15,9 @@ settings; each figure is the median over rounds.
 
 What it prints is the launching thread's rate beside the host work as a share of its rate alone,
 the share of its time spent in waits of over 1 ms between two launches, its longest wait, and the
-host work's own rate. It says how much of the
-host's launching capacity the worker's other threads take, not what a GPU job gains: a launch
-thread that keeps ahead of its device loses nothing, and `bench_gpu.py`'s `stage 1 default
-interpreter` row measures the job.
+host work's own rate. It says how much of the host's launching capacity the worker's other
+threads take, not what a GPU job gains: a launching thread that keeps ahead of its device loses
+nothing, and `bench_gpu.py`'s `stage 1 tuned interpreter` row measures the job.
 """
 
 from __future__ import annotations
@@ -52,11 +51,23 @@ LONG_WAIT_S = 1e-3
 
 
 class Launcher(threading.Thread):
-    """Issues small torch operators until stopped; records when each returned."""
+    """Issues small torch operators while entered (from full rate: it starts first); records
+    when each returned, and the window entered."""
 
     def __init__(self):
         super().__init__(daemon=True)
         self.stop, self.times = threading.Event(), []
+
+    def __enter__(self) -> Launcher:
+        self.start()
+        time.sleep(0.2)
+        self.began = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.ended = time.perf_counter()
+        self.stop.set()
+        self.join()
 
     def run(self) -> None:
         value, times = torch.ones(4), self.times
@@ -64,47 +75,36 @@ class Launcher(threading.Thread):
             value = torch.add(value, 1)
             times.append(time.perf_counter())
 
-    def launches(self, start: float, end: float) -> tuple[float, float, float]:
-        """Within [start, end]: (launches a second, the share of the time in waits over 1 ms
-        between two launches, the longest wait in ms)."""
+    def launches(self) -> tuple[float, float, float]:
+        """Within the window entered: (launches a second, the share of the time in waits over
+        1 ms between two launches, the longest wait in ms)."""
         times = np.array(self.times)
-        times = times[(times >= start) & (times <= end)]
+        times = times[(times >= self.began) & (times <= self.ended)]
         waits = np.diff(times)
+        wall = self.ended - self.began
         long_waits = float(waits[waits > LONG_WAIT_S].sum())
-        wall = end - start
         return times.size / wall, long_waits / wall, 1e3 * float(waits.max(initial=0.0))
 
 
 def host_work(units, tokenizer, spec: WorkerSpec, seconds: float) -> tuple[float, ...]:
     """The worker's host work on `units`, back to back for `seconds`, beside a launching thread:
     the launching thread's figures (Launcher.launches), then units a second."""
-    launcher = Launcher()
-    launcher.start()
-    time.sleep(0.2)  # the launcher at full rate
-    start, done = time.perf_counter(), 0
-    for unit in itertools.cycle(units):
-        encodings = tokenizer.encode_batch(unit.texts)
-        losses = [np.linspace(0, 10, len(e), dtype=np.float32) for e in encodings]
-        write_unit(spec, unit, encodings, losses, {})
-        done += 1
-        if time.perf_counter() - start >= seconds:
-            break
-    end = time.perf_counter()
-    launcher.stop.set()
-    launcher.join()
-    return (*launcher.launches(start, end), done / (end - start))
+    done = 0
+    with Launcher() as launcher:
+        for unit in itertools.cycle(units):
+            encodings = tokenizer.encode_batch(unit.texts)
+            losses = [np.linspace(0, 10, len(e), dtype=np.float32) for e in encodings]
+            write_unit(spec, unit, encodings, losses, {})
+            done += 1
+            if time.perf_counter() - launcher.began >= seconds:
+                break
+    return (*launcher.launches(), done / (launcher.ended - launcher.began))
 
 
 def alone(seconds: float) -> float:
-    launcher = Launcher()
-    launcher.start()
-    time.sleep(0.2)
-    start = time.perf_counter()
-    time.sleep(seconds)
-    end = time.perf_counter()
-    launcher.stop.set()
-    launcher.join()
-    return launcher.launches(start, end)[0]
+    with Launcher() as launcher:
+        time.sleep(seconds)
+    return launcher.launches()[0]
 
 
 def set_interpreter(mode: str) -> None:
@@ -113,7 +113,7 @@ def set_interpreter(mode: str) -> None:
     tune_interpreter(mode)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--docs", type=int, default=1000, help="documents a unit (--docs-per-shard)"
@@ -122,7 +122,7 @@ def main() -> int:
     parser.add_argument("--tokenizer", default="qwen2.5", help="the teacher's tokenizer")
     parser.add_argument("--seconds", type=float, default=3.0, help="host work per side and round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the two settings")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     transformers.LlamaForCausalLM  # noqa: B018  (the model classes a worker has imported)
     torch.set_num_threads(1)
     documents = itertools.islice(
