@@ -59,6 +59,14 @@ def timed_stage1(command: list[str]) -> tuple[float, dict, list[float]]:
     return wall, manifest, rates
 
 
+def run_units(out: Path) -> tuple[list[dict], int]:
+    """(each unit's record in a run's run record: its worker and phases, the manifest's teacher
+    tokens)."""
+    units = json.loads((Path(out) / RUN_RECORD_NAME).read_text())["units"].values()
+    tokens = json.loads((Path(out) / MANIFEST_NAME).read_text())["totals"]["teacher_tokens"]
+    return list(units), tokens
+
+
 def phase_summary(out: Path) -> str:
     """Where a run's units spent their time, from the unit phases of its run record: each phase's
     seconds summed over units, the share of the span from the first unit's start to the last
@@ -67,9 +75,8 @@ def phase_summary(out: Path) -> str:
     and the teacher tokens per second of scoring alone (the manifest's tokens over the summed
     score phases), to set beside bench_gpu.py's `scorer` rows, the same call without the job
     around it."""
-    record = json.loads((Path(out) / RUN_RECORD_NAME).read_text())
-    tokens = json.loads((Path(out) / MANIFEST_NAME).read_text())["totals"]["teacher_tokens"]
-    phases = [unit["phases"] for unit in record["units"].values()]
+    units, tokens = run_units(out)
+    phases = [unit["phases"] for unit in units]
     begin = min(p["tokenize"][0] for p in phases)
     span = max(p["write"][1] for p in phases) - begin
     seconds = {
@@ -89,10 +96,9 @@ def steady_rate(out: Path) -> float:
     approaches: it leaves out the first unit's tokenizing and the last one's writing, which no
     scoring hides and a job of many units amortizes, and keeps every unit's edges within (the
     phases are the worker node's monotonic seconds: one worker's clock)."""
-    record = json.loads((Path(out) / RUN_RECORD_NAME).read_text())
-    tokens = json.loads((Path(out) / MANIFEST_NAME).read_text())["totals"]["teacher_tokens"]
-    phases = [unit["phases"] for unit in record["units"].values()]
-    if len({unit["worker"] for unit in record["units"].values()}) != 1:
+    units, tokens = run_units(out)
+    phases = [unit["phases"] for unit in units]
+    if len({unit["worker"] for unit in units}) != 1:
         raise ValueError("steady_rate reads one worker's clock: the run had several workers")
     span = max(p["collect"][1] for p in phases) - min(p["score"][0] for p in phases)
     return tokens / span
