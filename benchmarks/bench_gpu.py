@@ -132,6 +132,7 @@ import torch  # noqa: E402
 from device_timing import best_seconds, synchronize  # noqa: E402
 from peak_memory import peak_memory, reset_peak  # noqa: E402
 from stage1_runs import phase_summary, steady_rate, timed_stage1, write_corpus_slice  # noqa: E402
+from trace_gaps import describe_trace  # noqa: E402
 from stage2_floor import floor_rate  # noqa: E402
 
 from pipeline.cache.manifest import profile_name  # noqa: E402
@@ -505,8 +506,14 @@ def teacher_job(bench: Bench, scratch: Path, corpus: Path, name: str, dtype: str
 def keep_trace(bench: Bench, out: Path, label: str) -> None:
     """With --profile-dir, the job's trace of PROFILED_UNIT copied there as `label`."""
     if bench.args.profile_dir:
-        trace = out / profile_name(PROFILED_UNIT)
-        shutil.copyfile(trace, bench.args.profile_dir / f"{label}-unit-{PROFILED_UNIT}.json")
+        kept = bench.args.profile_dir / f"{label}-unit-{PROFILED_UNIT}.json"
+        shutil.copyfile(out / profile_name(PROFILED_UNIT), kept)
+        report_gaps(kept)
+
+
+def report_gaps(trace: Path) -> None:
+    """The device's gaps in a kept trace and what held the host (benchmarks/trace_gaps.py)."""
+    print(f"trace {trace.name}: {describe_trace(trace)}", flush=True)
 
 
 def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
@@ -548,6 +555,7 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
                 synchronize(device)
             path = bench.args.profile_dir / f"{teacher.name}-{label}-unit-{PROFILED_UNIT}.json"
             path.write_bytes(trace.data)
+            report_gaps(path)
     del spaced, score
     model.set_attn_implementation("sdpa")  # the check's plain forward pass
     differences = []
@@ -760,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-dir", type=Path,
         help=f"trace unit {PROFILED_UNIT} of every stage-1 job (--profile-unit) and the scorer's "
         "own pass over it, with and without the space column, into this folder (Chrome's trace "
-        "format; Perfetto opens them)",
+        "format; Perfetto opens them), each followed by a line of its device's gaps and what "
+        "held the host in them (benchmarks/trace_gaps.py)",
     )  # fmt: skip
     parser.add_argument(
         "--teachers", nargs="+", choices=list(TEACHERS["gpu"]), default=list(TEACHERS["gpu"]),

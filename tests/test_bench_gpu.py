@@ -180,6 +180,8 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     assert {path.name for path in traces.iterdir()} == expected
     for path in traces.iterdir():
         assert "traceEvents" in json.loads(path.read_text())
+        # each followed by its device's gaps (benchmarks/trace_gaps.py): a CPU trace has none
+        assert f"trace {path.name}: no device work in the trace" in out
 
 
 def test_a_job_rows_memory_is_counted_once_the_last_jobs_worker_has_freed_its_own(monkeypatch):
