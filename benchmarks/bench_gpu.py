@@ -132,8 +132,8 @@ import torch  # noqa: E402
 from device_timing import best_seconds, synchronize  # noqa: E402
 from peak_memory import peak_memory, reset_peak  # noqa: E402
 from stage1_runs import phase_summary, steady_rate, timed_stage1, write_corpus_slice  # noqa: E402
-from trace_gaps import describe_trace  # noqa: E402
 from stage2_floor import floor_rate  # noqa: E402
+from trace_gaps import describe_trace  # noqa: E402
 
 from pipeline.cache.manifest import profile_name  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
