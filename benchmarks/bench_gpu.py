@@ -32,8 +32,9 @@ What each row measures:
   its last unit's read-back (benchmarks/stage1_runs.py: steady_rate): what a job of many units
   approaches, without the first unit's tokenizing and the last one's writing, which nothing
   hides at a job's edges and a long job amortizes; every unit's own edges stay in. Its ratio is
-  to `body` too. Units are `--docs-per-shard` documents (256 at gpu shapes, as runs 1-6 measured;
-  the job's own default, 1,000, gives each unit about four times as many batches).
+  to `body` too. Units are `--docs-per-shard` documents (at gpu shapes the job's own default,
+  1,000; runs 1-6 measured units of 256, about 2.7 batches each of the shipped corpus's short
+  documents, whose last, partly empty rows made 2.3% more slots than all documents at once).
 - stage 1 +space: the same job with `--space-logprob` (ALM's column, docs/cache-columns.md), for
   the first teacher, as a ratio to stage 1 without it.
 - stage 1 +topk 32: the same with `--topk-probs 32` (the distillations' column), as a ratio to
@@ -47,7 +48,7 @@ What each row measures:
   built, against building and launching batch k+1 while the device runs batch k; `eager
   layers`: `--compile off`, against each decoder layer compiled; `padded rows`:
   `--row-packing padded`, a window per row, against packed rows with a document mask; the gpu
-  shapes give the one worker 32 units). `stage 1 tuned interpreter`: `--interpreter tuned`, the
+  shapes give the one worker 8 units). `stage 1 tuned interpreter`: `--interpreter tuned`, the
   worker's interpreter lock handed between its threads every 0.1 ms instead of 5 ms
   (pipeline/interpreter.py), a switch turned on. `stage 1 triton head` (where the kernel runs: CUDA): the
   job with `--head-kernel triton`, the head's product and its reductions in one Triton kernel
@@ -61,18 +62,20 @@ What each row measures:
   and vLLM within its own arithmetic.
 - bare forward, body, body + fused head: the teacher loaded as the worker loads it
   (pipeline.scoring.hf.HFScorer, the same `auto` switches: on a GPU its decoder layers compiled,
-  as the worker's), on the batches the worker builds (its
-  windows, row layout, mask and positions) already on the device: `model(...).logits` and nothing
-  else; the decoder body alone, no head (the floor of any loss); the body and one fused head pass
-  over all of a batch's scored positions; `body + triton head` and `body + onepass head` (where
-  the kernels run), the same with the Triton kernel's pass, which makes no logits, and with
-  onepass's. `scorer`: the worker's scoring call itself
-  (`HFScorer.score_columns` from host token ids: its batches built, copied, scored in sized
-  chunks and read back), in this process, without Ray, tokenizing or writing: between it and
-  `body + fused head` lies the scorer's host work, between it and `stage 1 (hf)` the job's (the
-  phases line says which). `scorer by unit`: the same call once per unit of the job's documents
-  per shard, in the job's order: between it and `scorer` lie the units' edges (each unit's last,
-  shorter batch, the wait for its results before the next unit's first batch is queued).
+  as the worker's), on the rows the worker computes (each unit of `--docs-per-shard` documents
+  laid out apart, as the worker lays out a unit: its windows, row layout, mask and positions, so
+  each unit's last, partly empty row and batch are in the floors too; a line gives the slots
+  computed on these units against all documents at once; runs 1-6 laid all documents out at
+  once) already on the device: `model(...).logits` and nothing else; the decoder body alone, no
+  head (the floor of any loss); the body and one fused head pass over all of a batch's scored
+  positions; `body + triton head` and `body + onepass head` (where the kernels run), the same
+  with the Triton kernel's pass, which makes no logits, and with onepass's. `scorer`: the
+  worker's scoring call itself (`HFScorer.score_columns` from host token ids: its batches built,
+  copied, scored in sized chunks and read back) over all documents at once, in this process,
+  without Ray, tokenizing or writing. `scorer by unit`: the same call once per unit, in the
+  job's order: between it and `body + fused head` (the same rows) lies the scorer's host work
+  and each unit's wait for its last results before the next unit's first batch is queued,
+  between it and `scorer` the units' edges whole (those waits, and the partly empty rows).
   `scorer queued units`: the units as a worker scores them, in one thread: each unit's batches
   queued before the previous unit's last batch is collected (`HFScorer.queue_columns`): between
   it and `scorer by unit` lies what that queueing is worth, between it and `stage 1 (hf)`'s score
@@ -209,12 +212,11 @@ TRITON_VARIANTS = (
 # Where vllm imports, a row of the first teacher's job with `--backend vllm` (on a CPU without
 # torch.compile, whose start takes minutes there).
 VLLM_VARIANT = {"cuda": ("--backend", "vllm"), "cpu": ("--backend", "vllm", "--vllm-enforce-eager")}
-# gpu: 8,192 documents, 32 units of 256, as runs 1-6 measured (the job's own default is 1,000 a
-# unit). At 2,048 (8 units, about 3 s of a 1.5B teacher's device work on an H200) the first unit's
-# tokenizing and the last one's writing may weigh on `stage 1 (hf)`; `stage 1 steady` leaves them
-# out.
+# gpu: 8,000 documents, 8 units of the job's own default of 1,000 (runs 1-6: 8,192 or fewer in
+# units of 256). A bench job scores for seconds, so the first unit's tokenizing and the last one's
+# writing may weigh on `stage 1 (hf)`; `stage 1 steady` leaves them out.
 DEFAULTS = {
-    "gpu": {"docs": 8192, "steps": 12, "docs_per_shard": 256},
+    "gpu": {"docs": 8000, "steps": 12, "docs_per_shard": 1000},
     "tiny": {"docs": 16, "steps": 4, "docs_per_shard": 8},
 }
 # stage-2 student preset, seq_len, micro-batch size, micro-batches per step, loader workers
@@ -274,18 +276,39 @@ def best_rate(one_pass, tokens: int, repeats: int, device) -> float:
     return tokens / best_seconds(one_pass, repeats, device)
 
 
+def job_units(token_ids: list[np.ndarray], per_unit: int) -> list[list[np.ndarray]]:
+    """The documents cut into the job's units of `per_unit`, in the job's order."""
+    return [token_ids[begin : begin + per_unit] for begin in range(0, len(token_ids), per_unit)]
+
+
+def unit_layouts(scorer: HFScorer, unit: list[np.ndarray]):
+    """(the unit's windows, its batches' layouts) as the worker plans a unit's scoring."""
+    windows = plan_document_windows([len(i) for i in unit], scorer.max_length, scorer.stride)
+    return windows, scorer.layouts(windows)
+
+
+def computed_slots(scorer: HFScorer, token_ids: list[np.ndarray], per_unit: int) -> tuple[int, int]:
+    """(positions the body computes, padding included, on the job's units of `per_unit`, on all
+    documents laid out at once): each unit's last row and batch are partly empty."""
+    return tuple(
+        sum(layout.slots for unit in units for layout in unit_layouts(scorer, unit)[1])
+        for units in (job_units(token_ids, per_unit), [token_ids])
+    )
+
+
 def forward_rates(
     scorer: HFScorer, token_ids: list[np.ndarray], per_unit: int, repeats: int, device
 ) -> dict:
-    """{side: teacher tokens/s} of the bare forward pass and the two floors, on the batches the
-    worker builds (its windows, `--row-packing` layout, mask and positions), already on the
-    device, and of the worker's whole scoring call from host token ids, over all documents at
-    once and over the job's units of `per_unit`; each counts every teacher token, as the job's
-    progress does."""
-    windows = plan_document_windows([len(i) for i in token_ids], scorer.max_length, scorer.stride)
-    batches = [
-        scorer.batch_inputs(token_ids, windows, layout) for layout in scorer.layouts(windows)
-    ]
+    """{side: teacher tokens/s} of the bare forward pass and the floors, on the batches the worker
+    builds (each unit of `per_unit` documents laid out apart, as the worker lays out a unit: its
+    windows, `--row-packing` layout, mask and positions), already on the device, and of the
+    worker's whole scoring call from host token ids, over all documents at once and over the
+    job's units; each counts every teacher token, as the job's progress does."""
+    units = job_units(token_ids, per_unit)
+    batches = []
+    for unit in units:
+        windows, layouts = unit_layouts(scorer, unit)
+        batches += [scorer.batch_inputs(unit, windows, layout) for layout in layouts]
     tokens = sum(len(i) for i in token_ids)
 
     def bare_forward() -> None:
@@ -307,8 +330,6 @@ def forward_rates(
 
     def scorer_pass() -> None:  # what a worker's unit does on the device, from host token ids
         scorer.score_columns(token_ids)
-
-    units = [token_ids[begin : begin + per_unit] for begin in range(0, len(token_ids), per_unit)]
 
     def scorer_units() -> None:  # the same one unit at a time: each unit's last batch, its edges
         for unit in units:
@@ -539,6 +560,10 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     token_ids = [np.asarray(r["token_ids"], dtype=np.int64) for r in cached]
     reset_peak(device)
     floors = forward_rates(scorer, token_ids, per_unit, bench.args.repeats, device)
+    by_unit, at_once = computed_slots(scorer, token_ids, per_unit)
+    print(f"slots the body computes, {teacher.name}: {by_unit:,} on units of {per_unit} (the "
+          f"job's and the floors'), {at_once:,} on all documents at once (the `scorer` row's): "
+          f"{by_unit / at_once:.4f}", flush=True)  # fmt: skip
     bare_peak = peak_memory(device)
     # the scorer with --space-logprob's column: whether what `+space` costs the job is the
     # scoring call's own cost, or the job's around it
@@ -752,8 +777,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", type=int, help="documents of the shipped training split")
     parser.add_argument(
         "--docs-per-shard", type=int,
-        help="documents a stage-1 unit (default: 256 at gpu shapes, as runs 1-6 measured, "
-        "where the job's own default is 1,000)",
+        help="documents a stage-1 unit (default at gpu shapes: the job's own, 1,000; runs 1-6 "
+        "measured 256)",
     )  # fmt: skip
     parser.add_argument("--steps", type=int, help="stage-2 optimizer steps per arm")
     parser.add_argument("--repeats", type=int, default=3, help="timed bare-forward passes")

@@ -22,6 +22,7 @@ VLLM_IMPORTS = importlib.util.find_spec("vllm") is not None  # `make test` insta
 
 from pipeline.scoring.hf import HFScorer  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
+from pipeline.scoring.windows import plan_document_windows  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from tests.stage1_helpers import direct_losses, windowed_direct_losses  # noqa: E402
 
@@ -46,14 +47,20 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
         return 1.0
 
     calls, queue_columns = [], scorer.queue_columns  # score_columns's first half
+    laid_out, batch_inputs = [], scorer.batch_inputs
 
     def recorded(token_ids, *args, **kwargs):
         calls.append([len(i) for i in token_ids])
         return queue_columns(token_ids, *args, **kwargs)
 
+    def recorded_inputs(token_ids, windows, layout):
+        laid_out.append(([len(i) for i in token_ids], layout.slots))
+        return batch_inputs(token_ids, windows, layout)
+
     with monkeypatch.context() as patch:
         patch.setattr(bench_gpu, "best_rate", count)
         patch.setattr(scorer, "queue_columns", recorded)
+        patch.setattr(scorer, "batch_inputs", recorded_inputs)
         rates = bench_gpu.forward_rates(scorer, ids, 2, 1, cpu)
     assert set(rates) == {
         "bare forward", "body", "body + fused head", "scorer", "scorer by unit",
@@ -65,6 +72,19 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
     # the scorer scores all documents in one call, then the job's units of 2 in order, then
     # queues them as a worker does
     assert calls == [[39, 89, 14], [39, 89], [14], [39, 89], [14]]
+    # The floors' rows are the worker's: each unit of 2 laid out apart, as the worker lays out a
+    # unit (`unit_layouts`), not all three documents at once (padded here, on a CPU: 238 slots
+    # against 256).
+    floors = [
+        ([len(i) for i in unit], layout.slots)
+        for unit in (ids[:2], ids[2:])
+        for layout in scorer.layouts(plan_document_windows([len(i) for i in unit], 32, 16))
+    ]
+    assert laid_out[: len(floors)] == floors
+    by_unit, at_once = bench_gpu.computed_slots(scorer, ids, 2)
+    assert by_unit == sum(slots for _, slots in floors)
+    whole = scorer.layouts(plan_document_windows([39, 89, 14], 32, 16))
+    assert at_once == sum(layout.slots for layout in whole) != by_unit
     assert_rate_is_tokens_per_second_of_the_best_timed_pass(monkeypatch)
 
     # 89 tokens in windows of 32 with a stride of 16: the reference is the windows module's plain
