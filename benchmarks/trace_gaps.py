@@ -72,8 +72,8 @@ class _Thread:
     """One host thread's timed events, as arrays for the interval queries a gap makes."""
 
     def __init__(self, events: list[dict]):
-        self.names = [event["name"] for event in events]
-        self.launch = np.array([event["cat"] in LAUNCH_CATEGORIES for event in events], bool)
+        self.names = [str(event.get("name")) for event in events]
+        self.launch = np.array([event.get("cat") in LAUNCH_CATEGORIES for event in events], bool)
         self.start = np.array([event["ts"] for event in events], float)
         self.end = self.start + np.array([event["dur"] for event in events], float)
 
@@ -108,11 +108,7 @@ def device_gaps(trace: dict, min_gap_ms: float = MIN_GAP_MS) -> DeviceGaps | Non
     )
     if not work:
         return None
-    launches = {
-        e["args"]["correlation"]: e
-        for e in events
-        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
-    }
+    launches = {_correlation(e): e for e in events if e.get("cat") in LAUNCH_CATEGORIES}
     by_thread: dict[tuple, list[dict]] = defaultdict(list)
     for event in events:
         if event.get("cat") in LAUNCH_CATEGORIES | HOST_CATEGORIES:
@@ -132,13 +128,18 @@ def device_gaps(trace: dict, min_gap_ms: float = MIN_GAP_MS) -> DeviceGaps | Non
     return DeviceGaps(first, run_end - first, busy, gaps)
 
 
+def _correlation(event: dict):
+    args = event.get("args")
+    return args.get("correlation") if isinstance(args, dict) else None
+
+
 def _cause(begin: float, work: dict, launches: dict, by_thread: dict, threads: dict) -> str:
-    launch = launches.get(work.get("args", {}).get("correlation"))
+    launch = launches.get(_correlation(work)) if _correlation(work) is not None else None
     if launch is None:
         return UNLAUNCHED
     launched = float(launch["ts"])
     if launched < begin:
-        return launch["name"] if launched + float(launch["dur"]) > begin else QUEUED
+        return str(launch.get("name")) if launched + float(launch["dur"]) > begin else QUEUED
     key = (launch.get("pid"), launch.get("tid"))
     if key not in threads:
         threads[key] = _Thread(by_thread[key])

@@ -204,6 +204,13 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         assert f"trace {path.name}: no device work in the trace" in out
 
 
+def test_a_trace_the_gap_reader_cannot_read_costs_a_line_not_the_run(tmp_path, capsys):
+    broken = tmp_path / "unit.json"
+    broken.write_text("{")
+    bench_gpu.report_gaps(broken)
+    assert capsys.readouterr().out.startswith("trace unit.json: not read (JSONDecodeError: ")
+
+
 def test_a_job_rows_memory_is_counted_once_the_last_jobs_worker_has_freed_its_own(monkeypatch):
     """Run 5's `triton head` row read a peak of 0: its level was taken while the previous job's
     worker still held its memory. The level is now taken once other processes' memory is back

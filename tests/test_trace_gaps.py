@@ -133,3 +133,13 @@ def test_a_call_is_named_only_where_it_covers_half_the_hosts_lateness(covered):
     ]}  # fmt: skip
     (gap,) = trace_gaps.device_gaps(trace, min_gap_ms=0.01).gaps
     assert gap.cause == ("cudaMalloc" if covered > 0.5 else trace_gaps.UNTRACED)
+
+
+def test_events_without_names_or_arguments_are_read_not_refused():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "pid": DEVICE, "tid": 7, "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "pid": DEVICE, "tid": 7, "ts": 50, "dur": 10, "args": None},
+        {"ph": "X", "cat": "cuda_runtime", "pid": HOST, "tid": LAUNCHER, "ts": 5, "dur": 1},
+    ]}  # fmt: skip
+    (gap,) = trace_gaps.device_gaps(trace, min_gap_ms=0.01).gaps
+    assert (gap.start, gap.end, gap.cause) == (10, 50, trace_gaps.UNLAUNCHED)
