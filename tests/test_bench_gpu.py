@@ -20,6 +20,7 @@ import bench_gpu  # noqa: E402
 
 VLLM_IMPORTS = importlib.util.find_spec("vllm") is not None  # `make test` installs vLLM's CPU build
 
+from pipeline.scoring.head import HeadColumns  # noqa: E402
 from pipeline.scoring.hf import HFScorer  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.scoring.windows import plan_document_windows  # noqa: E402
@@ -27,7 +28,7 @@ from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from tests.stage1_helpers import direct_losses, windowed_direct_losses  # noqa: E402
 
 
-def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
+def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch, capsys):
     cpu = torch.device("cpu")
     shape = bench_gpu.TEACHERS["tiny"]["qwen2.5-1.5b-like"]
     folder = bench_gpu.build_teacher(tmp_path / "teacher", shape, cpu, torch.float32)
@@ -42,7 +43,7 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
     timed = {}
 
     def count(one_pass, tokens, repeats, device):
-        timed[one_pass.__name__] = tokens
+        timed[getattr(one_pass, "__name__", "a kernel's side")] = tokens
         one_pass()
         return 1.0
 
@@ -85,6 +86,22 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
     assert by_unit == sum(slots for _, slots in floors)
     whole = scorer.layouts(plan_document_windows([39, 89, 14], 32, 16))
     assert at_once == sum(layout.slots for layout in whole) != by_unit
+
+    # Where Triton runs, its kernels' sides are optional: a first compile that fails on the GPU
+    # costs a line, not the floors (kernels planted here: fused's pass stands in for Triton's).
+    def columns(extras, vocab_size, device, kernel):
+        if kernel == "onepass":
+            raise RuntimeError("ptxas: a planted compile error")
+        return HeadColumns(extras, vocab_size, device, "fused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(bench_gpu, "best_rate", count)
+        patch.setattr(bench_gpu, "triton_runs", lambda device: True)
+        patch.setattr(bench_gpu, "HeadColumns", columns)
+        rates = bench_gpu.forward_rates(scorer, ids, 2, 1, cpu)
+    assert "body + triton head" in rates and "body + onepass head" not in rates
+    out = capsys.readouterr().out
+    assert "body + onepass head: not measured (RuntimeError: ptxas: a planted compile" in out
     assert_rate_is_tokens_per_second_of_the_best_timed_pass(monkeypatch)
 
     # 89 tokens in windows of 32 with a stride of 16: the reference is the windows module's plain
