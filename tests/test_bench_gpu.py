@@ -334,6 +334,26 @@ def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
     assert all(ms > 0 and ratio > 0 for ms, ratio in rows.values())
 
 
+def test_a_head_pass_that_fails_costs_the_head_bench_its_row_not_the_table(monkeypatch, capsys):
+    """A kernel's first compile on a GPU happens inside the head bench: one that fails there is
+    named in a line, and every other row is still measured and printed (planted: the plain
+    kernel's pass raises as a compiler would)."""
+    import bench_stage1_head
+
+    class FailingPlain(bench_stage1_head.HeadColumns):
+        def of_batch(self, *args, **kwargs):
+            if self.kernel == "plain":
+                raise RuntimeError("a planted compile error")
+            return super().of_batch(*args, **kwargs)
+
+    monkeypatch.setattr(bench_stage1_head, "HeadColumns", FailingPlain)
+    assert bench_stage1_head.main(["--shape", "tiny", "--repeats", "1"]) == 0
+    said = capsys.readouterr().out
+    assert "plain loss: not measured (RuntimeError: a planted compile error)" in said
+    table = said[said.index("ms/batch") :]
+    assert "plain loss" not in table and re.search(r"^fused \+space +[\d.]+ +[\d.]+$", table, re.M)
+
+
 def test_the_head_bench_one_pass_form_is_what_inductor_rewrites_and_fused_is_not(monkeypatch):
     """`fused loss, one-pass form` measures the fused loss as Inductor's one-pass rewrite
     (`prepare_softmax_online`: the max and the sum in one read) takes it on CUDA, where
