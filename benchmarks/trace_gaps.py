@@ -152,7 +152,7 @@ def summary(gaps: DeviceGaps | None, causes: int = 4) -> str:
         return "no device work in the trace (traced on a CPU?)"
     total = sum(gap.end - gap.start for gap in gaps.gaps)
     line = (
-        f"device busy {gaps.busy / gaps.span:.1%} of {gaps.span / 1e3:,.1f} ms; "
+        f"device busy {gaps.busy / max(gaps.span, 1e-9):.1%} of {gaps.span / 1e3:,.1f} ms; "
         f"{len(gaps.gaps)} gaps, {total / 1e3:,.1f} ms"
     )
     rows = gaps.by_cause()
