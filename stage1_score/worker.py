@@ -71,8 +71,9 @@ class UnitResult:
     shard: ShardRecord
     seconds: float
     worker: int
-    # [start, end] in the worker node's monotonic seconds of "tokenize", "score" (the unit's
-    # batches queued, holding the teacher), "collect" (its last batch read back) and "write"
+    # [start, end] in the worker node's monotonic seconds of "tokenize" (and its batches planned),
+    # "score" (the unit's batches queued, holding the teacher), "collect" (its last batch read
+    # back) and "write"
     phases: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -177,12 +178,15 @@ class UnitScorer:
         started, phases = time.monotonic(), {}
         with phase(phases, "tokenize"):
             encodings = self._tokenizer.encode_batch(unit.texts)
+            ids = [e.ids for e in encodings]
+            # before the teacher is held: the previous unit's last batch, maybe a short one, may
+            # be all that the device has queued
+            plan = self._scorer.plan(ids)
         scorable = sum(max(len(e) - 1, 0) for e in encodings)  # token 0 has no prediction
         report = _ProgressLog(self.worker, unit.index, scorable, self.spec.progress_seconds)
-        ids = [e.ids for e in encodings]
         with traced(unit.index == self.spec.profile_unit) as trace:
             with self._device, phase(phases, "score"):
-                queued = self._scorer.queue_columns(ids, progress=report)
+                queued = self._scorer.queue_columns(ids, progress=report, plan=plan)
             # The teacher is released: the next unit queues its batches behind this one's last.
             with phase(phases, "collect"):
                 columns = queued.collect()

@@ -271,7 +271,8 @@ def test_a_unit_holds_the_teacher_only_while_its_batches_are_queued(teacher, tmp
     """--batch-overlap on (a GPU's default) under --unit-overlap: a unit holds the teacher (the
     worker's lock) while its batches are queued, and reads its last batch back after releasing
     it, so that the next unit queues its first batch behind that one and the device does not
-    wait at the units' edge for a read-back and the next unit's first inputs."""
+    wait at the units' edge for a read-back and the next unit's first inputs. The unit's batches
+    are planned before it holds the teacher, and the plan made is the one queued."""
     from pipeline.scoring.teacher import resolve_teacher
     from stage1_score.units import WorkUnit
     from stage1_score.worker import UnitScorer, WorkerSpec
@@ -284,11 +285,18 @@ def test_a_unit_holds_the_teacher_only_while_its_batches_are_queued(teacher, tmp
     )  # fmt: skip
     worker = UnitScorer(spec)
     worker.describe()  # loads the teacher
-    held, queue_columns = {}, worker._scorer.queue_columns
+    held, queue_columns, plan = {}, worker._scorer.queue_columns, worker._scorer.plan
+    planned = []
 
-    def queue_and_watch(ids, progress):
+    def plan_and_watch(ids):
+        held["planning"] = worker._device.locked()
+        planned.append(plan(ids))
+        return planned[-1]
+
+    def queue_and_watch(ids, progress, plan):
         held["queueing"] = worker._device.locked()
-        queued = queue_columns(ids, progress)
+        held["queued the plan made"] = plan is planned[-1]
+        queued = queue_columns(ids, progress, plan)
         collect = queued.collect
 
         def collect_and_watch():
@@ -300,11 +308,15 @@ def test_a_unit_holds_the_teacher_only_while_its_batches_are_queued(teacher, tmp
         return queued
 
     worker._scorer.queue_columns = queue_and_watch
+    worker._scorer.plan = plan_and_watch
     texts = [text for _, text in shipped_documents(8)]
     unit = WorkUnit(0, [f"d{i}" for i in range(8)], texts, [sha256_text(t) for t in texts], [],
                     "content", 1.0)  # fmt: skip
     phases = worker.score_unit(unit).phases
-    assert held == {"queueing": True, "in flight": 1, "collecting": False}
+    assert held == {
+        "planning": False, "queueing": True, "queued the plan made": True, "in flight": 1,
+        "collecting": False,
+    }  # fmt: skip
     order = [phases[name] for name in ("tokenize", "score", "collect", "write")]
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(order)), phases
 

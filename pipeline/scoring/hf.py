@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -61,6 +62,18 @@ WARM_UP_TOKENS = 64
 # to a neighbouring window or taking its positions changes (a sizeable share of the norm). Half
 # precision weights get 50 times more (bf16 rounds at 4e-3).
 PACKING_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """A scoring call's host-side plan (`HFScorer.plan`): its documents' windows, the batches they
+    are laid out in, and the per-document arrays that the batches' columns are placed into (so a
+    plan serves one call). A worker makes it before it holds the teacher, so that the next unit is
+    planned while the previous one still has the device."""
+
+    windows: WindowTable
+    layouts: list[BatchLayout]
+    columns: dict[str, list[np.ndarray]]
 
 
 def head_chunk_rows(vocab_size: int, chunks: str, free: int | None = None) -> int:
@@ -257,18 +270,29 @@ class HFScorer:
         each a per-document array whose first axis is aligned with `token_ids`."""
         return self.queue_columns(token_ids, progress).collect()
 
-    @torch.inference_mode()
-    def queue_columns(
-        self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
-    ) -> QueuedColumns:
-        """`score_columns` in two halves: every batch queued on the device, and all read back
-        but the one `--batch-overlap on` keeps in flight; `collect()` reads that one back. A
-        worker lets the next unit queue its first batch in between, so that the device does not
-        wait at a unit's edge for the last batch's read-back and the next one's first inputs."""
+    def plan(self, token_ids: list[np.ndarray]) -> UnitPlan:
+        """The host's part of planning a scoring call of `token_ids` (no device work)."""
         lengths = [len(ids) for ids in token_ids]
         columns = {"loss": [np.full(n, np.nan, dtype=np.float32) for n in lengths]}
         columns |= empty_columns(self.extras, lengths)
         windows = plan_document_windows(lengths, self.max_length, self.stride)
+        return UnitPlan(windows, self.layouts(windows), columns)
+
+    @torch.inference_mode()
+    def queue_columns(
+        self,
+        token_ids: list[np.ndarray],
+        progress: Callable[[int], None] | None = None,
+        plan: UnitPlan | None = None,
+    ) -> QueuedColumns:
+        """`score_columns` in two halves: every batch queued on the device, and all read back
+        but the one `--batch-overlap on` keeps in flight; `collect()` reads that one back. A
+        worker lets the next unit queue its first batch in between, so that the device does not
+        wait at a unit's edge for the last batch's read-back and the next one's first inputs.
+        `plan`: `self.plan(token_ids)`, made beforehand (else here)."""
+        if plan is None:
+            plan = self.plan(token_ids)
+        windows, columns = plan.windows, plan.columns
         if self._head_rows is None:
             # Sized chunks take the free memory once, at the first call (the warm-up's, whose
             # full batch proves the size fits): whether CUDA's query waits for queued work (the
@@ -290,7 +314,7 @@ class HFScorer:
         # --batch-overlap on: a batch's results are read back only once the next batch is queued
         # behind it, so the host builds and launches that batch while the device computes.
         in_flight: deque[tuple[BatchLayout, HostCopies]] = deque()
-        for layout in self.layouts(windows):
+        for layout in plan.layouts:
             in_flight.append((layout, self._score_batch(token_ids, windows, layout, rows)))
             while len(in_flight) > (self.batch_overlap == "on"):
                 place(*in_flight.popleft())

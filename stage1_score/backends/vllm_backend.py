@@ -197,8 +197,15 @@ class VLLMScorer:
         """Per-document float32 losses aligned with `token_ids`; NaN where nothing predicts."""
         return self.score_columns(token_ids, progress)["loss"]
 
+    def plan(self, token_ids: list[np.ndarray]) -> None:
+        """The HF backend's host-side plan has no counterpart: the engine plans its own batches."""
+        return None
+
     def queue_columns(
-        self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
+        self,
+        token_ids: list[np.ndarray],
+        progress: Callable[[int], None] | None = None,
+        plan: None = None,
     ) -> QueuedColumns:
         """`score_columns`, as the HF backend's first half: the engine returns when it is done,
         so nothing is left in flight for `collect()`."""
