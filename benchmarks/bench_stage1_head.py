@@ -40,8 +40,7 @@ from device_timing import best_seconds  # noqa: E402
 from pipeline.choices import compiles_on  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.scoring.device import free_memory  # noqa: E402
-from pipeline.scoring.head import HeadColumns, HeadExtras  # noqa: E402
-from pipeline.scoring.hf import head_chunk_rows  # noqa: E402
+from pipeline.scoring.head import HeadColumns, HeadExtras, head_chunk_rows  # noqa: E402
 
 # (hidden size, vocabulary, scored positions per batch): Qwen2.5-1.5B and -7B, one batch of
 # bench_gpu.py's 16,384 tokens; tiny for a CPU.

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from pipeline.scoring.head import (
+    LOGIT_BUDGET,
     compiled_fused_columns,
     fused_columns,
+    head_chunk_rows,
     plain_columns,
 )
-from pipeline.scoring.hf import LOGIT_BUDGET, head_chunk_rows
 from tests.stage1_helpers import (
     assert_same_topk_ids_but_ties,
     assert_within_one_float16_step,

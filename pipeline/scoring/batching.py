@@ -32,6 +32,18 @@ class BatchLayout:
         return self.rows * self.length
 
 
+@dataclass(frozen=True)
+class UnitPlan:
+    """A scoring call's host-side plan (pipeline.scoring.hf: `HFScorer.plan`): its documents'
+    windows, the batches they are laid out in, and the per-document arrays that the batches'
+    columns are placed into (so a plan serves one call). A worker makes it before it holds the
+    teacher, so that the next unit is planned while the previous one still has the device."""
+
+    windows: WindowTable
+    layouts: list[BatchLayout]
+    columns: dict[str, list[np.ndarray]]
+
+
 def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
     """Split window indices into batches whose padded size (rows x longest) fits `batch_tokens`.
 

@@ -51,6 +51,22 @@ TINY = torch.finfo(torch.float32).tiny  # the space mass's floor (docs/cache-col
 # give is compiled (and checked) here, not inside a unit; 67 is not a whole block either.
 PROBE_POSITIONS = (67, 64, 1)
 REFERENCE_HEAD_ROWS = 16384  # head rows exact_columns upcasts at once (96 MiB at 1536 wide)
+# --head-chunks fixed: rows of logits computed at once, rows x vocabulary near 2**24 floats
+# (64 MiB in fp32; 110 rows at a 152k vocabulary).
+LOGIT_BUDGET = 1 << 24
+# --head-chunks sized: a chunk may take this share of the free memory, at this many bytes per
+# logit (the plain kernel's model-dtype logits, fp32 copy and fp32 log-softmax; fused needs less).
+HEAD_MEMORY_SHARE = 0.5
+BYTES_PER_LOGIT = 12
+
+
+def head_chunk_rows(vocab_size: int, chunks: str, free: int | None = None) -> int:
+    """Rows per head chunk for `--head-chunks` `chunks` (fixed or sized), given `free` bytes
+    (sized only): never fewer than the fixed budget's."""
+    fixed = max(1, LOGIT_BUDGET // vocab_size)
+    if chunks == "fixed":
+        return fixed
+    return max(fixed, int(free * HEAD_MEMORY_SHARE) // (vocab_size * BYTES_PER_LOGIT))
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ Per batch of windows (pipeline.scoring.windows, pipeline.scoring.batching): one 
 decoder body; then the output head is applied only to the positions whose next token is scored, a
 chunk of rows at a time, and each chunk's loss and views are computed by `--head-kernel`
 (pipeline.scoring.head); the Triton kernel takes all of them at once, as it makes no logits.
-Chunks (`--head-chunks`) hold a fixed 2^24 logits, or are sized from the device's free memory at
-the first scoring call (the warm-up at load), so that a large vocabulary does not cost a head
+Chunks (`--head-chunks`, pipeline.scoring.head: head_chunk_rows) hold a fixed 2^24 logits, or
+are sized from the device's free memory at the first scoring call (the warm-up at load), so that a large vocabulary does not cost a head
 matrix product (re-reading the whole head weight) per hundred rows.
 Full-vocabulary log-probabilities of all positions (batch x length x vocabulary) are never
 materialized. `--compile layers` compiles each decoder layer of the body (pipeline.models.layers).
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,50 +38,29 @@ from pipeline.log import get_logger
 from pipeline.models.layers import compile_layers, decoder_layers, eager_layers, resolve_compile
 from pipeline.scoring.batching import (
     BatchLayout,
+    UnitPlan,
     layout_arrays,
     packed_layouts,
     padded_layouts,
     scored_positions,
 )
 from pipeline.scoring.device import HostCopies, QueuedColumns, free_memory, to_device
-from pipeline.scoring.head import HeadColumns, HeadExtras, check_triton_kernel, empty_columns
+from pipeline.scoring.head import (
+    HeadColumns,
+    HeadExtras,
+    check_triton_kernel,
+    empty_columns,
+    head_chunk_rows,
+)
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
 
-# --head-chunks fixed: rows of logits computed at once, rows x vocabulary near 2**24 floats
-# (64 MiB in fp32; 110 rows at a 152k vocabulary).
-LOGIT_BUDGET = 1 << 24
-# --head-chunks sized: a chunk may take this share of the free memory, at this many bytes per
-# logit (the plain kernel's model-dtype logits, fp32 copy and fp32 log-softmax; fused needs less).
-HEAD_MEMORY_SHARE = 0.5
-BYTES_PER_LOGIT = 12
 WARM_UP_TOKENS = 64
 # Largest relative difference of a probe's fp32 hidden states, two windows packed in one row
 # against each alone, that still counts as the same context: rounding, far below what attending
 # to a neighbouring window or taking its positions changes (a sizeable share of the norm). Half
 # precision weights get 50 times more (bf16 rounds at 4e-3).
 PACKING_TOLERANCE = 1e-3
-
-
-@dataclass(frozen=True)
-class UnitPlan:
-    """A scoring call's host-side plan (`HFScorer.plan`): its documents' windows, the batches they
-    are laid out in, and the per-document arrays that the batches' columns are placed into (so a
-    plan serves one call). A worker makes it before it holds the teacher, so that the next unit is
-    planned while the previous one still has the device."""
-
-    windows: WindowTable
-    layouts: list[BatchLayout]
-    columns: dict[str, list[np.ndarray]]
-
-
-def head_chunk_rows(vocab_size: int, chunks: str, free: int | None = None) -> int:
-    """Rows per head chunk for `--head-chunks` `chunks` (fixed or sized), given `free` bytes
-    (sized only): never fewer than the fixed budget's."""
-    fixed = max(1, LOGIT_BUDGET // vocab_size)
-    if chunks == "fixed":
-        return fixed
-    return max(fixed, int(free * HEAD_MEMORY_SHARE) // (vocab_size * BYTES_PER_LOGIT))
 
 
 class HFScorer:
