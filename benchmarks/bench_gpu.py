@@ -281,17 +281,11 @@ def job_units(token_ids: list[np.ndarray], per_unit: int) -> list[list[np.ndarra
     return [token_ids[begin : begin + per_unit] for begin in range(0, len(token_ids), per_unit)]
 
 
-def unit_layouts(scorer: HFScorer, unit: list[np.ndarray]):
-    """(the unit's windows, its batches' layouts) as the worker plans a unit's scoring."""
-    windows = plan_document_windows([len(i) for i in unit], scorer.max_length, scorer.stride)
-    return windows, scorer.layouts(windows)
-
-
 def computed_slots(scorer: HFScorer, token_ids: list[np.ndarray], per_unit: int) -> tuple[int, int]:
     """(positions the body computes, padding included, on the job's units of `per_unit`, on all
     documents laid out at once): each unit's last row and batch are partly empty."""
     return tuple(
-        sum(layout.slots for unit in units for layout in unit_layouts(scorer, unit)[1])
+        sum(layout.slots for unit in units for layout in scorer.plan(unit).layouts)
         for units in (job_units(token_ids, per_unit), [token_ids])
     )
 
@@ -306,9 +300,9 @@ def forward_rates(
     job's units; each counts every teacher token, as the job's progress does."""
     units = job_units(token_ids, per_unit)
     batches = []
-    for unit in units:
-        windows, layouts = unit_layouts(scorer, unit)
-        batches += [scorer.batch_inputs(unit, windows, layout) for layout in layouts]
+    for unit in units:  # planned as the worker plans a unit (HFScorer.plan)
+        plan = scorer.plan(unit)
+        batches += [scorer.batch_inputs(unit, plan.windows, layout) for layout in plan.layouts]
     tokens = sum(len(i) for i in token_ids)
 
     def bare_forward() -> None:

@@ -108,7 +108,11 @@ def device_gaps(trace: dict, min_gap_ms: float = MIN_GAP_MS) -> DeviceGaps | Non
     )
     if not work:
         return None
-    launches = {_correlation(e): e for e in events if e.get("cat") in LAUNCH_CATEGORIES}
+    launches = {
+        _correlation(e): e
+        for e in events
+        if e.get("cat") in LAUNCH_CATEGORIES and _correlation(e) is not None
+    }
     by_thread: dict[tuple, list[dict]] = defaultdict(list)
     for event in events:
         if event.get("cat") in LAUNCH_CATEGORIES | HOST_CATEGORIES:
@@ -134,7 +138,7 @@ def _correlation(event: dict):
 
 
 def _cause(begin: float, work: dict, launches: dict, by_thread: dict, threads: dict) -> str:
-    launch = launches.get(_correlation(work)) if _correlation(work) is not None else None
+    launch = launches.get(_correlation(work))
     if launch is None:
         return UNLAUNCHED
     launched = float(launch["ts"])

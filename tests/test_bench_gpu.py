@@ -76,7 +76,7 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch, capsys):
     # queues them as a worker does
     assert calls == [[39, 89, 14], [39, 89], [14], [39, 89], [14]]
     # The floors' rows are the worker's: each unit of 2 laid out apart, as the worker lays out a
-    # unit (`unit_layouts`), not all three documents at once (padded here, on a CPU: 238 slots
+    # unit (`HFScorer.plan`), not all three documents at once (padded here, on a CPU: 238 slots
     # against 256).
     floors = [
         ([len(i) for i in unit], layout.slots)
