@@ -9,10 +9,10 @@ Each row: milliseconds per batch (the best of --repeats synchronized passes afte
 its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mask of a random 40% of
 the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations' column.
 `onepass ...` rows (where Triton runs: CUDA) are `--head-kernel onepass`, fused's logits reduced
-by a kernel that reads each once; `fused loss, one-pass form` (where the fused pass compiles: CUDA)
-is the fused loss written as Inductor's one-pass rewrite of a max and a sum of exp(x - max)
-(`prepare_softmax_online`) matches it, which `fused_columns` is not (docs/stage1-gpu-path.md: run
-5's reduction read each row twice); `triton loss` and `triton +space` are `--head-kernel triton`, the
+by a kernel that reads each once (the space mask's sum in the same read); `fused loss, two-pass
+form` (where the fused pass compiles: CUDA) is the fused loss as runs 3-6 wrote it, which Inductor
+compiled to two reads of each row where today's form is one (docs/stage1-gpu-path.md: "One read
+of the logits"); `triton loss` and `triton +space` are `--head-kernel triton`, the
 product and the reductions in one kernel, all positions in one launch; each `--triton-blocks` adds a
 `triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
 (pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a program's
@@ -40,7 +40,12 @@ from device_timing import best_seconds  # noqa: E402
 from pipeline.choices import compiles_on  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.scoring.device import free_memory  # noqa: E402
-from pipeline.scoring.head import HeadColumns, HeadExtras, head_chunk_rows  # noqa: E402
+from pipeline.scoring.head import (  # noqa: E402
+    HeadColumns,
+    HeadExtras,
+    compile_head_pass,
+    head_chunk_rows,
+)
 
 # (hidden size, vocabulary, scored positions per batch): Qwen2.5-1.5B and -7B, one batch of
 # bench_gpu.py's 16,384 tokens; tiny for a CPU.
@@ -59,13 +64,14 @@ SIDES = (  # label, --head-kernel, top-k, with the space column
 )
 
 
-def one_pass_form_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """fused_columns's loss, log Z - logit[target], with its max and its sum taken of the same
-    fp32 view of the logits, keepdim: the graph Inductor's one-pass rewrite matches on CUDA."""
-    x = logits.float()
-    shifted = x - x.amax(dim=-1, keepdim=True)
-    log_z = shifted.exp().sum(dim=-1, keepdim=True).log()
-    return (log_z - shifted.gather(-1, targets[:, None])).squeeze(-1)
+def two_pass_form_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """fused_columns's loss as runs 3-6 wrote it: the max of the logits as they are, subtracted
+    from their fp32 view, which Inductor's one-pass rewrite does not match (compiled, two reads of
+    each row); the same values as today's form."""
+    top = logits.amax(dim=-1, keepdim=True).float()
+    shifted = logits.float() - top
+    log_sum = shifted.exp().sum(dim=-1).log()
+    return log_sum - shifted.gather(-1, targets[:, None]).squeeze(-1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             _ = hidden[begin : begin + rows] @ weight.T
 
     times["head matmul"] = best_seconds(logits_only, args.repeats, device)
+
     def measure(label: str, one_pass) -> None:
         """`times[label]`, or a line where it fails: a kernel's first compile on this GPU is
         here, and one that fails must not cost the other rows."""
@@ -121,14 +128,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         measure(label, functools.partial(columns.of_batch, hidden, head, targets, rows))
     if compiles_on(device):
-        one_pass = torch.compile(one_pass_form_loss, dynamic=True)
+        two_pass = compile_head_pass(two_pass_form_loss)  # compiled as the scorer compiles fused
 
-        def one_pass_form() -> None:
+        def two_pass_form() -> None:
             for begin in range(0, positions, rows):
                 chunk = slice(begin, begin + rows)
-                one_pass(hidden[chunk] @ weight.T, targets[chunk])
+                two_pass(hidden[chunk] @ weight.T, targets[chunk])
 
-        measure("fused loss, one-pass form", one_pass_form)
+        measure("fused loss, two-pass form", two_pass_form)
     for blocks in args.triton_blocks if "triton loss" in times else ():  # where the kernel runs
         from pipeline.scoring.triton_head import Blocks, triton_head_columns
 

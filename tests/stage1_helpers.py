@@ -166,8 +166,54 @@ def assert_same_topk_ids_but_ties(ours: dict, theirs: dict) -> None:
     """The same top-k ids in the same ranks, but where two probabilities tie as stored (torch.topk
     breaks ties of the logits and of the log-probabilities alike, by the lower id)."""
     swapped = ours["topk_ids"] != theirs["topk_ids"]
-    assert (swapped.sum() <= 0.01 * swapped.size), swapped.sum()
+    assert swapped.sum() <= 0.01 * swapped.size, swapped.sum()
     stored = as_stored(theirs["topk_probs"])
     for row, rank in zip(*np.nonzero(swapped), strict=True):
         tied = stored[row] == stored[row, rank]
         assert tied.sum() >= 2 and ours["topk_ids"][row, rank] in theirs["topk_ids"][row, tied]
+
+
+def one_pass_reductions() -> dict[str, bool]:
+    """{head pass: whether Inductor lowers its loss's max and Z to its one-pass reduction}, on a
+    CPU with the rewrite's CUDA-only check lifted; seen where Inductor creates the reduction (a
+    CPU cannot generate its code, so a compile that takes it fails after). Call it in a process of
+    its own: Inductor registers the check once, at its first compile, and a graph cached on disk
+    would skip the lowering."""
+    import sys
+
+    from torch._inductor import ir
+    from torch._inductor.fx_passes import post_grad
+
+    from pipeline.scoring.head import compile_head_pass, fused_columns
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_stage1_head
+
+    created = []
+    create = ir.OnlineSoftmaxReduction.create
+    ir.OnlineSoftmaxReduction.create = lambda *args, **kwargs: (
+        created.append(1) or create(*args, **kwargs)
+    )
+    post_grad.prepare_softmax_extra_check = lambda match: True
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 4096, generator=generator) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 4096, (8,), generator=generator)
+    space = torch.rand(4096, generator=generator) < 0.4
+    passes = {
+        "fused loss": (compile_head_pass(fused_columns), (0, None)),
+        "fused +space": (compile_head_pass(fused_columns), (0, space)),
+        "fused +topk 8": (compile_head_pass(fused_columns), (8, None)),
+        # the vocabulary's length dynamic, as runs 3-6 compiled it
+        "fused, vocabulary dynamic": (torch.compile(fused_columns, dynamic=True), (0, None)),
+        "two-pass form": (compile_head_pass(bench_stage1_head.two_pass_form_loss), ()),
+    }
+    taken = {}
+    for name, (head_pass, rest) in passes.items():
+        torch._dynamo.reset()
+        created.clear()
+        try:  # a copy of the logits: compile_head_pass marks the one it is given
+            head_pass(logits.clone(), targets, *rest)
+        except Exception:  # the CPU's code generation has no one-pass reduction
+            assert created, name
+        taken[name] = bool(created)
+    return taken

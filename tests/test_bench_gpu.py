@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -356,69 +354,19 @@ def test_a_head_pass_that_fails_costs_the_head_bench_its_row_not_the_table(monke
     assert "plain loss" not in table and re.search(r"^fused \+space +[\d.]+ +[\d.]+$", table, re.M)
 
 
-def one_pass_rewrites() -> dict[str, bool]:
-    """{form: whether Inductor's one-pass rewrite takes it}, for `fused_columns`'s loss and the
-    head bench's one-pass form, on a CPU with the rewrite's CUDA-only check lifted; seen where
-    Inductor lowers it (a CPU cannot compile the result, so a compile that takes it fails). Run
-    in a process of its own: Inductor registers the check once, at its first compile."""
+def test_the_head_bench_two_pass_form_is_the_fused_loss():
+    """`fused loss, two-pass form` (runs 3-6's form of the fused loss, which Inductor reads twice:
+    tests/test_stage1_head.py) computes the fused loss's values, so its row differs from `fused
+    loss` by the form alone."""
     import bench_stage1_head
-    from torch._inductor import inductor_prims, lowering
-    from torch._inductor.fx_passes import post_grad
 
     from pipeline.scoring.head import fused_columns
 
-    rewritten = []
-    prim = inductor_prims.prepare_softmax_online
-    lower = lowering.lowerings[prim]
-    post_grad.prepare_softmax_extra_check = lambda match: True
-    lowering.lowerings[prim] = lambda *args, **kwargs: rewritten.append(1) or lower(*args, **kwargs)
-    logits, targets = one_pass_inputs()
-    forms = {
-        "fused": lambda logits, targets: fused_columns(logits, targets, 0, None)["loss"],
-        "one-pass": bench_stage1_head.one_pass_form_loss,
-    }
-    taken = {}
-    for name, form in forms.items():
-        torch._dynamo.reset()
-        rewritten.clear()
-        try:
-            torch.compile(form)(logits, targets)
-        except Exception:  # the CPU's codegen has no one-pass reduction
-            assert rewritten, name
-        taken[name] = bool(rewritten)
-    return taken
-
-
-def one_pass_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(8, 4096, generator=generator) * 4).to(torch.bfloat16)
-    return logits, torch.randint(0, 4096, (8,), generator=generator)
-
-
-def test_the_head_bench_one_pass_form_is_what_inductor_rewrites_and_fused_is_not():
-    """`fused loss, one-pass form` measures the fused loss as Inductor's one-pass rewrite
-    (`prepare_softmax_online`: the max and the sum in one read) takes it on CUDA, where
-    `fused_columns`'s graph, the default head on a GPU, is not taken by it (the docs' reading of
-    run 5's reduction). The rewrite applies on CUDA only; `one_pass_rewrites` lifts its device
-    check in a fresh process, without Inductor's on-disk caches: in this one, after the stage-1
-    test files had run, the lifted check was not seen (the test failed in that order only). The
-    form's loss is fused's."""
-    import bench_stage1_head
-
-    from pipeline.scoring.head import fused_columns
-
-    code = "import json, tests.test_bench_gpu as t; print(json.dumps(t.one_pass_rewrites()))"
-    root = Path(__file__).resolve().parents[1]
-    # nor a graph compiled earlier from the on-disk cache, whose key leaves the lifted check out
-    fresh = os.environ | {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env=fresh, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"fused": False, "one-pass": True}
-    logits, targets = one_pass_inputs()
+    targets = torch.randint(0, 4096, (8,), generator=generator)
     torch.testing.assert_close(
-        bench_stage1_head.one_pass_form_loss(logits, targets),
+        bench_stage1_head.two_pass_form_loss(logits, targets),
         fused_columns(logits, targets, 0, None)["loss"],
-    )
+        rtol=0, atol=0,
+    )  # fmt: skip

@@ -6,6 +6,12 @@ the eager one; `--head-chunks sized` takes its rows from free memory and changes
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -46,6 +52,7 @@ def test_the_fused_head_caches_every_column_the_plain_one_does(teachers, name):
         np.testing.assert_allclose(fused[column], plain[column], rtol=1e-5, atol=0)
     assert_same_topk_ids_but_ties(fused, plain)
 
+
 def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
     """What a GPU runs (torch.compile of fused_columns; the CPU compiles it too) against the
     eager pass and the plain log-softmax, in fp32 and from bf16 logits, on a chunk with a last
@@ -65,6 +72,28 @@ def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
                         assert torch.equal(other[name], value)
                     else:
                         torch.testing.assert_close(other[name], value, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_fused_loss_reads_each_logit_once_on_cuda():
+    """On CUDA the fused pass's max and Z are one reduction, Inductor's one-pass rewrite
+    (`prepare_softmax_online`), with or without the extra columns: a chunk's logits are read once
+    for the loss, where runs 3-6's pass read them twice (docs/stage1-gpu-path.md). Two things
+    keep it: the form (the bench's two-pass form, runs 3-6's, is not rewritten) and a static
+    vocabulary length (`compile_head_pass`; compiled with it dynamic, the rewrite lowers to two
+    reads). The rewrite is CUDA's only, so `one_pass_reductions` lifts its device check, in a
+    fresh process without Inductor's on-disk caches."""
+    code = "import json, tests.stage1_helpers as h; print(json.dumps(h.one_pass_reductions()))"
+    root = Path(__file__).resolve().parents[1]
+    fresh = os.environ | {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=fresh, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {
+        "fused loss": True, "fused +space": True, "fused +topk 8": True,
+        "fused, vocabulary dynamic": False, "two-pass form": False,
+    }  # fmt: skip
 
 
 def test_sized_chunks_take_their_rows_from_free_memory_and_change_no_column(teachers):

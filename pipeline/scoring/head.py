@@ -15,8 +15,8 @@ writer stores their top-k entries as nulls.
 Four kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
   - plain: the chunk's logits copied to fp32, log-softmax (another fp32 chunk), the loss and the
     views read from it (pipeline.cross_entropy, the student's definition);
-  - fused: reductions over the logits as they are (bf16 on a GPU): their max, then Z and the
-    space mask's share of it in one pass, the target's logit, and torch.topk of the logits, so
+  - fused: reductions over the logits as they are (bf16 on a GPU): their max and Z in one pass,
+    the space mask's share of Z in another, the target's logit, and torch.topk of the logits, so
     no fp32 copy of the chunk is made where the pass is compiled (on CUDA; elsewhere it runs
     eagerly);
   - onepass: fused's logits, reduced by a Triton kernel that reads each logit once (the max and
@@ -121,13 +121,16 @@ def fused_columns(
     """The same columns as `plain_columns` from reductions over the logits in their own dtype
     (`--head-kernel fused`): loss = log Z - logit[target], the top-k probabilities
     exp(logit - log Z) of torch.topk of the logits, and p(S) as the share of S's terms
-    exp(logit - max) in their sum over the vocabulary, so that compiled, the mask's sum shares
-    Z's pass over the chunk (one pass for the max, one for both sums), each reading the chunk as
-    it is and upcasting."""
-    top = logits.amax(dim=-1, keepdim=True).float()
-    shifted = logits.float() - top
+    exp(logit - max) in their sum over the vocabulary. The max and Z are taken of one fp32 view
+    of the logits, keepdim: the form Inductor's one-pass rewrite (`prepare_softmax_online`)
+    matches, so that compiled (`compiled_fused_columns`) one read of the chunk gives both, each
+    logit upcast as it is read; the space mask's sum, which needs the max, reads it once more
+    (runs 3-6's form, the same values, read it twice for the loss: docs/stage1-gpu-path.md)."""
+    x = logits.float()
+    top = x.amax(dim=-1, keepdim=True)
+    shifted = x - top
     exp = shifted.exp()
-    log_sum = exp.sum(dim=-1).log()
+    log_sum = exp.sum(dim=-1, keepdim=True).log().squeeze(-1)
     picked = shifted.gather(-1, targets[:, None]).squeeze(-1)
     columns = {"loss": log_sum - picked}
     if topk:
@@ -159,11 +162,24 @@ def onepass_columns(
     return columns
 
 
+def compile_head_pass(function):
+    """`function(logits, targets, ...)` under torch.compile: the chunk's rows dynamic (a batch's
+    last, shorter chunk does not recompile), its vocabulary static, since Inductor reads a row once
+    for its max and sum of exp(x - max) only where it can prove the row at least 8 long, which a
+    dynamic length is not (tests/test_stage1_head.py)."""
+    compiled = torch.compile(function, dynamic=True)
+
+    def head_pass(logits: torch.Tensor, *args):
+        torch._dynamo.mark_static(logits, 1)
+        return compiled(logits, *args)
+
+    return head_pass
+
+
 @functools.cache
 def compiled_fused_columns():
-    """`fused_columns` under torch.compile (once per process; shapes dynamic, so the last,
-    shorter chunk of a batch does not recompile)."""
-    return torch.compile(fused_columns, dynamic=True)
+    """`fused_columns` under `compile_head_pass` (once per process)."""
+    return compile_head_pass(fused_columns)
 
 
 def head_kernel_function(kernel: str, device: torch.device):

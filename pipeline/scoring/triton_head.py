@@ -26,8 +26,10 @@ kernel is checked on the machine that runs it.
 
 `--head-kernel onepass`: the logits as the fused pass takes them (cuBLAS's product, in the head's
 dtype), reduced by one Triton program per row that reads each logit once: the same running sums
-(`logit_row_sums`). The fused pass's compiled reduction reads each row twice, once for its max and
-once for the sums (docs/stage1-gpu-path.md, run 5). Its columns are fused's up to fp32 rounding.
+(`logit_row_sums`), the space mask's share of Z included, where the fused pass's compiled
+reductions read each row once for the max and Z and again for the space mask's sum (runs 3-6's
+fused pass read it twice for the loss alone: docs/stage1-gpu-path.md). Its columns are fused's up
+to fp32 rounding.
 """
 
 from __future__ import annotations
