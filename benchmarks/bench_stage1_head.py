@@ -40,12 +40,8 @@ from device_timing import best_seconds  # noqa: E402
 from pipeline.choices import compiles_on  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.scoring.device import free_memory  # noqa: E402
-from pipeline.scoring.head import (  # noqa: E402
-    HeadColumns,
-    HeadExtras,
-    compile_head_pass,
-    head_chunk_rows,
-)
+from pipeline.scoring.head import HeadColumns, HeadExtras, head_chunk_rows  # noqa: E402
+from pipeline.scoring.head_kernels import compile_head_pass  # noqa: E402
 
 # (hidden size, vocabulary, scored positions per batch): Qwen2.5-1.5B and -7B, one batch of
 # bench_gpu.py's 16,384 tokens; tiny for a CPU.

@@ -184,7 +184,7 @@ def one_pass_reductions() -> dict[str, bool]:
     from torch._inductor import ir
     from torch._inductor.fx_passes import post_grad
 
-    from pipeline.scoring.head import compile_head_pass, fused_columns
+    from pipeline.scoring.head_kernels import compile_head_pass, fused_columns
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_stage1_head

@@ -360,7 +360,7 @@ def test_the_head_bench_two_pass_form_is_the_fused_loss():
     loss` by the form alone."""
     import bench_stage1_head
 
-    from pipeline.scoring.head import fused_columns
+    from pipeline.scoring.head_kernels import fused_columns
 
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(8, 4096, generator=generator) * 4).to(torch.bfloat16)

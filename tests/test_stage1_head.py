@@ -1,4 +1,4 @@
-"""Stage 1's head switches (pipeline/scoring/head.py, pipeline/scoring/hf.py, docs/gpu-path.md):
+"""Stage 1's head switches (pipeline/scoring/head.py, head_kernels.py, hf.py, docs/gpu-path.md):
 `--head-kernel fused` caches what `plain` caches, every column within the cache's float16
 storage, for a byte-level and a SentencePiece teacher; the compiled fused pass (a GPU's) equals
 the eager one; `--head-chunks sized` takes its rows from free memory and changes no column; what
@@ -16,13 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.scoring.head import (
-    LOGIT_BUDGET,
-    compiled_fused_columns,
-    fused_columns,
-    head_chunk_rows,
-    plain_columns,
-)
+from pipeline.scoring.head import LOGIT_BUDGET, head_chunk_rows
+from pipeline.scoring.head_kernels import compiled_fused_columns, fused_columns, plain_columns
 from tests.stage1_helpers import (
     assert_same_topk_ids_but_ties,
     assert_within_one_float16_step,

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline import document_attention
 from pipeline.errors import ConfigError
-from pipeline.scoring import head, hf
+from pipeline.scoring import head, head_kernels, hf
 from pipeline.scoring.batching import pack_rows, packed_layouts, padded_layouts
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.teacher import resolve_teacher
@@ -122,7 +122,7 @@ def compiled_as_on_a_gpu(monkeypatch):
     for module in (head, document_attention):
         monkeypatch.setattr(module, "compiles_on", lambda device: True)
     torch._dynamo.reset()
-    head.compiled_fused_columns.cache_clear()
+    head_kernels.compiled_fused_columns.cache_clear()
 
 
 @pytest.mark.parametrize("columns", ["loss", "all"])

@@ -21,7 +21,8 @@ import torch
 from pipeline.cache.verify import verify_cache
 from pipeline.errors import ConfigError
 from pipeline.scoring import hf, triton_head
-from pipeline.scoring.head import TINY, exact_columns, head_kernel_function
+from pipeline.scoring.head import exact_columns, head_kernel_function
+from pipeline.scoring.head_kernels import TINY
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.scoring.triton_head import triton_head_columns
 from stage1_score.run import main
@@ -121,7 +122,7 @@ def test_onepass_gives_the_plain_kernels_columns_on_the_same_logits(dtype, rows,
 
 
 def plain_in_float64(logits, targets, topk, space):
-    """plain_columns's definitions (pipeline.scoring.head), computed in float64."""
+    """plain_columns's definitions (pipeline.scoring.head_kernels), computed in float64."""
     log_probs = logits.double().log_softmax(dim=-1)
     columns = {"loss": -log_probs.gather(1, targets[:, None]).squeeze(1)}
     if topk:

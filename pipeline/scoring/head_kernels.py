@@ -1,0 +1,133 @@
+"""The arithmetic of the columns stage 1 computes from a chunk of the teacher's logits: the loss,
+and the optional views of the teacher's next-token distribution (no second forward pass, no
+per-token Python loop), by `--head-kernel` (pipeline.scoring.head applies them to a batch in
+chunks). Columns and conventions: docs/cache-columns.md.
+
+For a scored position t (the distribution p = softmax(logits) that predicts token t, the one whose
+-log p(token t) is `loss[t]`), in fp32:
+  - topk_probs[t]: the K largest p(v), descending (torch.topk, so ties keep the lower id first);
+  - topk_ids[t]:   their token ids;
+  - topk_rest[t]:  1 - sum(topk_probs[t]), the mass outside the K (clamped at 0);
+  - space_logprob[t]: log sum_{v in S} p(v) with S the space mask (pipeline.space_mask), at least
+    log of fp32's smallest normal (-87.3).
+Unscored positions (token 0, and a one-token document) hold NaN probabilities and id -1 here; the
+writer stores their top-k entries as nulls.
+
+Four kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
+  - plain: the chunk's logits copied to fp32, log-softmax (another fp32 chunk), the loss and the
+    views read from it (pipeline.cross_entropy, the student's definition);
+  - fused: reductions over the logits as they are (bf16 on a GPU): their max and Z in one pass,
+    the space mask's share of Z in another, the target's logit, and torch.topk of the logits, so
+    no fp32 copy of the chunk is made where the pass is compiled (on CUDA; elsewhere it runs
+    eagerly);
+  - onepass: fused's logits, reduced by a Triton kernel that reads each logit once (the max and
+    the sums together, rescaled as the max grows), and torch.topk of the logits
+    (pipeline.scoring.triton_head: logit_row_sums);
+  - triton: the head's matrix product and those reductions in one Triton kernel, so that no
+    logit leaves the chip (pipeline.scoring.triton_head; the loss and the space column, no
+    top-k).
+Plain, fused and onepass agree within fp32 rounding, far inside the cache's fp16 storage
+(tests/test_stage1_head.py, tests/triton_interpreted.py); triton keeps the logits in fp32, so on
+a bf16 teacher it differs from them by bf16's rounding of the logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, TOPK_REST
+from pipeline.cross_entropy import token_log_probs_and_loss, token_loss
+
+TINY = torch.finfo(torch.float32).tiny  # the space mass's floor (docs/cache-columns.md)
+
+
+def plain_columns(
+    logits: torch.Tensor, targets: torch.Tensor, topk: int, space: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The columns of a chunk [rows, V] from its fp32 log-softmax (`--head-kernel plain`); the
+    loss alone is pipeline.cross_entropy.token_loss, bit for bit, with or without the views."""
+    if not topk and space is None:
+        return {"loss": token_loss(logits, targets)}
+    log_probs, loss = token_log_probs_and_loss(logits, targets)
+    columns = {"loss": loss}
+    if topk:
+        values, ids = torch.topk(log_probs, topk, dim=-1, sorted=True)
+        probs = values.exp()
+        columns |= {TOPK_PROBS: probs, TOPK_IDS: ids}
+        columns[TOPK_REST] = (1.0 - probs.sum(dim=-1)).clamp_(min=0.0)
+    if space is not None:
+        # the mask's mass as one product with its indicator; a mass under fp32's smallest
+        # normal reads as that bound
+        mass = log_probs.exp_() @ space.to(log_probs.dtype)  # a float32 indicator: no copy
+        columns[SPACE_LOGPROB] = mass.clamp_(TINY, 1.0).log_()
+    return columns
+
+
+def fused_columns(
+    logits: torch.Tensor, targets: torch.Tensor, topk: int, space: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The same columns as `plain_columns` from reductions over the logits in their own dtype
+    (`--head-kernel fused`): loss = log Z - logit[target], the top-k probabilities
+    exp(logit - log Z) of torch.topk of the logits, and p(S) as the share of S's terms
+    exp(logit - max) in their sum over the vocabulary. The max and Z are taken of one fp32 view
+    of the logits, keepdim: the form Inductor's one-pass rewrite (`prepare_softmax_online`)
+    matches, so that compiled (`compiled_fused_columns`) one read of the chunk gives both, each
+    logit upcast as it is read; the space mask's sum, which needs the max, reads it once more
+    (runs 3-6's form, the same values, read it twice for the loss: docs/stage1-gpu-path.md)."""
+    x = logits.float()
+    top = x.amax(dim=-1, keepdim=True)
+    shifted = x - top
+    exp = shifted.exp()
+    log_sum = exp.sum(dim=-1, keepdim=True).log().squeeze(-1)
+    picked = shifted.gather(-1, targets[:, None]).squeeze(-1)
+    columns = {"loss": log_sum - picked}
+    if topk:
+        columns |= topk_columns(logits, topk, top.squeeze(-1) + log_sum)
+    if space is not None:
+        # a mass under fp32's smallest normal (or none: log 0) reads as that bound, as plain's does
+        in_space = torch.where(space, exp, 0.0).sum(dim=-1).log()
+        columns[SPACE_LOGPROB] = (in_space - log_sum).clamp(min=math.log(TINY), max=0.0)
+    return columns
+
+
+def topk_columns(logits: torch.Tensor, topk: int, log_z: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The top-k columns of `logits` [rows, V] whose log Z is `log_z` [rows]: torch.topk of the
+    logits as they are, their probabilities exp(logit - log Z) and the rest."""
+    values, ids = torch.topk(logits, topk, dim=-1, sorted=True)
+    probs = (values.float() - log_z[:, None]).exp()
+    rest = (1.0 - probs.sum(dim=-1)).clamp(min=0.0)
+    return {TOPK_PROBS: probs, TOPK_IDS: ids, TOPK_REST: rest}
+
+
+def onepass_columns(
+    row_sums, logits: torch.Tensor, targets: torch.Tensor, topk: int, space: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """`--head-kernel onepass`: the loss and the space column from `row_sums`
+    (triton_head.logit_row_sums: one read of each logit), the top-k from `topk_columns`."""
+    columns, log_z = row_sums(logits, targets, space)
+    if topk:
+        columns |= topk_columns(logits, topk, log_z)
+    return columns
+
+
+def compile_head_pass(function):
+    """`function(logits, targets, ...)` under torch.compile: the chunk's rows dynamic (a batch's
+    last, shorter chunk does not recompile), its vocabulary static, since Inductor reads a row once
+    for its max and sum of exp(x - max) only where it can prove the row at least 8 long, which a
+    dynamic length is not (tests/test_stage1_head.py)."""
+    compiled = torch.compile(function, dynamic=True)
+
+    def head_pass(logits: torch.Tensor, *args):
+        torch._dynamo.mark_static(logits, 1)
+        return compiled(logits, *args)
+
+    return head_pass
+
+
+@functools.cache
+def compiled_fused_columns():
+    """`fused_columns` under `compile_head_pass` (once per process)."""
+    return compile_head_pass(fused_columns)
