@@ -3,7 +3,8 @@
 Per batch of windows (pipeline.scoring.windows, pipeline.scoring.batching): one forward pass of the
 decoder body; then the output head is applied only to the positions whose next token is scored, a
 chunk of rows at a time, and each chunk's loss and views are computed by `--head-kernel`
-(pipeline.scoring.head, pipeline.scoring.head_kernels); the Triton kernel takes all of them at once, as it makes no logits.
+(pipeline.scoring.head, pipeline.scoring.head_kernels); the Triton kernel takes all of them at
+once, as it makes no logits.
 Chunks (`--head-chunks`, pipeline.scoring.head: head_chunk_rows) hold a fixed 2^24 logits, or
 are sized from the device's free memory at the first scoring call (the warm-up at load), so that a large vocabulary does not cost a head
 matrix product (re-reading the whole head weight) per hundred rows.
