@@ -334,6 +334,19 @@ def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
     assert all(ms > 0 and ratio > 0 for ms, ratio in rows.values())
 
 
+def test_where_the_fused_pass_compiles_the_head_bench_adds_the_two_pass_row(monkeypatch, capsys):
+    """On CUDA the head bench also times runs 3-6's two-pass form of the fused loss, compiled as
+    the scorer compiles `fused`: that path runs here too (compiled on the CPU), so that the next
+    GPU run does not meet it first."""
+    import bench_stage1_head
+
+    monkeypatch.setattr(bench_stage1_head, "compiles_on", lambda device: True)
+    assert bench_stage1_head.main(["--shape", "tiny", "--repeats", "1"]) == 0
+    said = capsys.readouterr().out
+    row = re.search(r"^fused loss, two-pass form +([\d.]+) +([\d.]+)$", said, re.M)
+    assert row and float(row[1]) > 0 and float(row[2]) > 0, said
+
+
 def test_a_head_pass_that_fails_costs_the_head_bench_its_row_not_the_table(monkeypatch, capsys):
     """A kernel's first compile on a GPU happens inside the head bench: one that fails there is
     named in a line, and every other row is still measured and printed (planted: the plain
