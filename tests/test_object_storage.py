@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -162,6 +163,34 @@ def test_shard_copies_stay_within_their_bytes_and_are_fetched_ahead(bucket, loca
                 time.sleep(0.01)
             assert upcoming.exists(), f"{upcoming.name} not fetched ahead within 120 s"
     assert len(list(cache.folder.glob("shard-*.parquet"))) < len(shards)  # older ones evicted
+
+
+def test_a_shard_is_never_counted_as_held_and_as_fetched_at_once(local_cache, tmp_path):
+    """The bound counts the copies held and the downloads under way. A download that had become
+    a copy while still counted as under way counted twice, and the next read-ahead was refused
+    for room it had: a shard never fetched ahead (seen once in four CI runs of the test above,
+    and in 1 of 53 repetitions of it here). Each time the cache's lock is let go, no shard is
+    both (the bookkeeping, without timing: local copies, one thread fetching)."""
+    shards = load_manifest(local_cache).shards
+    bound = int(2.5 * max(s.bytes for s in shards))
+    cache = ShardCache(str(local_cache), tmp_path / "copies", bound, read_ahead=1)
+    both = []
+
+    class CheckedLock:
+        lock = threading.Lock()
+
+        def __enter__(self):
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            both.append(set(cache._copies) & set(cache._pending))
+            self.lock.release()
+
+    cache._lock = CheckedLock()
+    for i, record in enumerate(shards):
+        cache.get(record, list(shards[i + 1 : i + 2]))
+    cache._fetcher.shutdown(wait=True)
+    assert len(both) > len(shards) and not any(both), both
 
 
 def test_a_failed_read_ahead_is_said_and_the_shard_fetched_again_when_read(

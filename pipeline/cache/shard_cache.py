@@ -150,12 +150,15 @@ class ShardCache:
             check_shard_bytes(self.store.display(record.file), size, digest.hexdigest(), record)
             os.replace(partial, dest)
             with self._lock:
+                # held and no longer fetched in one step: counted as both, its bytes would be
+                # counted twice against the bound, and the next read-ahead refused for room
                 self._copies[record.file] = size
+                self._pending.pop(record.file, None)
             return dest
         finally:
             partial.unlink(missing_ok=True)
             with self._lock:
-                self._pending.pop(record.file, None)
+                self._pending.pop(record.file, None)  # a failed download's
 
     def _evict(self, keep: set[str], incoming: int) -> None:
         """Delete least recently used copies, except `keep`, until they and `incoming` bytes fit
