@@ -173,6 +173,14 @@ def assert_same_topk_ids_but_ties(ours: dict, theirs: dict) -> None:
         assert tied.sum() >= 2 and ours["topk_ids"][row, rank] in theirs["topk_ids"][row, tied]
 
 
+def head_pass_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bf16 logits [8, 4096], their targets, a space mask of about 40% of the ids), seeded."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 4096, generator=generator) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 4096, (8,), generator=generator)
+    return logits, targets, torch.rand(4096, generator=generator) < 0.4
+
+
 def one_pass_reductions() -> dict[str, bool]:
     """{head pass: whether Inductor lowers its loss's max and Z to its one-pass reduction}, on a
     CPU with the rewrite's CUDA-only check lifted; seen where Inductor creates the reduction (a
@@ -195,10 +203,7 @@ def one_pass_reductions() -> dict[str, bool]:
         created.append(1) or create(*args, **kwargs)
     )
     post_grad.prepare_softmax_extra_check = lambda match: True
-    generator = torch.Generator().manual_seed(0)
-    logits = (torch.randn(8, 4096, generator=generator) * 4).to(torch.bfloat16)
-    targets = torch.randint(0, 4096, (8,), generator=generator)
-    space = torch.rand(4096, generator=generator) < 0.4
+    logits, targets, space = head_pass_inputs()
     passes = {
         "fused loss": (compile_head_pass(fused_columns), (0, None)),
         "fused +space": (compile_head_pass(fused_columns), (0, space)),

@@ -25,7 +25,11 @@ from pipeline.scoring.hf import HFScorer  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.scoring.windows import plan_document_windows  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
-from tests.stage1_helpers import direct_losses, windowed_direct_losses  # noqa: E402
+from tests.stage1_helpers import (  # noqa: E402
+    direct_losses,
+    head_pass_inputs,
+    windowed_direct_losses,
+)
 
 
 def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch, capsys):
@@ -375,9 +379,7 @@ def test_the_head_bench_two_pass_form_is_the_fused_loss():
 
     from pipeline.scoring.head_kernels import fused_columns
 
-    generator = torch.Generator().manual_seed(0)
-    logits = (torch.randn(8, 4096, generator=generator) * 4).to(torch.bfloat16)
-    targets = torch.randint(0, 4096, (8,), generator=generator)
+    logits, targets, _ = head_pass_inputs()
     torch.testing.assert_close(
         bench_stage1_head.two_pass_form_loss(logits, targets),
         fused_columns(logits, targets, 0, None)["loss"],
