@@ -6,8 +6,9 @@ chunk of rows at a time, and each chunk's loss and views are computed by `--head
 (pipeline.scoring.head, pipeline.scoring.head_kernels); the Triton kernel takes all of them at
 once, as it makes no logits.
 Chunks (`--head-chunks`, pipeline.scoring.head: head_chunk_rows) hold a fixed 2^24 logits, or
-are sized from the device's free memory at the first scoring call (the warm-up at load), so that a large vocabulary does not cost a head
-matrix product (re-reading the whole head weight) per hundred rows.
+are sized from the device's free memory at the first scoring call (the warm-up at load), so that
+a large vocabulary does not cost a head matrix product (re-reading the whole head weight) per
+hundred rows.
 Full-vocabulary log-probabilities of all positions (batch x length x vocabulary) are never
 materialized. `--compile layers` compiles each decoder layer of the body (pipeline.models.layers).
 
