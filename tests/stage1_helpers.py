@@ -182,21 +182,45 @@ def head_pass_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def one_pass_reductions() -> dict[str, bool]:
-    """{head pass: whether Inductor lowers its loss's max and Z to its one-pass reduction}, on a
-    CPU with the rewrite's CUDA-only check lifted; seen where Inductor creates the reduction (a
-    CPU cannot generate its code, so a compile that takes it fails after). Call it in a process of
+    """{head pass: whether Inductor lowers its loss's max and Z to its one-pass reduction,
+    unsplit}, compiled on a CPU as for an H200: the rewrite's CUDA-only check lifted, and Inductor
+    deciding splits with a GPU's rule and an H200's 132 SMs (a split reduction is two reads in
+    torch 2.11's lowering, the GPU machine's). Seen where Inductor creates the reduction (a CPU
+    cannot generate its code, so a compile that takes it fails after). Call it in a process of
     its own: Inductor registers the check once, at its first compile, and a graph cached on disk
     would skip the lowering."""
     import sys
 
-    from torch._inductor import ir
+    from torch._inductor import graph, ir
+    from torch._inductor.codegen.common import BackendFeature
     from torch._inductor.fx_passes import post_grad
+    from torch._inductor.runtime import hints
 
     from pipeline.scoring.head_kernels import compile_head_pass, fused_columns
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_stage1_head
 
+    h200 = hints.DeviceProperties(
+        type="cuda", index=0, multi_processor_count=132, cc=90, major=9,
+        regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+        max_threads_per_block=1024, warp_size=32,
+    )  # fmt: skip
+    hints.DeviceProperties.create = classmethod(lambda cls, device: h200)
+    has_feature = graph.GraphLowering.has_feature
+    graph.GraphLowering.has_feature = lambda self, device, feature: (
+        feature != BackendFeature.REDUCE_TO_SINGLE_ELEMENT and has_feature(self, device, feature)
+    )  # a GPU's backend, which splits a long reduction over few rows
+    splits = []
+    num_splits = ir.Reduction.num_splits
+
+    def record_splits(*args, **kwargs):
+        hint, split = num_splits(*args, **kwargs)
+        if kwargs.get("reduction_type") == "online_softmax_reduce":
+            splits.append(split)
+        return hint, split
+
+    ir.Reduction.num_splits = staticmethod(record_splits)
     created = []
     create = ir.OnlineSoftmaxReduction.create
     ir.OnlineSoftmaxReduction.create = lambda *args, **kwargs: (
@@ -204,21 +228,28 @@ def one_pass_reductions() -> dict[str, bool]:
     )
     post_grad.prepare_softmax_extra_check = lambda match: True
     logits, targets, space = head_pass_inputs()
+    generator = torch.Generator().manual_seed(1)
+    few_rows = (torch.randn(63, 16_384, generator=generator) * 4).to(torch.bfloat16)
+    few_targets = torch.randint(0, 16_384, (63,), generator=generator)
+    fused = compile_head_pass(fused_columns)  # compiled afresh for each case, after a reset
+    vocabulary_dynamic = torch.compile(fused_columns, dynamic=True)  # as runs 3-6 compiled it
     passes = {
-        "fused loss": (compile_head_pass(fused_columns), (0, None)),
-        "fused +space": (compile_head_pass(fused_columns), (0, space)),
-        "fused +topk 8": (compile_head_pass(fused_columns), (8, None)),
-        # the vocabulary's length dynamic, as runs 3-6 compiled it
-        "fused, vocabulary dynamic": (torch.compile(fused_columns, dynamic=True), (0, None)),
-        "two-pass form": (compile_head_pass(bench_stage1_head.two_pass_form_loss), ()),
+        "fused loss": (fused, logits, targets, 0, None),
+        "fused +space": (fused, logits, targets, 0, space),
+        "fused +topk 8": (fused, logits, targets, 8, None),
+        # compiled first for a padded warm-up's 63 rows, whose graph serves every later chunk
+        "fused, first chunk of 63 rows": (fused, few_rows, few_targets, 0, None),
+        "fused, vocabulary dynamic": (vocabulary_dynamic, logits, targets, 0, None),
+        "two-pass form": (compile_head_pass(bench_stage1_head.two_pass_form_loss), logits, targets),
     }
     taken = {}
-    for name, (head_pass, rest) in passes.items():
+    for name, (head_pass, chunk, chunk_targets, *rest) in passes.items():
         torch._dynamo.reset()
         created.clear()
+        splits.clear()
         try:  # a copy of the logits: compile_head_pass marks the one it is given
-            head_pass(logits.clone(), targets, *rest)
+            head_pass(chunk.clone(), chunk_targets, *rest)
         except Exception:  # the CPU's code generation has no one-pass reduction
             assert created, name
-        taken[name] = bool(created)
+        taken[name] = bool(created) and max(splits, default=1) == 1
     return taken

@@ -72,11 +72,12 @@ def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
 def test_the_compiled_fused_loss_reads_each_logit_once_on_cuda():
     """On CUDA the fused pass's max and Z are one reduction, Inductor's one-pass rewrite
     (`prepare_softmax_online`), with or without the extra columns: a chunk's logits are read once
-    for the loss, where runs 3-6's pass read them twice (docs/stage1-gpu-path.md). Two things
-    keep it: the form (the bench's two-pass form, runs 3-6's, is not rewritten) and a static
+    for the loss, where runs 3-6's pass read them twice (docs/stage1-gpu-path.md). Three things
+    keep it: the form (the bench's two-pass form, runs 3-6's, is not rewritten), a static
     vocabulary length (`compile_head_pass`; compiled with it dynamic, the rewrite lowers to two
-    reads). The rewrite is CUDA's only, so `one_pass_reductions` lifts its device check, in a
-    fresh process without Inductor's on-disk caches."""
+    reads), and no split reduction where the first chunk compiled for has few rows (a padded
+    warm-up's). The rewrite is CUDA's only, so `one_pass_reductions` lifts its device check and
+    decides splits as for an H200, in a fresh process without Inductor's on-disk caches."""
     code = "import json, tests.stage1_helpers as h; print(json.dumps(h.one_pass_reductions()))"
     root = Path(__file__).resolve().parents[1]
     fresh = os.environ | {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
@@ -87,7 +88,8 @@ def test_the_compiled_fused_loss_reads_each_logit_once_on_cuda():
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {
         "fused loss": True, "fused +space": True, "fused +topk 8": True,
-        "fused, vocabulary dynamic": False, "two-pass form": False,
+        "fused, first chunk of 63 rows": True, "fused, vocabulary dynamic": False,
+        "two-pass form": False,
     }  # fmt: skip
 
 

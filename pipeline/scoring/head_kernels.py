@@ -117,8 +117,11 @@ def compile_head_pass(function):
     """`function(logits, targets, ...)` under torch.compile: the chunk's rows dynamic (a batch's
     last, shorter chunk does not recompile), its vocabulary static, since Inductor reads a row once
     for its max and sum of exp(x - max) only where it can prove the row at least 8 long, which a
-    dynamic length is not (tests/test_stage1_head.py)."""
-    compiled = torch.compile(function, dynamic=True)
+    dynamic length is not; and its reductions never split, since on a GPU Inductor splits a row's
+    reduction where the first chunk it compiles for has few rows (under 2 per SM: a padded
+    warm-up's 63), torch 2.11's lowering then reads the row twice, and the one graph serves every
+    later chunk (tests/test_stage1_head.py)."""
+    compiled = torch.compile(function, dynamic=True, options={"split_reductions": False})
 
     def head_pass(logits: torch.Tensor, *args):
         torch._dynamo.mark_static(logits, 1)
