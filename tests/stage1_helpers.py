@@ -164,7 +164,7 @@ def assert_within_one_float16_step(ours: np.ndarray, theirs: np.ndarray, name: s
 
 def assert_same_topk_ids_but_ties(ours: dict, theirs: dict) -> None:
     """The same top-k ids in the same ranks, but where two probabilities tie as stored (torch.topk
-    breaks ties of the logits and of the log-probabilities alike, by the lower id)."""
+    and the fused heads' top k by blocks each pick among tied logits in their own order)."""
     swapped = ours["topk_ids"] != theirs["topk_ids"]
     assert swapped.sum() <= 0.01 * swapped.size, swapped.sum()
     stored = as_stored(theirs["topk_probs"])

@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from pipeline.scoring.head import LOGIT_BUDGET, head_chunk_rows
-from pipeline.scoring.head_kernels import compiled_fused_columns, fused_columns, plain_columns
+from pipeline.scoring.head_kernels import (
+    compiled_fused_columns,
+    fused_columns,
+    plain_columns,
+    top_logits,
+)
 from tests.stage1_helpers import (
     assert_same_topk_ids_but_ties,
     assert_within_one_float16_step,
@@ -51,22 +56,45 @@ def test_the_fused_head_caches_every_column_the_plain_one_does(teachers, name):
 def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
     """What a GPU runs (torch.compile of fused_columns; the CPU compiles it too) against the
     eager pass and the plain log-softmax, in fp32 and from bf16 logits, on a chunk with a last
-    row of its own size (dynamic shapes: no recompile per chunk)."""
+    row of its own size (dynamic shapes: no recompile per chunk); 5,000 logits a row, so that the
+    top 8 are taken by blocks, with a partial last block."""
     generator = torch.Generator().manual_seed(0)
-    space = torch.rand(1000, generator=generator) < 0.3
+    space = torch.rand(5000, generator=generator) < 0.3
     for dtype in (torch.float32, torch.bfloat16):
         for rows in (37, 5):
-            logits = (torch.randn(rows, 1000, generator=generator) * 4).to(dtype)
-            targets = torch.randint(0, 1000, (rows,), generator=generator)
+            logits = (torch.randn(rows, 5000, generator=generator) * 4).to(dtype)
+            targets = torch.randint(0, 5000, (rows,), generator=generator)
             compiled = compiled_fused_columns()(logits, targets, 8, space)
             eager = fused_columns(logits, targets, 8, space)
             plain = plain_columns(logits, targets, 8, space)
             for name, value in plain.items():
                 for other in (compiled, eager):
-                    if name == "topk_ids":
-                        assert torch.equal(other[name], value)
+                    if name == "topk_ids":  # rank by rank the same logit: ties may swap ids
+                        assert torch.equal(logits.gather(1, other[name]), logits.gather(1, value))
                     else:
                         torch.testing.assert_close(other[name], value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocabulary", [151_936, 50_257, 32_000, 1_000])
+def test_the_top_logits_by_blocks_are_torch_topks(vocabulary):
+    """`top_logits` (the fused and onepass heads' top k: torch.topk of the k blocks of 128 with
+    the largest maxima) gives torch.topk's values exactly and ids of those values, the same ids
+    where a value is not tied in its row: on Qwen2.5's vocabulary, GPT-2's (a last block of 81),
+    TinyLlama's, and one too small for blocks; from bf16 logits (ties galore) and fp32, including
+    rows whose largest logits sit in the last, partial block or in one block."""
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = (torch.randn(16, vocabulary, generator=generator) * 4).to(dtype)
+        logits[0, -5:] = 40.0  # the last block's (the partial block's on GPT-2's)
+        logits[1, 256:288] = torch.linspace(30, 40, 32).to(dtype)  # a block's 32 largest
+        for k in (1, 8, 32):
+            values, ids = top_logits(logits, k)
+            expected_values, expected_ids = torch.topk(logits, k, dim=-1, sorted=True)
+            assert torch.equal(values, expected_values), (dtype, k)
+            assert torch.equal(logits.gather(1, ids), values), (dtype, k)
+            assert all(len(set(row.tolist())) == k for row in ids), (dtype, k)
+            alone = (logits[:, None, :] == values[..., None]).sum(dim=-1) == 1
+            assert torch.equal(ids[alone], expected_ids[alone]), (dtype, k)
 
 
 def test_the_compiled_fused_loss_reads_each_logit_once_on_cuda():
