@@ -12,7 +12,8 @@ the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the dis
 by a kernel that reads each once (the space mask's sum in the same read); `fused loss, two-pass
 form` (where the fused pass compiles: CUDA) is the fused loss as runs 3-6 wrote it, which Inductor
 compiled to two reads of each row where today's form is one (docs/stage1-gpu-path.md: "One read
-of the logits"); `triton loss` and `triton +space` are `--head-kernel triton`, the
+of the logits"), and `fused +topk 32, one-stage top-k` the top 32 as they took it, torch.topk of
+the whole row, where today's head takes it by blocks; `triton loss` and `triton +space` are `--head-kernel triton`, the
 product and the reductions in one kernel, all positions in one launch; each `--triton-blocks` adds a
 `triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
 (pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a program's
@@ -41,7 +42,7 @@ from pipeline.choices import compiles_on  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.scoring.device import free_memory  # noqa: E402
 from pipeline.scoring.head import HeadColumns, HeadExtras, head_chunk_rows  # noqa: E402
-from pipeline.scoring.head_kernels import compile_head_pass  # noqa: E402
+from pipeline.scoring.head_kernels import compile_head_pass, fused_columns  # noqa: E402
 
 # (hidden size, vocabulary, scored positions per batch): Qwen2.5-1.5B and -7B, one batch of
 # bench_gpu.py's 16,384 tokens; tiny for a CPU.
@@ -68,6 +69,19 @@ def two_pass_form_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     shifted = logits.float() - top
     log_sum = shifted.exp().sum(dim=-1).log()
     return log_sum - shifted.gather(-1, targets[:, None]).squeeze(-1)
+
+
+def one_stage_topk(logits: torch.Tensor, targets: torch.Tensor):
+    """fused_columns's loss, and its top 32 as runs 3-6 took it: torch.topk of the whole row (the
+    fused head now takes it by blocks: head_kernels.top_logits); the same values."""
+    return fused_columns(logits, targets, 0, None), torch.topk(logits, 32, dim=-1, sorted=True)
+
+
+# rows of the fused head as it was, beside today's, where the fused pass compiles (CUDA)
+EARLIER_FORMS = (
+    ("fused loss, two-pass form", two_pass_form_loss),
+    ("fused +topk 32, one-stage top-k", one_stage_topk),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,15 +137,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: not measured: {exc}")
             continue
         measure(label, functools.partial(columns.of_batch, hidden, head, targets, rows))
-    if compiles_on(device):
-        two_pass = compile_head_pass(two_pass_form_loss)  # compiled as the scorer compiles fused
+    for label, form in EARLIER_FORMS if compiles_on(device) else ():
+        earlier = compile_head_pass(form)  # compiled as the scorer compiles fused
 
-        def two_pass_form() -> None:
+        def earlier_form(earlier=earlier) -> None:
             for begin in range(0, positions, rows):
                 chunk = slice(begin, begin + rows)
-                two_pass(hidden[chunk] @ weight.T, targets[chunk])
+                earlier(hidden[chunk] @ weight.T, targets[chunk])
 
-        measure("fused loss, two-pass form", two_pass_form)
+        measure(label, earlier_form)
     for blocks in args.triton_blocks if "triton loss" in times else ():  # where the kernel runs
         from pipeline.scoring.triton_head import Blocks, triton_head_columns
 

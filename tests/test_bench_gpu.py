@@ -338,17 +338,18 @@ def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
     assert all(ms > 0 and ratio > 0 for ms, ratio in rows.values())
 
 
-def test_where_the_fused_pass_compiles_the_head_bench_adds_the_two_pass_row(monkeypatch, capsys):
-    """On CUDA the head bench also times runs 3-6's two-pass form of the fused loss, compiled as
-    the scorer compiles `fused`: that path runs here too (compiled on the CPU), so that the next
-    GPU run does not meet it first."""
+def test_where_the_fused_pass_compiles_the_head_bench_adds_the_earlier_forms(monkeypatch, capsys):
+    """On CUDA the head bench also times runs 3-6's two-pass form of the fused loss and their
+    one-stage top 32, compiled as the scorer compiles `fused`: that path runs here too (compiled
+    on the CPU), so that the next GPU run does not meet it first."""
     import bench_stage1_head
 
     monkeypatch.setattr(bench_stage1_head, "compiles_on", lambda device: True)
     assert bench_stage1_head.main(["--shape", "tiny", "--repeats", "1"]) == 0
     said = capsys.readouterr().out
-    row = re.search(r"^fused loss, two-pass form +([\d.]+) +([\d.]+)$", said, re.M)
-    assert row and float(row[1]) > 0 and float(row[2]) > 0, said
+    for label in ("fused loss, two-pass form", "fused +topk 32, one-stage top-k"):
+        row = re.search(rf"^{re.escape(label)} +([\d.]+) +([\d.]+)$", said, re.M)
+        assert row and float(row[1]) > 0 and float(row[2]) > 0, said
 
 
 def test_a_head_pass_that_fails_costs_the_head_bench_its_row_not_the_table(monkeypatch, capsys):
@@ -369,6 +370,23 @@ def test_a_head_pass_that_fails_costs_the_head_bench_its_row_not_the_table(monke
     assert "plain loss: not measured (RuntimeError: a planted compile error)" in said
     table = said[said.index("ms/batch") :]
     assert "plain loss" not in table and re.search(r"^fused \+space +[\d.]+ +[\d.]+$", table, re.M)
+
+
+def test_the_head_bench_one_stage_topk_is_the_fused_heads_top_32():
+    """`fused +topk 32, one-stage top-k` (torch.topk of the whole row) selects the values the
+    fused head's top 32 by blocks does, on a vocabulary large enough for blocks, so its row differs
+    from `fused +topk 32` by the selection alone."""
+    import bench_stage1_head
+
+    from pipeline.scoring.head_kernels import fused_columns
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(8, 151_936, generator=generator) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 151_936, (8,), generator=generator)
+    columns, (values, ids) = bench_stage1_head.one_stage_topk(logits, targets)
+    fused = fused_columns(logits, targets, 32, None)
+    assert torch.equal(columns["loss"], fused["loss"])
+    assert torch.equal(logits.gather(1, fused["topk_ids"]), values)
 
 
 def test_the_head_bench_two_pass_form_is_the_fused_loss():
