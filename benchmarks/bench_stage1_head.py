@@ -13,8 +13,9 @@ by a kernel that reads each once (the space mask's sum in the same read); `fused
 form` (where the fused pass compiles: CUDA) is the fused loss as runs 3-6 wrote it, which Inductor
 compiled to two reads of each row where today's form is one (docs/stage1-gpu-path.md: "One read
 of the logits"), and `fused +topk 32, one-stage top-k` the top 32 as they took it, torch.topk of
-the whole row, where today's head takes it by blocks; `triton loss` and `triton +space` are `--head-kernel triton`, the
-product and the reductions in one kernel, all positions in one launch; each `--triton-blocks` adds a
+the whole row, where today's head takes it by blocks; `triton loss` and `triton +space` are
+`--head-kernel triton`, the product and the reductions in one kernel, all positions in one
+launch; each `--triton-blocks` adds a
 `triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
 (pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a program's
 span of the vocabulary, the blocks of positions grouped, warps, pipeline stages) instead of the

@@ -5,7 +5,7 @@ chunks). Columns and conventions: docs/cache-columns.md.
 
 For a scored position t (the distribution p = softmax(logits) that predicts token t, the one whose
 -log p(token t) is `loss[t]`), in fp32:
-  - topk_probs[t]: the K largest p(v), descending (as torch.topk gives them);
+  - topk_probs[t]: the K largest p(v), descending (tied ones in the kernel's order);
   - topk_ids[t]:   their token ids;
   - topk_rest[t]:  1 - sum(topk_probs[t]), the mass outside the K (clamped at 0);
   - space_logprob[t]: log sum_{v in S} p(v) with S the space mask (pipeline.space_mask), at least
@@ -17,18 +17,18 @@ Four kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
   - plain: the chunk's logits copied to fp32, log-softmax (another fp32 chunk), the loss and the
     views read from it (pipeline.cross_entropy, the student's definition);
   - fused: reductions over the logits as they are (bf16 on a GPU): their max and Z in one pass,
-    the space mask's share of Z in another, the target's logit, and torch.topk of the logits, so
-    no fp32 copy of the chunk is made where the pass is compiled (on CUDA; elsewhere it runs
-    eagerly);
+    the space mask's share of Z in another, the target's logit, and the top k of the logits by
+    blocks (top_logits), so no fp32 copy of the chunk is made where the pass is compiled (on
+    CUDA; elsewhere it runs eagerly);
   - onepass: fused's logits, reduced by a Triton kernel that reads each logit once (the max and
-    the sums together, rescaled as the max grows), and torch.topk of the logits
+    the sums together, rescaled as the max grows), and fused's top k of the logits
     (pipeline.scoring.triton_head: logit_row_sums);
   - triton: the head's matrix product and those reductions in one Triton kernel, so that no
     logit leaves the chip (pipeline.scoring.triton_head; the loss and the space column, no
     top-k).
-Plain, fused and onepass agree within fp32 rounding, far inside the cache's fp16 storage
-(tests/test_stage1_head.py, tests/triton_interpreted.py); triton keeps the logits in fp32, so on
-a bf16 teacher it differs from them by bf16's rounding of the logits.
+Plain, fused and onepass agree within fp32 rounding (top-k ids but among ties), far inside the
+cache's fp16 storage (tests/test_stage1_head.py, tests/triton_interpreted.py); triton keeps the
+logits in fp32, so on a bf16 teacher it differs from them by bf16's rounding of the logits.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def fused_columns(
 ) -> dict[str, torch.Tensor]:
     """The same columns as `plain_columns` from reductions over the logits in their own dtype
     (`--head-kernel fused`): loss = log Z - logit[target], the top-k probabilities
-    exp(logit - log Z) of torch.topk of the logits, and p(S) as the share of S's terms
+    exp(logit - log Z) of the top k of the logits (`top_logits`), and p(S) as the share of S's terms
     exp(logit - max) in their sum over the vocabulary. The max and Z are taken of one fp32 view
     of the logits, keepdim: the form Inductor's one-pass rewrite (`prepare_softmax_online`)
     matches, so that compiled (`compiled_fused_columns`) one read of the chunk gives both, each
