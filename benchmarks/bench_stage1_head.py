@@ -15,15 +15,15 @@ compiled to two reads of each row where today's form is one (docs/stage1-gpu-pat
 of the logits"), and `fused +topk 32, one-stage top-k` the top 32 as they took it, torch.topk of
 the whole row, where today's head takes it by blocks; `triton loss` and `triton +space` are
 `--head-kernel triton`, the product and the reductions in one kernel, all positions in one
-launch; each `--triton-blocks` adds a
-`triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
-(pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a program's
-span of the vocabulary, the blocks of positions grouped, warps, pipeline stages) instead of the
-kernel's fixed ones, so one GPU run can say which suit it (benchmarks/triton_head_compile.py says
-which spill, without a GPU). bench_gpu.py's `body + fused head` and `scorer` rows hold the same head
-inside the whole batch; this script says which column costs what inside it. Random hidden states and
-weights of the teacher's shape: shapes, not values, set the speed. `--shape tiny` (the default
-without CUDA) runs in seconds on a CPU, eagerly, as a CPU scorer does.
+launch; each `--triton-blocks` adds a `triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss
+with those blocks (pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and
+hidden size, a program's span of the vocabulary, the blocks of positions grouped, warps, pipeline
+stages) instead of the kernel's fixed ones, so one GPU run can say which suit it
+(benchmarks/triton_head_compile.py says which spill, without a GPU). bench_gpu.py's `body + fused
+head` and `scorer` rows hold the same head inside the whole batch; this script says which column
+costs what inside it. Random hidden states and weights of the teacher's shape: shapes, not
+values, set the speed. `--shape tiny` (the default without CUDA) runs in seconds on a CPU,
+eagerly, as a CPU scorer does.
 """
 
 from __future__ import annotations

@@ -173,12 +173,15 @@ def assert_same_topk_ids_but_ties(ours: dict, theirs: dict) -> None:
         assert tied.sum() >= 2 and ours["topk_ids"][row, rank] in theirs["topk_ids"][row, tied]
 
 
-def head_pass_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(bf16 logits [8, 4096], their targets, a space mask of about 40% of the ids), seeded."""
+def head_pass_inputs(
+    rows: int = 8, vocabulary: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bf16 logits [rows, vocabulary], their targets, a space mask of about 40% of the ids),
+    seeded."""
     generator = torch.Generator().manual_seed(0)
-    logits = (torch.randn(8, 4096, generator=generator) * 4).to(torch.bfloat16)
-    targets = torch.randint(0, 4096, (8,), generator=generator)
-    return logits, targets, torch.rand(4096, generator=generator) < 0.4
+    logits = (torch.randn(rows, vocabulary, generator=generator) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, vocabulary, (rows,), generator=generator)
+    return logits, targets, torch.rand(vocabulary, generator=generator) < 0.4
 
 
 def one_pass_reductions() -> dict[str, bool]:
@@ -228,9 +231,7 @@ def one_pass_reductions() -> dict[str, bool]:
     )
     post_grad.prepare_softmax_extra_check = lambda match: True
     logits, targets, space = head_pass_inputs()
-    generator = torch.Generator().manual_seed(1)
-    few_rows = (torch.randn(63, 16_384, generator=generator) * 4).to(torch.bfloat16)
-    few_targets = torch.randint(0, 16_384, (63,), generator=generator)
+    few_rows, few_targets, _ = head_pass_inputs(63, 16_384)
     fused = compile_head_pass(fused_columns)  # compiled afresh for each case, after a reset
     vocabulary_dynamic = torch.compile(fused_columns, dynamic=True)  # as runs 3-6 compiled it
     passes = {

@@ -380,9 +380,7 @@ def test_the_head_bench_one_stage_topk_is_the_fused_heads_top_32():
 
     from pipeline.scoring.head_kernels import fused_columns
 
-    generator = torch.Generator().manual_seed(0)
-    logits = (torch.randn(8, 151_936, generator=generator) * 4).to(torch.bfloat16)
-    targets = torch.randint(0, 151_936, (8,), generator=generator)
+    logits, targets, _ = head_pass_inputs(8, 151_936)
     columns, (values, ids) = bench_stage1_head.one_stage_topk(logits, targets)
     fused = fused_columns(logits, targets, 32, None)
     assert torch.equal(columns["loss"], fused["loss"])
