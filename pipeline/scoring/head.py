@@ -18,9 +18,11 @@ from pipeline.choices import TRITON_HEAD_WITHOUT_TOPK, compiles_on
 from pipeline.errors import ConfigError
 from pipeline.scoring.head_kernels import (
     compiled_fused_columns,
+    compiled_topk_columns,
     fused_columns,
     onepass_columns,
     plain_columns,
+    topk_columns,
 )
 
 MAX_TOPK = 128
@@ -76,9 +78,12 @@ def head_kernel_function(kernel: str, device: torch.device):
     `device`: fused is compiled where `compiles_on` says (CUDA), eager elsewhere."""
     if kernel == "plain":
         return plain_columns
+    compiled = compiles_on(device)
     if kernel == "onepass":
-        return functools.partial(onepass_columns, triton_module(kernel, device).logit_row_sums)
-    return compiled_fused_columns() if compiles_on(device) else fused_columns
+        row_sums = triton_module(kernel, device).logit_row_sums
+        topk_pass = compiled_topk_columns() if compiled else topk_columns
+        return functools.partial(onepass_columns, row_sums, topk_pass)
+    return compiled_fused_columns() if compiled else fused_columns
 
 
 class HeadColumns:

@@ -95,12 +95,9 @@ class HFScorer:
         self.vocab_size = self.head.weight.shape[0]
         self.plain_head = self._head_reproduces_logits()
         self.extras = extras or HeadExtras()
-        # auto: the fast path on a GPU; on a CPU the plain one, whose caches are those of before
-        self.head_kernel = on_device(head_kernel, self.device, gpu="fused", cpu="plain")
+        self.columns = self._head_columns(head_kernel)
+        self.head_kernel = self.columns.kernel
         self.head_chunks = on_device(head_chunks, self.device, gpu="sized", cpu="fixed")
-        self.columns = HeadColumns(self.extras, self.vocab_size, self.device, self.head_kernel)
-        if self.head_kernel in ("triton", "onepass"):
-            check_triton_kernel(self.columns, self.head, self.plain_head)
         self.row_packing, self.attention = self._resolve_packing(row_packing, attention)
         self.batch_overlap = on_device(batch_overlap, self.device, gpu="on", cpu="off")
         self.compile = resolve_compile(compile, self.device)
@@ -109,6 +106,22 @@ class HFScorer:
         compile_layers(self.model, self.compile, "the teacher")
         self._head_rows: int | None = None  # rows per head chunk, from the first scoring call
         self._warm_up(compile)
+
+    def _head_columns(self, asked: str) -> HeadColumns:
+        """The head's columns by `--head-kernel` `asked`. auto: on a GPU onepass (the fastest,
+        run 7: docs/stage1-gpu-path.md), or fused with one warning where its Triton kernel does
+        not run or fails its check at load; on a CPU plain, whose caches are those of before."""
+        kernel = on_device(asked, self.device, gpu="onepass", cpu="plain")
+        try:
+            columns = HeadColumns(self.extras, self.vocab_size, self.device, kernel)
+            if kernel in ("triton", "onepass"):
+                check_triton_kernel(columns, self.head, self.plain_head)
+        except ConfigError as exc:
+            if asked != "auto":
+                raise
+            get_logger("scoring").warning(f"--head-kernel auto: {exc}")
+            columns = HeadColumns(self.extras, self.vocab_size, self.device, "fused")
+        return columns
 
     def _warm_up(self, asked: str) -> None:
         """Score `_warm_up_units`, so that what compiles on first use (the layers, the fused
