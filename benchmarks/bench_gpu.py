@@ -48,9 +48,7 @@ What each row measures:
   built, against building and launching batch k+1 while the device runs batch k; `eager
   layers`: `--compile off`, against each decoder layer compiled; `padded rows`:
   `--row-packing padded`, a window per row, against packed rows with a document mask; the gpu
-  shapes give the one worker 8 units). `stage 1 tuned interpreter`: `--interpreter tuned`, the
-  worker's interpreter lock handed between its threads every 0.1 ms instead of 5 ms
-  (pipeline/interpreter.py), a switch turned on. `stage 1 triton head` (where the kernel runs: CUDA): the
+  shapes give the one worker 8 units). `stage 1 triton head` (where the kernel runs: CUDA): the
   job with `--head-kernel triton`, the head's product and its reductions in one Triton kernel
   (pipeline/scoring/triton_head.py), a switch turned on, whose ratio to stage 1 is what it is
   worth; `stage 1 triton head +space` the same with `--space-logprob`; `stage 1 onepass head`
@@ -180,7 +178,7 @@ TEACHERS = {
 STAGE1 = {"gpu": (2048, 1024, 16384), "tiny": (128, 64, 512)}
 # Rows of the first teacher beside `stage 1 (hf)`, each a ratio to it: the cost of ALM's column
 # and of the distillations' top 32, each switch of stage 1's GPU path turned to its plain value
-# (issue 28), and `--interpreter tuned`, not a default, turned on. None may change a stored loss.
+# (issue 28). None may change a stored loss.
 STAGE1_VARIANTS = (
     ("+space", ("--space-logprob",)),
     ("+topk 32", ("--topk-probs", "32")),
@@ -190,7 +188,6 @@ STAGE1_VARIANTS = (
     ("serial batches", ("--batch-overlap", "off")),
     ("eager layers", ("--compile", "off")),
     ("padded rows", ("--row-packing", "padded")),
-    ("tuned interpreter", ("--interpreter", "tuned")),
 )
 # The switch rows measured before stage 2 (the rest after it): onepass is the head run 5's
 # traces point at and the issue's targets name +space (docs/stage1-gpu-path.md), the Triton

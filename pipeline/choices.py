@@ -44,7 +44,6 @@ HeadChunks = Literal["auto", "sized", "fixed"]  # stage 1: how many rows a head 
 UnitOverlap = Literal["auto", "on", "off"]  # stage 1: a unit's CPU work beside another's scoring
 BatchOverlap = Literal["auto", "on", "off"]  # stage 1: a batch built while the last one runs
 RowPacking = Literal["auto", "packed", "padded"]  # stage 1: how windows fill a batch's rows
-Interpreter = Literal["default", "tuned"]  # stage 1: the worker's GIL hand-over interval
 # stage 2 --guidance alm: tokenkit's alm_mode values (merge chunks by the teacher's space
 # probability, append each side's space log-probability), naive = neither
 AlmMode = Literal[

@@ -17,7 +17,6 @@ from pipeline.choices import (
     CompileLayers,
     HeadChunks,
     HeadKernel,
-    Interpreter,
     LossDtype,
     OnBadRecord,
     RowPacking,
@@ -157,14 +156,6 @@ class ScoreConfig:
         "MLP fused; compiled at load, for every batch shape); off: eager; auto: layers on a GPU "
         "where the teacher has decoder layers at model.layers, off on a CPU; the same columns "
         "up to rounding (docs/stage1-gpu-path.md)",
-    )
-    interpreter: Interpreter = option(
-        "default",
-        help="the worker process's Python lock (GIL) hand-over: tuned: every 0.1 ms, so that "
-        "the thread launching the teacher's kernels waits less on the threads tokenizing and "
-        "writing beside it; default: Python's 5 ms; not a default until a GPU measures it (a "
-        "CPU measured shorter waits, no faster launching: docs/stage1-gpu-path.md); the same "
-        "cache either way",
     )
     unit_overlap: UnitOverlap = option(
         "auto",

@@ -234,7 +234,6 @@ def run(config: ScoreConfig) -> CacheManifest:
                 attention=config.attention,
                 batch_overlap=config.batch_overlap,
                 compile=config.compile,
-                interpreter=config.interpreter,
                 loss_dtype=config.loss_dtype,
                 settings=job.identity["settings"],
                 out=out if isinstance(out, str) else out.resolve(),

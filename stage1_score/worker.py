@@ -23,7 +23,6 @@ from pipeline.cache.schema import (
     write_shard,
 )
 from pipeline.cache.writer import build_unit_table
-from pipeline.interpreter import tune_interpreter
 from pipeline.log import configure, get_logger
 from pipeline.profiling import traced
 from pipeline.scoring.head import HeadExtras
@@ -62,7 +61,6 @@ class WorkerSpec:
     attention: str = "auto"
     batch_overlap: str = "auto"
     compile: str = "auto"
-    interpreter: str = "default"  # the worker process's lock hand-over (pipeline.interpreter)
     profile_unit: int | None = None  # the unit whose scoring is traced (--profile-unit)
 
 
@@ -155,11 +153,10 @@ class UnitScorer:
         self._tokenizer = load_teacher_tokenizer(self.spec.teacher, self.spec.tokenizer)
         self._extras = head_extras(self.spec, self._tokenizer)
         self._scorer = load_scorer(self.spec, self._extras)
-        self._interpreter = tune_interpreter(self.spec.interpreter)
 
     def describe(self) -> dict:
         self._load()
-        return self._scorer.describe() | self._interpreter | {"threads": self.spec.threads}
+        return self._scorer.describe() | {"threads": self.spec.threads}
 
     def start(self) -> dict:
         """As a Ray actor: load the teacher, and say which backend and which node this is."""

@@ -167,7 +167,6 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         ("stage 1 serial batches", "qwen2.5-1.5b-like"),
         ("stage 1 eager layers", "qwen2.5-1.5b-like"),
         ("stage 1 padded rows", "qwen2.5-1.5b-like"),
-        ("stage 1 tuned interpreter", "qwen2.5-1.5b-like"),
         ("bare forward", "qwen2.5-1.5b-like"),
         ("body ", "qwen2.5-1.5b-like"),
         ("body + fused head", "qwen2.5-1.5b-like"),
@@ -197,10 +196,9 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     assert "stage 2 token / the floor: " in out
     assert "stage 1 / bare forward, qwen2.5-7b-like: " in out
     # The columns leave the stored loss as it is; on a CPU `auto` resolves to the switch rows'
-    # settings, and the interpreter's lock hand-over computes nothing: each caches exactly what
-    # stage 1 does, and trains exactly what `token` does.
+    # settings: each caches exactly what stage 1 does, and trains exactly what `token` does.
     switches = ("+space", "+topk 32", "plain head", "fixed chunks", "serial units", "serial batches",
-                "eager layers", "padded rows", "tuned interpreter")  # fmt: skip
+                "eager layers", "padded rows")  # fmt: skip
     for switch in switches:
         assert f"stage 1 {switch} vs stage 1: max |stored loss difference| 0.00e+00" in out
     if VLLM_IMPORTS:  # vLLM's own arithmetic, stored as float16 (a step is 0.008 near 12 nats)
