@@ -8,12 +8,13 @@ with each `--head-kernel`'s columns, on one batch of scored positions, as the sc
 Each row: milliseconds per batch (the best of --repeats synchronized passes after one warm-up) and
 its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mask of a random 40% of
 the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations' column.
-`onepass ...` rows (where Triton runs: CUDA) are `--head-kernel onepass`, fused's logits reduced
-by a kernel that reads each once (the space mask's sum in the same read); `fused loss, two-pass
-form` (where the fused pass compiles: CUDA) is the fused loss as runs 3-6 wrote it, which Inductor
-compiled to two reads of each row where today's form is one (docs/stage1-gpu-path.md: "One read
-of the logits"), and `fused +topk 32, one-stage top-k` the top 32 as they took it, torch.topk of
-the whole row, where today's head takes it by blocks; `triton loss` and `triton +space` are
+`onepass ...` rows (where Triton runs: CUDA) are `--head-kernel onepass`, `auto`'s choice there,
+fused's logits reduced by a kernel that reads each once (the space mask's sum in the same read);
+`fused loss, one-read form` (where the fused pass compiles: CUDA) is the fused loss as runs 7 and
+8 measured it, which Inductor compiles to one read of each row for the max and Z, slower there
+than today's form (docs/stage1-gpu-path.md: "One read of the logits"), and `fused +topk 32,
+one-stage top-k` the top 32 as runs 3-6 took it, torch.topk of the whole row, where today's head
+takes it by blocks; `triton loss` and `triton +space` are
 `--head-kernel triton`, the product and the reductions in one kernel, all positions in one
 launch; each `--triton-blocks` adds a `triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss
 with those blocks (pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and
@@ -62,13 +63,13 @@ SIDES = (  # label, --head-kernel, top-k, with the space column
 )
 
 
-def two_pass_form_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """fused_columns's loss as runs 3-6 wrote it: the max of the logits as they are, subtracted
-    from their fp32 view, which Inductor's one-pass rewrite does not match (compiled, two reads of
-    each row); the same values as today's form."""
-    top = logits.amax(dim=-1, keepdim=True).float()
-    shifted = logits.float() - top
-    log_sum = shifted.exp().sum(dim=-1).log()
+def one_read_form_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """fused_columns's loss as runs 7 and 8 measured it: the max and Z of one fp32 view of the
+    logits, the form Inductor's one-pass rewrite (`prepare_softmax_online`) matches (compiled, one
+    read of each row for both, two exponentials a logit); the same values as today's form."""
+    x = logits.float()
+    shifted = x - x.amax(dim=-1, keepdim=True)
+    log_sum = shifted.exp().sum(dim=-1, keepdim=True).log().squeeze(-1)
     return log_sum - shifted.gather(-1, targets[:, None]).squeeze(-1)
 
 
@@ -78,9 +79,9 @@ def one_stage_topk(logits: torch.Tensor, targets: torch.Tensor):
     return fused_columns(logits, targets, 0, None), torch.topk(logits, 32, dim=-1, sorted=True)
 
 
-# rows of the fused head as it was, beside today's, where the fused pass compiles (CUDA)
+# rows of the fused head in earlier forms, beside today's, where the fused pass compiles (CUDA)
 EARLIER_FORMS = (
-    ("fused loss, two-pass form", two_pass_form_loss),
+    ("fused loss, one-read form", one_read_form_loss),
     ("fused +topk 32, one-stage top-k", one_stage_topk),
 )
 

@@ -184,25 +184,18 @@ def head_pass_inputs(
     return logits, targets, torch.rand(vocabulary, generator=generator) < 0.4
 
 
-def one_pass_reductions() -> dict[str, bool]:
-    """{head pass: whether Inductor lowers its loss's max and Z to its one-pass reduction,
-    unsplit}, compiled on a CPU as for an H200: the rewrite's CUDA-only check lifted, and Inductor
-    deciding splits with a GPU's rule and an H200's 132 SMs (a split reduction is two reads in
-    torch 2.11's lowering, the GPU machine's). Seen where Inductor creates the reduction (a CPU
-    cannot generate its code, so a compile that takes it fails after). Call it in a process of
-    its own: Inductor registers the check once, at its first compile, and a graph cached on disk
-    would skip the lowering."""
-    import sys
-
+def fused_reduction_splits() -> dict[str, int]:
+    """{how the fused pass is compiled: the largest split Inductor gives any of its reductions},
+    each compiled first for a padded warm-up's 63 rows of a 16,384-long vocabulary, on a CPU as
+    for an H200 (a GPU's rule for splitting a long reduction over few rows, an H200's 132 SMs).
+    Seen where Inductor lowers the reductions (a CPU may not generate the split code a GPU would,
+    so a compile may fail after). Call it in a process of its own, so that no graph cached on
+    disk skips the lowering."""
     from torch._inductor import graph, ir
     from torch._inductor.codegen.common import BackendFeature
-    from torch._inductor.fx_passes import post_grad
     from torch._inductor.runtime import hints
 
     from pipeline.scoring.head_kernels import compile_head_pass, fused_columns
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import bench_stage1_head
 
     h200 = hints.DeviceProperties(
         type="cuda", index=0, multi_processor_count=132, cc=90, major=9,
@@ -219,38 +212,25 @@ def one_pass_reductions() -> dict[str, bool]:
 
     def record_splits(*args, **kwargs):
         hint, split = num_splits(*args, **kwargs)
-        if kwargs.get("reduction_type") == "online_softmax_reduce":
-            splits.append(split)
+        splits.append(split)
         return hint, split
 
     ir.Reduction.num_splits = staticmethod(record_splits)
-    created = []
-    create = ir.OnlineSoftmaxReduction.create
-    ir.OnlineSoftmaxReduction.create = lambda *args, **kwargs: (
-        created.append(1) or create(*args, **kwargs)
-    )
-    post_grad.prepare_softmax_extra_check = lambda match: True
-    logits, targets, space = head_pass_inputs()
-    few_rows, few_targets, _ = head_pass_inputs(63, 16_384)
-    fused = compile_head_pass(fused_columns)  # compiled afresh for each case, after a reset
-    vocabulary_dynamic = torch.compile(fused_columns, dynamic=True)  # as runs 3-6 compiled it
-    passes = {
-        "fused loss": (fused, logits, targets, 0, None),
-        "fused +space": (fused, logits, targets, 0, space),
-        "fused +topk 8": (fused, logits, targets, 8, None),
-        # compiled first for a padded warm-up's 63 rows, whose graph serves every later chunk
-        "fused, first chunk of 63 rows": (fused, few_rows, few_targets, 0, None),
-        "fused, vocabulary dynamic": (vocabulary_dynamic, logits, targets, 0, None),
-        "two-pass form": (compile_head_pass(bench_stage1_head.two_pass_form_loss), logits, targets),
-    }
+    splitting = torch.compile(fused_columns, dynamic=True)  # splits allowed: the planted contrast
+
+    def splits_allowed(logits, *args):
+        torch._dynamo.mark_static(logits, 1)
+        return splitting(logits, *args)
+
+    logits, targets, space = head_pass_inputs(63, 16_384)
     taken = {}
-    for name, (head_pass, chunk, chunk_targets, *rest) in passes.items():
+    for name, head_pass in (("compile_head_pass", compile_head_pass(fused_columns)),
+                            ("splits allowed", splits_allowed)):  # fmt: skip
         torch._dynamo.reset()
-        created.clear()
         splits.clear()
         try:  # a copy of the logits: compile_head_pass marks the one it is given
-            head_pass(chunk.clone(), chunk_targets, *rest)
-        except Exception:  # the CPU's code generation has no one-pass reduction
-            assert created, name
-        taken[name] = bool(created) and max(splits, default=1) == 1
+            head_pass(logits.clone(), targets, 8, space)
+        except Exception:  # the CPU's code generation of a GPU's split
+            assert splits, name
+        taken[name] = max(splits)
     return taken

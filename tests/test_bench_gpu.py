@@ -337,7 +337,7 @@ def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
 
 
 def test_where_the_fused_pass_compiles_the_head_bench_adds_the_earlier_forms(monkeypatch, capsys):
-    """On CUDA the head bench also times runs 3-6's two-pass form of the fused loss and their
+    """On CUDA the head bench also times runs 7-8's one-read form of the fused loss and runs 3-6's
     one-stage top 32, compiled as the scorer compiles `fused`: that path runs here too (compiled
     on the CPU), so that the next GPU run does not meet it first."""
     import bench_stage1_head
@@ -345,7 +345,7 @@ def test_where_the_fused_pass_compiles_the_head_bench_adds_the_earlier_forms(mon
     monkeypatch.setattr(bench_stage1_head, "compiles_on", lambda device: True)
     assert bench_stage1_head.main(["--shape", "tiny", "--repeats", "1"]) == 0
     said = capsys.readouterr().out
-    for label in ("fused loss, two-pass form", "fused +topk 32, one-stage top-k"):
+    for label in ("fused loss, one-read form", "fused +topk 32, one-stage top-k"):
         row = re.search(rf"^{re.escape(label)} +([\d.]+) +([\d.]+)$", said, re.M)
         assert row and float(row[1]) > 0 and float(row[2]) > 0, said
 
@@ -385,17 +385,17 @@ def test_the_head_bench_one_stage_topk_is_the_fused_heads_top_32():
     assert torch.equal(logits.gather(1, fused["topk_ids"]), values)
 
 
-def test_the_head_bench_two_pass_form_is_the_fused_loss():
-    """`fused loss, two-pass form` (runs 3-6's form of the fused loss, which Inductor reads twice:
-    tests/test_stage1_head.py) computes the fused loss's values, so its row differs from `fused
-    loss` by the form alone."""
+def test_the_head_bench_one_read_form_is_the_fused_loss():
+    """`fused loss, one-read form` (runs 7-8's form of the fused loss, which Inductor reads once
+    for the max and Z) computes the fused loss's values, so its row differs from `fused loss` by
+    the form alone."""
     import bench_stage1_head
 
     from pipeline.scoring.head_kernels import fused_columns
 
     logits, targets, _ = head_pass_inputs()
     torch.testing.assert_close(
-        bench_stage1_head.two_pass_form_loss(logits, targets),
+        bench_stage1_head.one_read_form_loss(logits, targets),
         fused_columns(logits, targets, 0, None)["loss"],
         rtol=0, atol=0,
     )  # fmt: skip

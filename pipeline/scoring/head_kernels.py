@@ -16,13 +16,13 @@ writer stores their top-k entries as nulls.
 Four kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
   - plain: the chunk's logits copied to fp32, log-softmax (another fp32 chunk), the loss and the
     views read from it (pipeline.cross_entropy, the student's definition);
-  - fused: reductions over the logits as they are (bf16 on a GPU): their max and Z in one pass,
-    the space mask's share of Z in another, the target's logit, and the top k of the logits by
-    blocks (top_logits), so no fp32 copy of the chunk is made where the pass is compiled (on
-    CUDA; elsewhere it runs eagerly);
-  - onepass: fused's logits, reduced by a Triton kernel that reads each logit once (the max and
-    the sums together, rescaled as the max grows), and fused's top k of the logits
-    (pipeline.scoring.triton_head: logit_row_sums);
+  - fused: reductions over the logits as they are (bf16 on a GPU): their max, then Z and the
+    space mask's share of it, the target's logit, and the top k of the logits by blocks
+    (top_logits), so no fp32 copy of the chunk is made where the pass is compiled (on CUDA;
+    elsewhere it runs eagerly);
+  - onepass (`auto` on CUDA): fused's logits, reduced by a Triton kernel that reads each logit
+    once (the max and the sums together, rescaled as the max grows), and fused's top k of the
+    logits (pipeline.scoring.triton_head: logit_row_sums);
   - triton: the head's matrix product and those reductions in one Triton kernel, so that no
     logit leaves the chip (pipeline.scoring.triton_head; the loss and the space column, no
     top-k).
@@ -73,14 +73,14 @@ def fused_columns(
     """The same columns as `plain_columns` from reductions over the logits in their own dtype
     (`--head-kernel fused`): loss = log Z - logit[target], the top-k probabilities
     exp(logit - log Z) of the top k of the logits (`top_logits`), and p(S) as the share of S's terms
-    exp(logit - max) in their sum over the vocabulary. The max and Z are taken of one fp32 view
-    of the logits, keepdim: the form Inductor's one-pass rewrite (`prepare_softmax_online`)
-    matches, so that compiled (`compiled_fused_columns`) one read of the chunk gives both, each
-    logit upcast as it is read; the space mask's sum, which needs the max, reads it once more
-    (runs 3-6's form, the same values, read it twice for the loss: docs/stage1-gpu-path.md)."""
-    x = logits.float()
-    top = x.amax(dim=-1, keepdim=True)
-    shifted = x - top
+    exp(logit - max) in their sum over the vocabulary. Compiled (`compiled_fused_columns`), each
+    reduction upcasts the logits as it reads them: a read for the max, then Z (and the space
+    mask's sum) from the logits less it. The max is taken of the logits as they are, which Inductor's one-pass rewrite
+    (`prepare_softmax_online`: the max and Z in one read, two exponentials a logit) does not
+    match: on an H200 that form took 13.1-13.2 ms a batch of the 1.5B shape against this one's
+    12.7 (runs 7 and 8, docs/stage1-gpu-path.md)."""
+    top = logits.amax(dim=-1, keepdim=True).float()
+    shifted = logits.float() - top
     exp = shifted.exp()
     log_sum = exp.sum(dim=-1, keepdim=True).log().squeeze(-1)
     picked = shifted.gather(-1, targets[:, None]).squeeze(-1)
@@ -148,13 +148,12 @@ def onepass_columns(
 
 
 def compile_head_pass(function):
-    """`function(logits, targets, ...)` under torch.compile: the chunk's rows dynamic (a batch's
-    last, shorter chunk does not recompile), its vocabulary static, since Inductor reads a row once
-    for its max and sum of exp(x - max) only where it can prove the row at least 8 long, which a
-    dynamic length is not; and its reductions never split, since on a GPU Inductor splits a row's
-    reduction where the first chunk it compiles for has few rows (under 2 per SM: a padded
-    warm-up's 63), torch 2.11's lowering then reads the row twice, and the one graph serves every
-    later chunk (tests/test_stage1_head.py)."""
+    """`function(logits, targets, ...)` under torch.compile, as bench_stage1_head.py's rows
+    measured it: the chunk's rows dynamic (a batch's last, shorter chunk does not recompile), its
+    vocabulary static (the teacher's: Inductor sizes the row's reductions for it), and its
+    reductions never split: on a GPU Inductor splits a row's reduction where the first chunk it
+    compiles for has few rows (under 2 per SM: a padded warm-up's 63), and the one graph then
+    serves every later chunk, full ones too (tests/test_stage1_head.py)."""
     compiled = torch.compile(function, dynamic=True, options={"split_reductions": False})
 
     def head_pass(logits: torch.Tensor, *args):
