@@ -51,16 +51,16 @@ What each row measures:
   shapes give the one worker 8 units). `stage 1 triton head` (where the kernel runs: CUDA): the
   job with `--head-kernel triton`, the head's product and its reductions in one Triton kernel
   (pipeline/scoring/triton_head.py), a switch turned on, whose ratio to stage 1 is what it is
-  worth; `stage 1 triton head +space` the same with `--space-logprob`; `stage 1 onepass head`
-  and `+space` likewise with `--head-kernel onepass`, fused's logits reduced by a Triton kernel
-  that reads each once. `stage 1 vllm` (where vllm imports): the same job with `--backend
-  vllm`, the engine's prompt log-probabilities. Each of these rows is preceded by the largest
+  worth; `stage 1 triton head +space` the same with `--space-logprob`; `stage 1 fused head`
+  and `+space` likewise with `--head-kernel fused`, Inductor's reductions over the logits,
+  against onepass's Triton kernel, auto's choice there. `stage 1 vllm` (where vllm imports):
+  the same job with `--backend vllm`, the engine's prompt log-probabilities. Each of these rows is preceded by the largest
   difference of its stored losses from stage 1's: the columns leave the loss as it is, a switch
   within rounding (the Triton head by bf16's rounding of the logits, which it does not round),
   and vLLM within its own arithmetic.
 - bare forward, body, body + fused head: the teacher loaded as the worker loads it
-  (pipeline.scoring.hf.HFScorer, the same `auto` switches: on a GPU its decoder layers compiled,
-  as the worker's), on the rows the worker computes (each unit of `--docs-per-shard` documents
+  (pipeline.scoring.hf.HFScorer, the same `auto` switches: on a GPU its decoder layers compiled
+  and the onepass head, as the worker's), on the rows the worker computes (each unit of `--docs-per-shard` documents
   laid out apart, as the worker lays out a unit: its windows, row layout, mask and positions, so
   each unit's last, partly empty row and batch are in the floors too; a line gives the slots
   computed on these units against all documents at once; runs 1-6 laid all documents out at
@@ -71,9 +71,10 @@ What each row measures:
   worker's scoring call itself (`HFScorer.score_columns` from host token ids: its batches built,
   copied, scored in sized chunks and read back) over all documents at once, in this process,
   without Ray, tokenizing or writing. `scorer by unit`: the same call once per unit, in the
-  job's order: between it and `body + fused head` (the same rows) lies the scorer's host work
-  and each unit's wait for its last results before the next unit's first batch is queued,
-  between it and `scorer` the units' edges whole (those waits, and the partly empty rows).
+  job's order: between it and `body + onepass head` (on a GPU: the same rows and head) lies the
+  scorer's host work and each unit's wait for its last results before the next unit's first
+  batch is queued, between it and `scorer` the units' edges whole (those waits, and the partly
+  empty rows).
   `scorer queued units`: the units as a worker scores them, in one thread: each unit's batches
   queued before the previous unit's last batch is collected (`HFScorer.queue_columns`): between
   it and `scorer by unit` lies what that queueing is worth, between it and `stage 1 (hf)`'s score
@@ -189,20 +190,20 @@ STAGE1_VARIANTS = (
     ("eager layers", ("--compile", "off")),
     ("padded rows", ("--row-packing", "padded")),
 )
-# The switch rows measured before stage 2 (the rest after it): onepass is the head run 5's
-# traces point at and the issue's targets name +space (docs/stage1-gpu-path.md), the Triton
-# head measured no faster than fused there, packing is the largest of the switches, a wait per
+# The switch rows measured before stage 2 (the rest after it): the issue's targets name +space,
+# fused is the head `auto` falls back to where onepass cannot run, the Triton head measured no
+# faster than fused (docs/stage1-gpu-path.md), packing is the largest of the switches, a wait per
 # batch is what the floors never do, and compiled layers speed the body itself (the floors' too).
 PRIORITY_VARIANTS = (
-    "onepass head", "+space", "triton head", "padded rows", "serial batches", "eager layers"
-)
-# Where the Triton kernels run (CUDA), the job with each, without and with the space column:
-# switches turned on, not off, whose ratios to stage 1 are what the head's product and reductions
-# in one kernel, or one read of the logits, are worth (and, +space over the row before, what the
+    "+space", "fused head", "triton head", "padded rows", "serial batches", "eager layers"
+)  # fmt: skip
+# Where the Triton kernels run (CUDA, where `--head-kernel auto` is onepass), the job with
+# `fused`, what auto falls back to elsewhere, and with `triton`, the head's product and reductions
+# in one kernel, each without and with the space column (+space over the row before: what the
 # column costs under it).
 TRITON_VARIANTS = (
-    ("onepass head", ("--head-kernel", "onepass")),
-    ("onepass head +space", ("--head-kernel", "onepass", "--space-logprob")),
+    ("fused head", ("--head-kernel", "fused")),
+    ("fused head +space", ("--head-kernel", "fused", "--space-logprob")),
     ("triton head", ("--head-kernel", "triton")),
     ("triton head +space", ("--head-kernel", "triton", "--space-logprob")),
 )
@@ -316,8 +317,10 @@ def forward_rates(
             targets = inputs["input_ids"][row, position + 1]
             columns.of_batch(hidden, scorer.head, targets, len(row))
 
-    def body_and_fused_head() -> None:
-        body_and_head(scorer.columns)
+    fused = HeadColumns(HeadExtras(), scorer.vocab_size, device, "fused")
+
+    def body_and_fused_head() -> None:  # the scorer's own head may be another (onepass on CUDA)
+        body_and_head(fused)
 
     def scorer_pass() -> None:  # what a worker's unit does on the device, from host token ids
         scorer.score_columns(token_ids)
@@ -553,7 +556,7 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     keep_trace(bench, teacher.out, f"{teacher.name}-stage1")
     load = functools.partial(
         HFScorer, resolve_teacher(str(teacher.folder)), dtype=dtype, max_length=max_length,
-        stride=stride, batch_tokens=batch_tokens, device=str(device), head_kernel="fused",
+        stride=stride, batch_tokens=batch_tokens, device=str(device),
     )  # fmt: skip
     scorer = load()
     model = scorer.model

@@ -46,6 +46,30 @@ def test_without_cuda_or_the_interpreter_triton_is_refused_in_one_line(tmp_path,
                  device="cpu", head_kernel=kernel)  # fmt: skip
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter is on")
+def test_auto_takes_fused_with_one_warning_where_onepass_cannot_run(tmp_path, monkeypatch, capsys):
+    """`--head-kernel auto` on a GPU is onepass; where its kernel cannot run there (no triton, a
+    failed compile or check at load) the worker scores with fused, says so in one warning, and
+    records fused. Here auto is made to mean onepass on this CPU, where Triton does not run."""
+    import pipeline.scoring.hf as hf
+    from pipeline.log import configure
+
+    choose = hf.on_device
+    monkeypatch.setattr(hf, "on_device", lambda choice, device, gpu, cpu: choose(
+        choice, device, gpu, gpu if gpu == "onepass" else cpu
+    ))  # fmt: skip
+    teacher = resolve_teacher(str(make_tiny_teacher(tmp_path / "t", "smollm2")))
+    settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
+    configure()
+    scorer = HFScorer(teacher, head_kernel="auto", **settings)
+    assert scorer.head_kernel == "fused" and scorer.describe()["head_kernel"] == "fused"
+    said = capsys.readouterr().err
+    assert said.count("[scoring] --head-kernel auto takes fused: --head-kernel onepass: Triton "
+                      "compiles for CUDA devices, not cpu") == 1, said  # fmt: skip
+    with pytest.raises(ConfigError, match="^--head-kernel onepass: "):  # asked for: refused
+        HFScorer(teacher, head_kernel="onepass", **settings)
+
+
 def test_the_kernel_compiles_for_hopper_and_ampere_pipelined_without_spills():
     """What the interpreter cannot show: Triton's compile of the kernel's fixed blocks for an
     H100/H200 and an A100, specialized as a launch is, uses their tensor cores, double-buffers

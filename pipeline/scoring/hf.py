@@ -119,7 +119,7 @@ class HFScorer:
         except ConfigError as exc:
             if asked != "auto":
                 raise
-            get_logger("scoring").warning(f"--head-kernel auto: {exc}")
+            get_logger("scoring").warning(f"--head-kernel auto takes fused: {exc}")
             columns = HeadColumns(self.extras, self.vocab_size, self.device, "fused")
         return columns
 
