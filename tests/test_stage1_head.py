@@ -19,6 +19,7 @@ import torch
 from pipeline.scoring.head import LOGIT_BUDGET, head_chunk_rows
 from pipeline.scoring.head_kernels import (
     compiled_fused_columns,
+    compiled_topk_columns,
     fused_columns,
     plain_columns,
     top_logits,
@@ -54,10 +55,11 @@ def test_the_fused_head_caches_every_column_the_plain_one_does(teachers, name):
 
 
 def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
-    """What a GPU runs (torch.compile of fused_columns; the CPU compiles it too) against the
-    eager pass and the plain log-softmax, in fp32 and from bf16 logits, on a chunk with a last
-    row of its own size (dynamic shapes: no recompile per chunk); 5,000 logits a row, so that the
-    top 8 are taken by blocks, with a partial last block."""
+    """What a GPU runs (torch.compile of fused_columns, and of the top-k columns onepass takes
+    beside its Triton kernel; the CPU compiles them too) against the eager pass and the plain
+    log-softmax, in fp32 and from bf16 logits, on a chunk with a last row of its own size
+    (dynamic shapes: no recompile per chunk); 5,000 logits a row, so that the top 8 are taken by
+    blocks, with a partial last block."""
     generator = torch.Generator().manual_seed(0)
     space = torch.rand(5000, generator=generator) < 0.3
     for dtype in (torch.float32, torch.bfloat16):
@@ -66,9 +68,11 @@ def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
             targets = torch.randint(0, 5000, (rows,), generator=generator)
             compiled = compiled_fused_columns()(logits, targets, 8, space)
             eager = fused_columns(logits, targets, 8, space)
+            log_z = torch.logsumexp(logits.float(), dim=-1)
+            onepass_topk = compiled_topk_columns()(logits, 8, log_z)
             plain = plain_columns(logits, targets, 8, space)
             for name, value in plain.items():
-                for other in (compiled, eager):
+                for other in (compiled, eager) + ((onepass_topk,) if name in onepass_topk else ()):
                     if name == "topk_ids":  # rank by rank the same logit: ties may swap ids
                         assert torch.equal(logits.gather(1, other[name]), logits.gather(1, value))
                     else:
