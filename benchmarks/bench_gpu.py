@@ -54,36 +54,36 @@ What each row measures:
   worth; `stage 1 triton head +space` the same with `--space-logprob`; `stage 1 fused head`
   and `+space` likewise with `--head-kernel fused`, Inductor's reductions over the logits,
   against onepass's Triton kernel, auto's choice there. `stage 1 vllm` (where vllm imports):
-  the same job with `--backend vllm`, the engine's prompt log-probabilities. Each of these rows is preceded by the largest
-  difference of its stored losses from stage 1's: the columns leave the loss as it is, a switch
-  within rounding (the Triton head by bf16's rounding of the logits, which it does not round),
-  and vLLM within its own arithmetic.
+  the same job with `--backend vllm`, the engine's prompt log-probabilities. Each of these rows
+  is preceded by a line with the largest difference of its stored losses from stage 1's (the
+  columns leave the loss as it is, a switch within rounding, the Triton head by bf16's rounding
+  of the logits, which it does not round, and vLLM within its own arithmetic), its units'
+  phases, and its steady rate as a ratio to `stage 1 steady` (a short job's edges, the first
+  unit's tokenizing and the last one's writing, vary with the host).
 - bare forward, body, body + fused head: the teacher loaded as the worker loads it
-  (pipeline.scoring.hf.HFScorer, the same `auto` switches: on a GPU its decoder layers compiled
-  and the onepass head, as the worker's), on the rows the worker computes (each unit of `--docs-per-shard` documents
-  laid out apart, as the worker lays out a unit: its windows, row layout, mask and positions, so
-  each unit's last, partly empty row and batch are in the floors too; a line gives the slots
-  computed on these units against all documents at once; runs 1-6 laid all documents out at
-  once) already on the device: `model(...).logits` and nothing else; the decoder body alone, no
-  head (the floor of any loss); the body and one fused head pass over all of a batch's scored
-  positions; `body + triton head` and `body + onepass head` (where the kernels run), the same
-  with the Triton kernel's pass, which makes no logits, and with onepass's. `scorer`: the
+  (pipeline.scoring.hf.HFScorer, the same `auto` switches: on a GPU its decoder layers compiled and
+  the onepass head, as the worker's), on the rows the worker computes (each unit of
+  `--docs-per-shard` documents laid out apart, as the worker lays out a unit: its windows, row
+  layout, mask and positions, so each unit's last, partly empty row and batch are in the floors too;
+  a line gives the slots computed on these units against all documents at once; runs 1-6 laid all
+  documents out at once) already on the device: `model(...).logits` and nothing else; the decoder
+  body alone, no head (the floor of any loss); the body and one fused head pass over all of a
+  batch's scored positions; `body + triton head` and `body + onepass head` (where the kernels run),
+  the same with the Triton kernel's pass, which makes no logits, and with onepass's. `scorer`: the
   worker's scoring call itself (`HFScorer.score_columns` from host token ids: its batches built,
-  copied, scored in sized chunks and read back) over all documents at once, in this process,
-  without Ray, tokenizing or writing. `scorer by unit`: the same call once per unit, in the
-  job's order: between it and `body + onepass head` (on a GPU: the same rows and head) lies the
-  scorer's host work and each unit's wait for its last results before the next unit's first
-  batch is queued, between it and `scorer` the units' edges whole (those waits, and the partly
-  empty rows).
-  `scorer queued units`: the units as a worker scores them, in one thread: each unit's batches
-  queued before the previous unit's last batch is collected (`HFScorer.queue_columns`): between
-  it and `scorer by unit` lies what that queueing is worth, between it and `stage 1 (hf)`'s score
-  phases what Ray and the worker's threads cost.
-  `scorer +space`: the `scorer` row's call with `--space-logprob`'s column, the scorer loaded
-  again with it: between it and `scorer` lies what the column costs the scoring call, between
-  it and `stage 1 +space` what it costs the job. Each: one warm-up pass, then the best of --repeats
-  passes, synchronized; the same teacher-token count as the job. The `stage 1 (hf)` row's ratio
-  is to `body`, and a line before the table gives stage 1 / bare forward.
+  copied, scored in sized chunks and read back) over all documents at once, in this process, without
+  Ray, tokenizing or writing. `scorer by unit`: the same call once per unit, in the job's order:
+  between it and `body + onepass head` (on a GPU: the same rows and head) lies the scorer's host
+  work and each unit's wait for its last results before the next unit's first batch is queued,
+  between it and `scorer` the units' edges whole (those waits, and the partly empty rows). `scorer
+  queued units`: the units as a worker scores them, in one thread: each unit's batches queued before
+  the previous unit's last batch is collected (`HFScorer.queue_columns`): between it and `scorer by
+  unit` lies what that queueing is worth, between it and `stage 1 (hf)`'s score phases what Ray and
+  the worker's threads cost. `scorer +space`: the `scorer` row's call with `--space-logprob`'s
+  column, the scorer loaded again with it: between it and `scorer` lies what the column costs the
+  scoring call, between it and `stage 1 +space` what it costs the job. Each: one warm-up pass, then
+  the best of --repeats passes, synchronized; the same teacher-token count as the job. The `stage 1
+  (hf)` row's ratio is to `body`, and a line before the table gives stage 1 / bare forward.
 - stage 2: `stage2_train/train.py` in-process on the first teacher's cache; tokens/s and MFU are the
   median of metrics.jsonl's per-step `tokens_per_second` and `mfu` after the first third of steps.
 - stage 2 floor: the fastest plain training loop of the same student on batches of the same
@@ -502,6 +502,7 @@ class Teacher:
     out: Path
     command: list[str]
     rate: float = 0.0  # of `stage 1 (hf)`, the switch rows' baseline
+    steady: float = 0.0  # of `stage 1 steady`, beside it on a switch row's line
     seconds: float = 0.0  # its wall time, what a switch row is predicted to take
     parameters: int = 0  # flop_parameters of the model
 
@@ -608,7 +609,7 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     body_rate = floors["body"]
     bench.add(Row("stage 1 (hf)", teacher.name, teacher.rate, teacher.rate / body_rate,
                   mfu(parameters, teacher.rate, peak, training=False), polled["peak"]))  # fmt: skip
-    steady = steady_rate(teacher.out)
+    steady = teacher.steady = steady_rate(teacher.out)
     bench.add(Row("stage 1 steady", teacher.name, steady, steady / body_rate,
                   mfu(parameters, steady, peak, training=False), polled["peak"]))  # fmt: skip
     for side, rate in floors.items():
@@ -628,8 +629,10 @@ def stage1_variant(bench: Bench, teacher: Teacher, label: str, options: tuple) -
                                np.asarray(b["loss"], np.float32))))
         for a, b in zip(cache_rows(out), cache_rows(teacher.out), strict=True)
     )  # fmt: skip
+    steady = steady_rate(out)  # without the edges, whose host work varies between machines
     print(f"stage 1 {label} vs stage 1: max |stored loss difference| {difference:.2e}; "
-          f"{phase_summary(out)}")  # fmt: skip
+          f"{phase_summary(out)}; steady {steady:,.0f} tok/s, {steady / teacher.steady:.3f} of "
+          f"stage 1 steady")  # fmt: skip
     keep_trace(bench, out, f"{teacher.name}-stage1-{label.replace(' ', '-')}")
     shutil.rmtree(out)
     bench.add(Row(f"stage 1 {label}", teacher.name, rate, rate / teacher.rate,

@@ -75,10 +75,10 @@ def fused_columns(
     exp(logit - log Z) of the top k of the logits (`top_logits`), and p(S) as the share of S's terms
     exp(logit - max) in their sum over the vocabulary. Compiled (`compiled_fused_columns`), each
     reduction upcasts the logits as it reads them: a read for the max, then Z (and the space
-    mask's sum) from the logits less it. The max is taken of the logits as they are, which Inductor's one-pass rewrite
-    (`prepare_softmax_online`: the max and Z in one read, two exponentials a logit) does not
-    match: on an H200 that form took 13.1-13.2 ms a batch of the 1.5B shape against this one's
-    12.7 (runs 7 and 8, docs/stage1-gpu-path.md)."""
+    mask's sum) from the logits less it. The max is taken of the logits as they are, which
+    Inductor's one-pass rewrite (`prepare_softmax_online`: the max and Z in one read, two
+    exponentials a logit) does not match: on an H200 that form took 13.1-13.2 ms a batch of the
+    1.5B shape against this one's 12.7 (runs 7 and 8, docs/stage1-gpu-path.md)."""
     top = logits.amax(dim=-1, keepdim=True).float()
     shifted = logits.float() - top
     exp = shifted.exp()
