@@ -51,11 +51,11 @@ def test_auto_takes_fused_with_one_warning_where_onepass_cannot_run(tmp_path, mo
     """`--head-kernel auto` on a GPU is onepass; where its kernel cannot run there (no triton, a
     failed compile or check at load) the worker scores with fused, says so in one warning, and
     records fused. Here auto is made to mean onepass on this CPU, where Triton does not run."""
-    import pipeline.scoring.hf as hf
+    import pipeline.scoring.head as head
     from pipeline.log import configure
 
-    choose = hf.on_device
-    monkeypatch.setattr(hf, "on_device", lambda choice, device, gpu, cpu: choose(
+    choose = head.on_device
+    monkeypatch.setattr(head, "on_device", lambda choice, device, gpu, cpu: choose(
         choice, device, gpu, gpu if gpu == "onepass" else cpu
     ))  # fmt: skip
     teacher = resolve_teacher(str(make_tiny_teacher(tmp_path / "t", "smollm2")))

@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, TOPK_REST
-from pipeline.choices import TRITON_HEAD_WITHOUT_TOPK, compiles_on
+from pipeline.choices import TRITON_HEAD_WITHOUT_TOPK, compiles_on, on_device
 from pipeline.errors import ConfigError
+from pipeline.log import get_logger
 from pipeline.scoring.head_kernels import (
     compiled_fused_columns,
     compiled_topk_columns,
@@ -166,6 +167,31 @@ class HeadColumns:
                 exact = plain_columns(head(hidden).float(), targets, 0, space)
             differences += [float((ours[name] - exact[name]).abs().max()) for name in exact]
         return float(np.max(differences))  # NaN if any is
+
+
+def head_columns(
+    asked: str,
+    extras: HeadExtras,
+    vocab_size: int,
+    device: torch.device,
+    head: torch.nn.Linear,
+    plain_head: bool,
+) -> HeadColumns:
+    """The columns of a teacher's `head` (`vocab_size` outputs; `plain_head`: its logits are the
+    head applied to the body's output) by `--head-kernel` `asked`. auto: on a GPU onepass (the
+    fastest, run 7: docs/stage1-gpu-path.md), or fused with one warning where its Triton kernel
+    does not run or fails its check at load; on a CPU plain, whose caches are those of before."""
+    kernel = on_device(asked, device, gpu="onepass", cpu="plain")
+    try:
+        columns = HeadColumns(extras, vocab_size, device, kernel)
+        if kernel in ("triton", "onepass"):
+            check_triton_kernel(columns, head, plain_head)
+    except ConfigError as exc:
+        if asked != "auto":
+            raise
+        get_logger("scoring").warning(f"--head-kernel auto takes fused: {exc}")
+        columns = HeadColumns(extras, vocab_size, device, "fused")
+    return columns
 
 
 def exact_columns(

@@ -47,13 +47,7 @@ from pipeline.scoring.batching import (
     scored_positions,
 )
 from pipeline.scoring.device import HostCopies, QueuedColumns, free_memory, to_device
-from pipeline.scoring.head import (
-    HeadColumns,
-    HeadExtras,
-    check_triton_kernel,
-    empty_columns,
-    head_chunk_rows,
-)
+from pipeline.scoring.head import HeadExtras, empty_columns, head_chunk_rows, head_columns
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
 
@@ -95,7 +89,9 @@ class HFScorer:
         self.vocab_size = self.head.weight.shape[0]
         self.plain_head = self._head_reproduces_logits()
         self.extras = extras or HeadExtras()
-        self.columns = self._head_columns(head_kernel)
+        self.columns = head_columns(
+            head_kernel, self.extras, self.vocab_size, self.device, self.head, self.plain_head
+        )
         self.head_kernel = self.columns.kernel
         self.head_chunks = on_device(head_chunks, self.device, gpu="sized", cpu="fixed")
         self.row_packing, self.attention = self._resolve_packing(row_packing, attention)
@@ -106,22 +102,6 @@ class HFScorer:
         compile_layers(self.model, self.compile, "the teacher")
         self._head_rows: int | None = None  # rows per head chunk, from the first scoring call
         self._warm_up(compile)
-
-    def _head_columns(self, asked: str) -> HeadColumns:
-        """The head's columns by `--head-kernel` `asked`. auto: on a GPU onepass (the fastest,
-        run 7: docs/stage1-gpu-path.md), or fused with one warning where its Triton kernel does
-        not run or fails its check at load; on a CPU plain, whose caches are those of before."""
-        kernel = on_device(asked, self.device, gpu="onepass", cpu="plain")
-        try:
-            columns = HeadColumns(self.extras, self.vocab_size, self.device, kernel)
-            if kernel in ("triton", "onepass"):
-                check_triton_kernel(columns, self.head, self.plain_head)
-        except ConfigError as exc:
-            if asked != "auto":
-                raise
-            get_logger("scoring").warning(f"--head-kernel auto takes fused: {exc}")
-            columns = HeadColumns(self.extras, self.vocab_size, self.device, "fused")
-        return columns
 
     def _warm_up(self, asked: str) -> None:
         """Score `_warm_up_units`, so that what compiles on first use (the layers, the fused
