@@ -10,21 +10,20 @@ its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mas
 the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations' column.
 `onepass ...` rows (where Triton runs: CUDA) are `--head-kernel onepass`, `auto`'s choice there,
 fused's logits reduced by a kernel that reads each once (the space mask's sum in the same read);
-`fused loss, one-read form` (where the fused pass compiles: CUDA) is the fused loss as runs 7 and
-8 measured it, which Inductor compiles to one read of each row for the max and Z, slower there
-than today's form (docs/stage1-gpu-path.md: "One read of the logits"), and `fused +topk 32,
-one-stage top-k` the top 32 as runs 3-6 took it, torch.topk of the whole row, where today's head
-takes it by blocks; `triton loss` and `triton +space` are
-`--head-kernel triton`, the product and the reductions in one kernel, all positions in one
-launch; each `--triton-blocks` adds a `triton P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss
-with those blocks (pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and
-hidden size, a program's span of the vocabulary, the blocks of positions grouped, warps, pipeline
-stages) instead of the kernel's fixed ones, so one GPU run can say which suit it
-(benchmarks/triton_head_compile.py says which spill, without a GPU). bench_gpu.py's `body + fused
-head` and `scorer` rows hold the same head inside the whole batch; this script says which column
-costs what inside it. Random hidden states and weights of the teacher's shape: shapes, not
-values, set the speed. `--shape tiny` (the default without CUDA) runs in seconds on a CPU,
-eagerly, as a CPU scorer does.
+`fused loss, one-read form` (where the fused pass compiles: CUDA) is the fused loss as runs 7 and 8
+measured it, which Inductor compiles to one read of each row for the max and Z, slower there than
+today's form (docs/stage1-gpu-path.md: "One read of the logits"), and `fused +topk 32, one-stage
+top-k` the top 32 as runs 3-6 took it, torch.topk of the whole row, where today's head takes it by
+blocks; `triton loss` and `triton +space` are `--head-kernel triton`, the product and the reductions
+in one kernel, all positions in one launch; each `--triton-blocks` adds a `triton
+P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
+(pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a program's
+span of the vocabulary, the blocks of positions grouped, warps, pipeline stages) instead of the
+kernel's fixed ones, so one GPU run can say which suit it (benchmarks/triton_head_compile.py says
+which spill, without a GPU). bench_gpu.py's `body + ... head` and `scorer` rows hold these heads
+inside the whole batch; this script says which column costs what inside it. Random hidden states and
+weights of the teacher's shape: shapes, not values, set the speed. `--shape tiny` (the default
+without CUDA) runs in seconds on a CPU, eagerly, as a CPU scorer does.
 """
 
 from __future__ import annotations
