@@ -18,11 +18,11 @@ import torch
 
 from pipeline.scoring.head import LOGIT_BUDGET, head_chunk_rows
 from pipeline.scoring.head_kernels import (
-    compiled_fused_columns,
-    compiled_topk_columns,
+    compiled_pass,
     fused_columns,
     plain_columns,
     top_logits,
+    topk_columns,
 )
 from tests.stage1_helpers import (
     assert_same_topk_ids_but_ties,
@@ -66,10 +66,10 @@ def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
         for rows in (37, 5):
             logits = (torch.randn(rows, 5000, generator=generator) * 4).to(dtype)
             targets = torch.randint(0, 5000, (rows,), generator=generator)
-            compiled = compiled_fused_columns()(logits, targets, 8, space)
+            compiled = compiled_pass(fused_columns)(logits, targets, 8, space)
             eager = fused_columns(logits, targets, 8, space)
             log_z = torch.logsumexp(logits.float(), dim=-1)
-            onepass_topk = compiled_topk_columns()(logits, 8, log_z)
+            onepass_topk = compiled_pass(topk_columns)(logits, 8, log_z)
             plain = plain_columns(logits, targets, 8, space)
             for name, value in plain.items():
                 for other in (compiled, eager) + ((onepass_topk,) if name in onepass_topk else ()):

@@ -122,7 +122,7 @@ def compiled_as_on_a_gpu(monkeypatch):
     for module in (head, document_attention):
         monkeypatch.setattr(module, "compiles_on", lambda device: True)
     torch._dynamo.reset()
-    head_kernels.compiled_fused_columns.cache_clear()
+    head_kernels.compiled_pass.cache_clear()
 
 
 @pytest.mark.parametrize("columns", ["loss", "all"])

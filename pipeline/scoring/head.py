@@ -18,8 +18,7 @@ from pipeline.choices import TRITON_HEAD_WITHOUT_TOPK, compiles_on, on_device
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from pipeline.scoring.head_kernels import (
-    compiled_fused_columns,
-    compiled_topk_columns,
+    compiled_pass,
     fused_columns,
     onepass_columns,
     plain_columns,
@@ -76,15 +75,15 @@ class HeadExtras:
 
 def head_kernel_function(kernel: str, device: torch.device):
     """What computes a chunk's columns for `--head-kernel` `kernel` (plain, fused or onepass) on
-    `device`: fused is compiled where `compiles_on` says (CUDA), eager elsewhere."""
+    `device`: fused, and onepass's top-k beside its Triton kernel, compiled where `compiles_on`
+    says (CUDA), eager elsewhere."""
     if kernel == "plain":
         return plain_columns
-    compiled = compiles_on(device)
+    as_run = compiled_pass if compiles_on(device) else lambda function: function
     if kernel == "onepass":
         row_sums = triton_module(kernel, device).logit_row_sums
-        topk_pass = compiled_topk_columns() if compiled else topk_columns
-        return functools.partial(onepass_columns, row_sums, topk_pass)
-    return compiled_fused_columns() if compiled else fused_columns
+        return functools.partial(onepass_columns, row_sums, as_run(topk_columns))
+    return as_run(fused_columns)
 
 
 class HeadColumns:

@@ -73,7 +73,7 @@ def fused_columns(
     """The same columns as `plain_columns` from reductions over the logits in their own dtype
     (`--head-kernel fused`): loss = log Z - logit[target], the top-k probabilities
     exp(logit - log Z) of the top k of the logits (`top_logits`), and p(S) as the share of S's terms
-    exp(logit - max) in their sum over the vocabulary. Compiled (`compiled_fused_columns`), each
+    exp(logit - max) in their sum over the vocabulary. Compiled (`compiled_pass`), each
     reduction upcasts the logits as it reads them: a read for the max, then Z (and the space
     mask's sum) from the logits less it. The max is taken of the logits as they are, which
     Inductor's one-pass rewrite (`prepare_softmax_online`: the max and Z in one read, two
@@ -164,12 +164,7 @@ def compile_head_pass(function):
 
 
 @functools.cache
-def compiled_fused_columns():
-    """`fused_columns` under `compile_head_pass` (once per process)."""
-    return compile_head_pass(fused_columns)
-
-
-@functools.cache
-def compiled_topk_columns():
-    """`topk_columns` under `compile_head_pass` (once per process), for onepass."""
-    return compile_head_pass(topk_columns)
+def compiled_pass(function):
+    """`function` under `compile_head_pass`, once per process: on CUDA, `fused_columns`, and
+    `topk_columns` beside onepass's Triton kernel."""
+    return compile_head_pass(function)
