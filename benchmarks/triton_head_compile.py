@@ -8,12 +8,12 @@ onepass`'s row kernel, its registers, spills and the width of its loads of the l
 
 Triton compiles the kernel (pipeline/scoring/triton_head.py) down to a cubin here, with the ptxas
 its wheel ships, specialized as a launch on a real shape is (pointers and the vocabulary, hidden
-size and strides divisible by 16, the positions not: a unit's last batch), and the cuobjdump it
-ships reads the cubin's resource use. A spill (STACK or LOCAL above 0) or a product that is not
-pipelined (no cp.async or TMA copy) is slow on any GPU; registers and shared memory bound how
-many programs share an SM. These are the compiler's facts, not speeds: a GPU run measures those
-(bench_stage1_head.py). The triton here is this project's lock's; a GPU machine's may compile
-differently.
+size and strides divisible by 16, but what the kernel leaves unspecialized: the positions' count
+and the pointers into per-position arrays), and the cuobjdump it ships reads the cubin's resource
+use. A spill (STACK or LOCAL above 0) or a product that is not pipelined (no cp.async or TMA copy)
+is slow on any GPU; registers and shared memory bound how many programs share an SM. These are the
+compiler's facts, not speeds: a GPU run measures those (bench_stage1_head.py). The triton here is
+this project's lock's; a GPU machine's may compile differently.
 """
 
 from __future__ import annotations
@@ -43,13 +43,24 @@ SIGNATURE = {
     "picked_ptr": "*fp32", "positions": "i32", "vocab": "i32", "width": "i32",
     "hidden_stride": "i32", "weight_stride": "i32",
 }  # fmt: skip
-NOT_DIVISIBLE = {"positions"}
 # the row kernel's (onepass), likewise: bf16 logits, rows of a vocabulary divisible by 16
 ROW_SIGNATURE = {
     "logits_ptr": "*bf16", "target_ptr": "*i64", "space_ptr": "*i8", "max_ptr": "*fp32",
     "total_ptr": "*fp32", "space_total_ptr": "*fp32", "picked_ptr": "*fp32", "vocab": "i32",
     "row_stride": "i32",
 }  # fmt: skip
+
+
+def launch_attrs(kernel, signature: dict[str, str]) -> dict:
+    """Divisibility by 16 where a launch on a real shape has it: each pointer and integer in
+    `signature` but those `kernel` leaves unspecialized (the ones that vary with a batch's
+    positions)."""
+    params = {param.name: param for param in kernel.params}
+    return {
+        (index,): [["tt.divisibility", 16]]
+        for index, name in enumerate(signature)
+        if not (params[name].do_not_specialize or params[name].do_not_specialize_on_alignment)
+    }
 
 
 @dataclass
@@ -72,13 +83,8 @@ def compile_head(blocks: triton_head.Blocks, arch: int, space: bool) -> Compiled
         BLOCK_POSITIONS=blocks.positions, BLOCK_VOCAB=blocks.vocab, BLOCK_WIDTH=blocks.width,
         SPAN=blocks.span, GROUP=blocks.group, PRECISION=triton_head.dot_precision(torch.bfloat16),
     )  # fmt: skip
-    attrs = {
-        (index,): [["tt.divisibility", 16]]
-        for index, name in enumerate(SIGNATURE)
-        if name not in NOT_DIVISIBLE
-    }
     source = ASTSource(fn=triton_head._head_sums, signature=signature, constexprs=constants,
-                       attrs=attrs)  # fmt: skip
+                       attrs=launch_attrs(triton_head._head_sums, SIGNATURE))  # fmt: skip
     options = {"num_warps": blocks.warps, "num_stages": blocks.stages}
     kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     usage = resource_usage(kernel.asm["cubin"])
@@ -104,10 +110,9 @@ def compile_rows(arch: int, space: bool) -> CompiledRows:
     signature = ROW_SIGNATURE | {name: "constexpr" for name in names if name not in ROW_SIGNATURE}
     if list(signature) != names:
         raise RuntimeError(f"the row kernel's arguments changed: {names}")
-    attrs = {(index,): [["tt.divisibility", 16]] for index in range(len(ROW_SIGNATURE))}
     constants = dict(HAS_SPACE=space, BLOCK=triton_head.ROW_BLOCK)
     source = ASTSource(fn=triton_head._row_sums, signature=signature, constexprs=constants,
-                       attrs=attrs)  # fmt: skip
+                       attrs=launch_attrs(triton_head._row_sums, ROW_SIGNATURE))  # fmt: skip
     options = {"num_warps": triton_head.ROW_WARPS}
     kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     usage = resource_usage(kernel.asm["cubin"])

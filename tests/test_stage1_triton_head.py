@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.errors import ConfigError
 from pipeline.scoring.hf import HFScorer
@@ -99,3 +100,47 @@ def test_the_row_kernel_compiles_to_full_vector_loads_without_spills():
         for space in (False, True):
             compiled = compile_rows(arch, space)
             assert compiled.load_bytes == 16 and compiled.spill_bytes == 0, (arch, space, compiled)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter is on")
+@pytest.mark.parametrize("space", [False, True])
+def test_one_compile_of_each_kernel_serves_batches_of_every_size(monkeypatch, space):
+    """Triton compiles a kernel again for each new specialization of its arguments (an integer's
+    divisibility by 16, a pointer's 16-byte alignment), and a unit's batches have any number of
+    scored positions: launched as the scorer launches them, for every count up to 40 and chunks
+    of the head's targets at any offset, each kernel specializes one way, so that its compile at
+    load serves every batch. Before, onepass's row kernel compiled a third variant in a worker's
+    first unit with a count of 2 mod 4 (103 ms on an H200, run 11)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import create_function_from_signature
+
+    from pipeline.scoring import triton_head
+
+    class Launches:
+        """A kernel's launches, as the specializations Triton's binder gives them."""
+
+        def __init__(self, kernel):
+            self.keys = set()
+            self.bind = create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                _, specialization, options = self.bind(*args, **kwargs)
+                self.keys.add(f"{specialization} {sorted(options.items())}")
+
+            return launch
+
+    rows, heads = Launches(triton_head._row_sums), Launches(triton_head._head_sums)
+    monkeypatch.setattr(triton_head, "_row_sums", rows)
+    monkeypatch.setattr(triton_head, "_head_sums", heads)
+    vocab, width = 4096, 64
+    mask = torch.zeros(vocab, dtype=torch.int8) if space else None
+    weight = torch.randn(vocab, width, dtype=torch.bfloat16)
+    for count in range(1, 41):
+        for offset in range(4):  # a chunk's targets begin anywhere in the batch's
+            targets = torch.arange(offset + count)[offset:]
+            triton_head.logit_row_sums(torch.randn(count, vocab, dtype=torch.bfloat16), targets, mask)
+        hidden = torch.randn(count, width, dtype=torch.bfloat16)
+        triton_head.triton_head_columns(hidden, weight, None, torch.arange(count), mask)
+    assert len(rows.keys) == 1, rows.keys
+    assert len(heads.keys) == 1, heads.keys
