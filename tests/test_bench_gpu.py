@@ -159,6 +159,7 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     for what, model in [
         ("stage 1 (hf)", "qwen2.5-1.5b-like"),
         ("stage 1 steady", "qwen2.5-1.5b-like"),
+        ("stage 1 again", "qwen2.5-1.5b-like"),
         ("stage 1 +space", "qwen2.5-1.5b-like"),
         ("stage 1 +topk 32", "qwen2.5-1.5b-like"),
         ("stage 1 plain head", "qwen2.5-1.5b-like"),
@@ -197,7 +198,7 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     assert "stage 1 / bare forward, qwen2.5-7b-like: " in out
     # The columns leave the stored loss as it is; on a CPU `auto` resolves to the switch rows'
     # settings: each caches exactly what stage 1 does, and trains exactly what `token` does.
-    switches = ("+space", "+topk 32", "plain head", "fixed chunks", "serial units", "serial batches",
+    switches = ("again", "+space", "+topk 32", "plain head", "fixed chunks", "serial units", "serial batches",
                 "eager layers", "padded rows")  # fmt: skip
     for switch in switches:
         line = f"stage 1 {switch} vs stage 1: max |stored loss difference| 0.00e+00"
