@@ -104,10 +104,11 @@ class HFScorer:
         self._warm_up(compile)
 
     def _warm_up(self, asked: str) -> None:
-        """Score `_warm_up_units`, so that what compiles on first use (the layers, the fused
-        head, flex attention and its block mask) does so now, at load, not inside a unit. Layers
-        that fail to compile are refused in one line where `--compile layers` was asked for;
-        under auto they run eagerly, with one warning."""
+        """Score `_warm_up_units`, so that what compiles on first use (the layers, the head's
+        compiled passes, flex attention and its block mask) does so now, at load, not inside a
+        unit (onepass's Triton kernel compiles at its check, just before). Layers that fail to
+        compile are refused in one line where `--compile layers` was asked for; under auto they
+        run eagerly, with one warning."""
         try:
             for documents in self._warm_up_units():
                 self.score_columns(documents)
