@@ -1,7 +1,8 @@
 """What `--head-kernel triton` compiles to for a GPU, on any machine (no GPU needed): per block
 configuration and target, the registers, the spills, the shared memory, whether the product's
 loads are software-pipelined, and which tensor-core instruction it uses; and for `--head-kernel
-onepass`'s row kernel, its registers, spills and the width of its loads of the logits.
+onepass`'s row kernel (with the space column, and with the top k's block maxima), its registers,
+spills and the width of its loads of the logits.
 
     python benchmarks/triton_head_compile.py [--blocks P,V,W,SPAN,GROUP,WARPS,STAGES ...]
         [--arch 90 80]
@@ -34,6 +35,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from pipeline.scoring import triton_head  # noqa: E402
+from pipeline.scoring.head_kernels import TOPK_BLOCK  # noqa: E402
 
 ARCHES = {90: "H100/H200 (sm_90a)", 80: "A100 (sm_80)"}
 # the kernel's runtime arguments as a bf16 teacher's launch passes them; constexprs follow
@@ -46,8 +48,8 @@ SIGNATURE = {
 # the row kernel's (onepass), likewise: bf16 logits, rows of a vocabulary divisible by 16
 ROW_SIGNATURE = {
     "logits_ptr": "*bf16", "target_ptr": "*i64", "space_ptr": "*i8", "max_ptr": "*fp32",
-    "total_ptr": "*fp32", "space_total_ptr": "*fp32", "picked_ptr": "*fp32", "vocab": "i32",
-    "row_stride": "i32",
+    "total_ptr": "*fp32", "space_total_ptr": "*fp32", "picked_ptr": "*fp32",
+    "block_max_ptr": "*fp32", "vocab": "i32", "row_stride": "i32",
 }  # fmt: skip
 
 
@@ -104,13 +106,16 @@ class CompiledRows:
     load_bytes: int  # the widest global load of the logits: 16 is a full vector load
 
 
-def compile_rows(arch: int, space: bool) -> CompiledRows:
-    """`--head-kernel onepass`'s row kernel compiled for sm_`arch` with its fixed block."""
+def compile_rows(arch: int, space: bool, maxima: bool = False) -> CompiledRows:
+    """`--head-kernel onepass`'s row kernel compiled for sm_`arch` with its fixed block, with or
+    without the space column and the top k's block maxima."""
     names = triton_head._row_sums.arg_names
     signature = ROW_SIGNATURE | {name: "constexpr" for name in names if name not in ROW_SIGNATURE}
     if list(signature) != names:
         raise RuntimeError(f"the row kernel's arguments changed: {names}")
-    constants = dict(HAS_SPACE=space, BLOCK=triton_head.ROW_BLOCK)
+    constants = dict(
+        HAS_SPACE=space, BLOCK=triton_head.ROW_BLOCK, MAX_BLOCK=TOPK_BLOCK if maxima else 0
+    )
     source = ASTSource(fn=triton_head._row_sums, signature=signature, constexprs=constants,
                        attrs=launch_attrs(triton_head._row_sums, ROW_SIGNATURE))  # fmt: skip
     options = {"num_warps": triton_head.ROW_WARPS}
@@ -161,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"{'yes' if c.pipelined_copies else 'no':>9}  {c.tensor_core}"
                 )
     for arch in args.arch:
-        for space in (False, True):
-            r = compile_rows(arch, space)
+        for column, space, maxima in (("loss", False, False), ("+space", True, False),
+                                      ("+topk", False, True)):  # fmt: skip
+            r = compile_rows(arch, space, maxima)
             print(
-                f"{'onepass rows':<28} {ARCHES[arch]:<20} {'+space' if space else 'loss':<7} "
+                f"{'onepass rows':<28} {ARCHES[arch]:<20} {column:<7} "
                 f"{r.registers:>9} {r.spill_bytes:>8}  loads of {r.load_bytes} B"
             )
     print(f"triton {triton.__version__}; spill B: stack and local bytes (0: none); pipelined: the "

@@ -18,10 +18,12 @@ import torch
 
 from pipeline.scoring.head import LOGIT_BUDGET, head_chunk_rows
 from pipeline.scoring.head_kernels import (
+    TOPK_BLOCK,
     compiled_pass,
     fused_columns,
     plain_columns,
     top_logits,
+    topk_blocks,
     topk_columns,
 )
 from tests.stage1_helpers import (
@@ -56,7 +58,7 @@ def test_the_fused_head_caches_every_column_the_plain_one_does(teachers, name):
 
 def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
     """What a GPU runs (torch.compile of fused_columns, and of the top-k columns onepass takes
-    beside its Triton kernel; the CPU compiles them too) against the eager pass and the plain
+    beside its Triton kernel, from the block maxima the kernel wrote; the CPU compiles them too) against the eager pass and the plain
     log-softmax, in fp32 and from bf16 logits, on a chunk with a last row of its own size
     (dynamic shapes: no recompile per chunk); 5,000 logits a row, so that the top 8 are taken by
     blocks, with a partial last block."""
@@ -69,7 +71,10 @@ def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
             compiled = compiled_pass(fused_columns)(logits, targets, 8, space)
             eager = fused_columns(logits, targets, 8, space)
             log_z = torch.logsumexp(logits.float(), dim=-1)
-            onepass_topk = compiled_pass(topk_columns)(logits, 8, log_z)
+            # the block maxima as onepass's kernel writes them: fp32, whole blocks only
+            blocks = topk_blocks(5000, 8)
+            maxima = logits[:, : blocks * TOPK_BLOCK].unflatten(1, (blocks, -1)).amax(-1).float()
+            onepass_topk = compiled_pass(topk_columns)(logits, 8, log_z, maxima)
             plain = plain_columns(logits, targets, 8, space)
             for name, value in plain.items():
                 for other in (compiled, eager) + ((onepass_topk,) if name in onepass_topk else ()):

@@ -93,13 +93,13 @@ def test_the_kernel_compiles_for_hopper_and_ampere_pipelined_without_spills():
 def test_the_row_kernel_compiles_to_full_vector_loads_without_spills():
     """onepass is worth something only if its one read of the logits runs at the memory's speed:
     compiled for an H100/H200 and an A100, the row kernel loads the logits 16 bytes at a time
-    and spills no register."""
+    and spills no register, with the space column and with the top k's block maxima."""
     from triton_head_compile import compile_rows
 
     for arch in (90, 80):
-        for space in (False, True):
-            compiled = compile_rows(arch, space)
-            assert compiled.load_bytes == 16 and compiled.spill_bytes == 0, (arch, space, compiled)
+        for space, maxima in ((False, False), (True, False), (False, True)):
+            compiled = compile_rows(arch, space, maxima)
+            assert compiled.load_bytes == 16 and compiled.spill_bytes == 0, (arch, maxima, compiled)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter is on")
@@ -115,6 +115,7 @@ def test_one_compile_of_each_kernel_serves_batches_of_every_size(monkeypatch, sp
     from triton.runtime.jit import create_function_from_signature
 
     from pipeline.scoring import triton_head
+    from pipeline.scoring.head_kernels import TOPK_BLOCK
 
     class Launches:
         """A kernel's launches, as the specializations Triton's binder gives them."""
@@ -130,17 +131,23 @@ def test_one_compile_of_each_kernel_serves_batches_of_every_size(monkeypatch, sp
 
             return launch
 
-    rows, heads = Launches(triton_head._row_sums), Launches(triton_head._head_sums)
-    monkeypatch.setattr(triton_head, "_row_sums", rows)
-    monkeypatch.setattr(triton_head, "_head_sums", heads)
     vocab, width = 4096, 64
     mask = torch.zeros(vocab, dtype=torch.int8) if space else None
+    for maxima in (False, True):  # with the top k's block maxima, a variant of its own
+        rows = Launches(triton_head._row_sums)
+        monkeypatch.setattr(triton_head, "_row_sums", rows)
+        for count in range(1, 41):
+            for offset in range(4):  # a chunk's targets begin anywhere in the batch's
+                targets = torch.arange(offset + count)[offset:]
+                logits = torch.randn(count, vocab, dtype=torch.bfloat16)
+                block_maxima = torch.empty(count, vocab // TOPK_BLOCK) if maxima else None
+                triton_head.logit_row_sums(logits, targets, mask, block_maxima)
+        assert len(rows.keys) == 1, rows.keys
+        monkeypatch.undo()
+    heads = Launches(triton_head._head_sums)
+    monkeypatch.setattr(triton_head, "_head_sums", heads)
     weight = torch.randn(vocab, width, dtype=torch.bfloat16)
     for count in range(1, 41):
-        for offset in range(4):  # a chunk's targets begin anywhere in the batch's
-            targets = torch.arange(offset + count)[offset:]
-            triton_head.logit_row_sums(torch.randn(count, vocab, dtype=torch.bfloat16), targets, mask)
         hidden = torch.randn(count, width, dtype=torch.bfloat16)
         triton_head.triton_head_columns(hidden, weight, None, torch.arange(count), mask)
-    assert len(rows.keys) == 1, rows.keys
     assert len(heads.keys) == 1, heads.keys

@@ -94,22 +94,33 @@ def fused_columns(
     return columns
 
 
-def top_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_blocks(vocabulary: int, k: int) -> int:
+    """The whole blocks of TOPK_BLOCK logits whose maxima `top_logits` ranks for a top `k` of
+    `vocabulary` logits; 0 where it takes torch.topk of the row in one stage (under 4k blocks)."""
+    blocks = vocabulary // TOPK_BLOCK
+    return blocks if k and blocks >= 4 * k else 0
+
+
+def top_logits(
+    logits: torch.Tensor, k: int, block_maxima: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(logits, k, sorted=True) of a chunk [rows, V], from k of its blocks of
-    TOPK_BLOCK logits: one read of the chunk for each block's max, then torch.topk of the blocks
-    with the k largest maxima (and of a last, partial block), a few percent of the row. The k
-    largest logits lie in those blocks (a logit outside them has k block maxima at least as
+    TOPK_BLOCK logits: one read of the chunk for each block's max (unless `block_maxima` [rows,
+    blocks] holds them: onepass's kernel takes them in its own read), then torch.topk of the
+    blocks with the k largest maxima (and of a last, partial block), a few percent of the row. The
+    k largest logits lie in those blocks (a logit outside them has k block maxima at least as
     large), so the values are torch.topk's exactly, and the ids too but where logits tie. One
     stage where the row has under 4k blocks. torch.topk of a whole 152k row runs radix passes over
     it: 20 ms a batch of the 1.5B shape, against 14 for the whole fused loss (run 5)."""
     vocabulary = logits.shape[1]
-    blocks = vocabulary // TOPK_BLOCK
-    if blocks < 4 * k:
+    blocks = topk_blocks(vocabulary, k)
+    if not blocks:
         return torch.topk(logits, k, dim=-1, sorted=True)
     whole = blocks * TOPK_BLOCK
     by_block = logits[:, :whole].unflatten(1, (blocks, TOPK_BLOCK))
+    maxima = by_block.amax(dim=-1) if block_maxima is None else block_maxima
     # in the order of their ids, so that ties meet torch.topk in the row's order
-    chosen = by_block.amax(dim=-1).topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    chosen = maxima.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
     candidates = by_block.gather(1, chosen[..., None].expand(-1, -1, TOPK_BLOCK)).flatten(1)
     if whole < vocabulary:
         candidates = torch.cat([candidates, logits[:, whole:]], dim=1)
@@ -120,10 +131,16 @@ def top_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return values, torch.where(where < k * TOPK_BLOCK, in_blocks, where - k * TOPK_BLOCK + whole)
 
 
-def topk_columns(logits: torch.Tensor, topk: int, log_z: torch.Tensor) -> dict[str, torch.Tensor]:
+def topk_columns(
+    logits: torch.Tensor,
+    topk: int,
+    log_z: torch.Tensor,
+    block_maxima: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """The top-k columns of `logits` [rows, V] whose log Z is `log_z` [rows]: the top k of the
-    logits as they are (`top_logits`), their probabilities exp(logit - log Z) and the rest."""
-    values, ids = top_logits(logits, topk)
+    logits as they are (`top_logits`, with their `block_maxima` where taken already), their
+    probabilities exp(logit - log Z) and the rest."""
+    values, ids = top_logits(logits, topk, block_maxima)
     probs = (values.float() - log_z[:, None]).exp()
     rest = (1.0 - probs.sum(dim=-1)).clamp(min=0.0)
     return {TOPK_PROBS: probs, TOPK_IDS: ids, TOPK_REST: rest}
@@ -138,12 +155,15 @@ def onepass_columns(
     space: torch.Tensor | None,
 ) -> dict[str, torch.Tensor]:
     """`--head-kernel onepass`: the loss and the space column from `row_sums`
-    (triton_head.logit_row_sums: one read of each logit), the top-k from `topk_pass`
-    (`topk_columns`, compiled where fused is: eager, its steps cost 8 ms a batch of the 1.5B
-    shape over fused's compiled 2.3, run 7)."""
-    columns, log_z = row_sums(logits, targets, space)
+    (triton_head.logit_row_sums: one read of each logit, which also takes the block maxima of
+    the top k's first stage), the top-k from `topk_pass` (`topk_columns`, compiled where fused
+    is: eager, its steps cost 8 ms a batch of the 1.5B shape over fused's compiled 2.3, run 7;
+    before run 12 its block maxima took a second read of the logits)."""
+    blocks = topk_blocks(logits.shape[1], topk)
+    maxima = logits.new_empty((len(logits), blocks), dtype=torch.float32) if blocks else None
+    columns, log_z = row_sums(logits, targets, space, maxima)
     if topk:
-        columns |= topk_pass(logits, topk, log_z)
+        columns |= topk_pass(logits, topk, log_z, maxima)
     return columns
 
 

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from pipeline.cache.schema import SPACE_LOGPROB
+from pipeline.scoring.head_kernels import TOPK_BLOCK
 
 TINY_LOG = math.log(torch.finfo(torch.float32).tiny)  # the space column's floor, as the others'
 
@@ -162,10 +163,12 @@ def _head_sums(
 @triton.jit(do_not_specialize_on_alignment=PER_POSITION)
 def _row_sums(
     logits_ptr, target_ptr, space_ptr, max_ptr, total_ptr, space_total_ptr, picked_ptr,
-    vocab, row_stride, HAS_SPACE: tl.constexpr, BLOCK: tl.constexpr,
+    block_max_ptr, vocab, row_stride, HAS_SPACE: tl.constexpr, BLOCK: tl.constexpr,
+    MAX_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One row of logits, read once: its max, Z and the space mask's share of Z (rescaled as
-    the max grows, as `_head_sums`'s are), and the target's logit."""
+    the max grows, as `_head_sums`'s are), the target's logit, and with a MAX_BLOCK (0: none) the
+    max of each whole block of that many logits, for `top_logits`."""
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * row_stride
     top = tl.full([], float("-inf"), tl.float32)
@@ -183,6 +186,11 @@ def _row_sums(
             in_space = tl.load(space_ptr + column, mask=column_ok, other=0) != 0
             space_total = space_total * scale + tl.sum(tl.where(in_space, exp, 0.0), 0)
         top = new_top
+        if MAX_BLOCK:
+            blocks = vocab // MAX_BLOCK
+            block = start // MAX_BLOCK + tl.arange(0, BLOCK // MAX_BLOCK)
+            block_top = tl.max(tl.reshape(logits, [BLOCK // MAX_BLOCK, MAX_BLOCK]), 1)
+            tl.store(block_max_ptr + row * blocks + block, block_top, mask=block < blocks)
     tl.store(max_ptr + row, top)
     tl.store(total_ptr + row, total)
     tl.store(picked_ptr + row, tl.load(logits_ptr + tl.load(target_ptr + row)).to(tl.float32))
@@ -249,11 +257,16 @@ def triton_head_columns(
 
 
 def logit_row_sums(
-    logits: torch.Tensor, targets: torch.Tensor, space: torch.Tensor | None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    space: torch.Tensor | None,
+    block_maxima: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`--head-kernel onepass`'s reduction of `logits` [N, vocabulary] (any float dtype; rows may
     lie strided apart): ({"loss": [N]} and, with a `space` mask (int8), the space column; log Z
-    [N]), fp32, each logit read once."""
+    [N]), fp32, each logit read once; and, given `block_maxima` (fp32 [N, vocabulary //
+    TOPK_BLOCK]), the max of each whole block of TOPK_BLOCK logits written into it, which
+    `top_logits` would otherwise read the logits again for."""
     rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -266,8 +279,9 @@ def logit_row_sums(
         launch = {} if INTERPRETED else {"num_warps": ROW_WARPS}
         _row_sums[(rows,)](
             logits, targets, space if space is not None else logits,  # unread: any aligned
-            top, total, space_total, picked, vocab, logits.stride(0),
-            HAS_SPACE=space is not None, BLOCK=block, **launch,
+            top, total, space_total, picked, logits if block_maxima is None else block_maxima,
+            vocab, logits.stride(0), HAS_SPACE=space is not None, BLOCK=block,
+            MAX_BLOCK=0 if block_maxima is None else TOPK_BLOCK, **launch,
         )  # fmt: skip
     return combined_columns(sums, space is not None)
 
