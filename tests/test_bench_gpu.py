@@ -198,8 +198,8 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     assert "stage 1 / bare forward, qwen2.5-7b-like: " in out
     # The columns leave the stored loss as it is; on a CPU `auto` resolves to the switch rows'
     # settings: each caches exactly what stage 1 does, and trains exactly what `token` does.
-    switches = ("again", "+space", "+topk 32", "plain head", "fixed chunks", "serial units", "serial batches",
-                "eager layers", "padded rows")  # fmt: skip
+    switches = ("again", "+space", "+topk 32", "plain head", "fixed chunks", "serial units",
+                "serial batches", "eager layers", "padded rows")  # fmt: skip
     for switch in switches:
         line = f"stage 1 {switch} vs stage 1: max |stored loss difference| 0.00e+00"
         assert re.search(rf"^{re.escape(line)}; .* of stage 1 steady$", out, re.M), out

@@ -157,8 +157,8 @@ def onepass_columns(
     """`--head-kernel onepass`: the loss and the space column from `row_sums`
     (triton_head.logit_row_sums: one read of each logit, which also takes the block maxima of
     the top k's first stage), the top-k from `topk_pass` (`topk_columns`, compiled where fused
-    is: eager, its steps cost 8 ms a batch of the 1.5B shape over fused's compiled 2.3, run 7;
-    before run 12 its block maxima took a second read of the logits)."""
+    is: eager, its steps cost 8 ms a batch of the 1.5B shape over fused's compiled 2.3, run 7),
+    spared the second read of the logits its block maxima took before."""
     blocks = topk_blocks(logits.shape[1], topk)
     maxima = logits.new_empty((len(logits), blocks), dtype=torch.float32) if blocks else None
     columns, log_z = row_sums(logits, targets, space, maxima)

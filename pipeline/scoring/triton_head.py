@@ -90,6 +90,7 @@ INTERPRETER_ROW_BLOCK = 65536
 PER_POSITION = ("target_ptr", "max_ptr", "total_ptr", "space_total_ptr", "picked_ptr")
 
 
+# (the Triton head takes a batch's targets whole, a tensor of their own: aligned)
 @triton.jit(do_not_specialize=("positions",), do_not_specialize_on_alignment=PER_POSITION[1:])
 def _head_sums(
     hidden_ptr, weight_ptr, bias_ptr, target_ptr, space_ptr,
