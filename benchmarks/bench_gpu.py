@@ -12,7 +12,9 @@ stage 2 >= 55% MFU, token within 3% of none.
 The rows come in the order the targets need them: each teacher's `stage 1 (hf)` with its floors,
 the first teacher's `+space` and `padded rows`, stage 2's `none`, `token` and floor, then the
 other switch rows. Each is printed as it is measured (and appended to --rows-jsonl), with each
-stage-1 job's unit phases (benchmarks/stage1_runs.py: phase_summary), so that a run cut off by a
+stage-1 job's unit phases and device time (benchmarks/stage1_runs.py: phase_summary,
+device_summary: the shares of the device's time in batches, at what rate, and idle between them
+and at units' edges, from the run record's events), so that a run cut off by a
 lease's limit still reports what it measured; a row that fails is named in one line and the rest
 go on (exit 1); with --budget-seconds, a switch row (or the floor) that would end past the budget,
 by its baseline's time, is skipped and named; --switches picks the switch rows. On an H200 the
@@ -137,7 +139,13 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 from device_timing import best_seconds, synchronize  # noqa: E402
 from peak_memory import peak_memory, reset_peak  # noqa: E402
-from stage1_runs import phase_summary, steady_rate, timed_stage1, write_corpus_slice  # noqa: E402
+from stage1_runs import (  # noqa: E402
+    device_summary,
+    phase_summary,
+    steady_rate,
+    timed_stage1,
+    write_corpus_slice,
+)
 from stage2_floor import floor_rate  # noqa: E402
 from trace_gaps import describe_trace  # noqa: E402
 
@@ -560,7 +568,7 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
         _, _, worker_rates = timed_stage1(teacher.command)
     teacher.seconds, teacher.rate = time.perf_counter() - began, sum(worker_rates)
     print(f"stage 1 (hf) {teacher.name}: {teacher.rate:,.0f} tok/s, the job {teacher.seconds:.0f} s; "
-          f"{phase_summary(teacher.out)}", flush=True)  # fmt: skip
+          f"{phase_summary(teacher.out)}; {device_summary(teacher.out)}", flush=True)  # fmt: skip
     keep_trace(bench, teacher.out, f"{teacher.name}-stage1")
     load = functools.partial(
         HFScorer, resolve_teacher(str(teacher.folder)), dtype=dtype, max_length=max_length,
@@ -639,7 +647,7 @@ def stage1_variant(bench: Bench, teacher: Teacher, label: str, options: tuple) -
     steady = steady_rate(out)  # without the edges, whose host work varies between machines
     print(f"stage 1 {label} vs stage 1: max |stored loss difference| {difference:.2e}; "
           f"{phase_summary(out)}; steady {steady:,.0f} tok/s, {steady / teacher.steady:.3f} of "
-          f"stage 1 steady")  # fmt: skip
+          f"stage 1 steady; {device_summary(out)}")  # fmt: skip
     keep_trace(bench, out, f"{teacher.name}-stage1-{label.replace(' ', '-')}")
     shutil.rmtree(out)
     bench.add(Row(f"stage 1 {label}", teacher.name, rate, rate / teacher.rate,

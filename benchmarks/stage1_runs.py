@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeline.cache.manifest import MANIFEST_NAME, RUN_RECORD_NAME
 from pipeline.corpus import Corpus, CorpusOptions
+from pipeline.log import counted
 from pipeline.shipped import shipped_corpus
 from stage1_score.run import main as stage1
 
@@ -87,6 +88,28 @@ def phase_summary(out: Path) -> str:
     return (
         f"{len(phases)} units in {span:.2f} s: {summed}; scoring {seconds['score'] / span:.0%} of "
         f"it, at {tokens / seconds['score']:,.0f} tok/s"
+    )
+
+
+def device_summary(out: Path) -> str:
+    """Where a run's device time went, from its units' `device` records (events on the device's
+    stream; pipeline.scoring.device: DeviceTime): the share of it in batches and the teacher
+    tokens per second there (to set beside the floors: a batch slower than its floor is one the
+    host's launching held back, or whose kernels ran slower), and the shares idle between a
+    unit's batches and at units' edges (the worker's first unit's wait for work left out)."""
+    units, tokens = run_units(out)
+    devices = [unit.get("device") for unit in units]
+    if None in devices:
+        return "device: not timed (vLLM's engine returns only once done)"
+    in_batches = sum(d["in_batches_s"] for d in devices)
+    between = sum(d["between_batches_s"] for d in devices)
+    edges = [d["before_first_s"] for d in devices if d["before_first_s"] is not None]
+    total = in_batches + between + sum(edges)
+    return (
+        f"device: {sum(d['batches'] for d in devices)} batches, {in_batches / total:.1%} of "
+        f"{total:.2f} s in them (at {tokens / in_batches:,.0f} tok/s), {between / total:.1%} idle "
+        f"between batches, {sum(edges) / total:.1%} idle at "
+        f"{counted(len(edges), 'edge between units', 'edges between units')}"
     )
 
 

@@ -254,6 +254,7 @@ class WorkerPool:
             "node": actor.node,
             "attempts": self.losses[unit.index] + 1,
             "phases": result.phases,
+            "device": result.device,
         }
         log.info(
             f"unit {unit.index}: {counted(result.shard.rows, 'document')} scored by worker "

@@ -27,6 +27,12 @@ class Progress:
     worker, so the workers' rates add up to the run's. The ETA extrapolates the corpus size from
     the share of its bytes read so far (exact for tables, close for JSON lines and text) and
     divides the documents left by that rate.
+
+    The final line also says where the workers' devices spent the scoring (each unit's `device`,
+    pipeline.scoring.device: DeviceTime): the share in batches, and the shares idle between a
+    unit's batches and at units' edges (a worker's first unit has none). A device that idles
+    waits for its host: for its work of a batch between batches; at the edges, for tokenizing,
+    writing or the corpus's reading.
     """
 
     def __init__(self, fraction_read: Callable[[], float], every: float, emit=None):
@@ -43,6 +49,7 @@ class Progress:
         self.units_done = 0
         self.scoring_since: float | None = None  # when the first unit scored began
         self.worker_tokens: dict[int, int] = defaultdict(int)
+        self.device_seconds: dict[str, float] = defaultdict(float)
 
     def planned(self, unit: WorkUnit) -> None:
         self.planned_docs += len(unit)
@@ -60,6 +67,11 @@ class Progress:
         self.run_docs += result.shard.rows
         self.run_tokens += result.shard.teacher_tokens
         self.worker_tokens[result.worker] += result.shard.teacher_tokens
+        device = result.device
+        if device is not None:
+            self.device_seconds["in batches"] += device["in_batches_s"]
+            self.device_seconds["idle between batches"] += device["between_batches_s"]
+            self.device_seconds["idle at units' edges"] += device["before_first_s"] or 0.0
         if time.monotonic() - self.last >= self.every:
             self.report()
 
@@ -87,4 +99,8 @@ class Progress:
                 f"w{w} {t / scoring:,.0f} tok/s" for w, t in sorted(self.worker_tokens.items())
             )
             parts.append(f"workers: {', '.join(rates)}")
+        total = sum(self.device_seconds.values())
+        if final and total > 0:
+            shares = ", ".join(f"{t / total:.1%} {w}" for w, t in self.device_seconds.items())
+            parts.append(f"device time: {shares}")
         self.emit(" | ".join(parts))

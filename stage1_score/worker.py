@@ -73,6 +73,9 @@ class UnitResult:
     # "score" (the unit's batches queued, holding the teacher), "collect" (its last batch read
     # back) and "write"
     phases: dict[str, list[float]] = field(default_factory=dict)
+    # where the unit's time on the device went (pipeline.scoring.device: DeviceTime.record);
+    # None where the backend returns only once done (vLLM's engine)
+    device: dict | None = None
 
 
 @contextlib.contextmanager
@@ -188,11 +191,12 @@ class UnitScorer:
             with phase(phases, "collect"):
                 columns = queued.collect()
         losses = columns.pop("loss")
+        device = None if queued.device_time is None else queued.device_time.record()
         if trace.data is not None:
             Store(self.spec.out).write_bytes(profile_name(unit.index), trace.data)
         with phase(phases, "write"):
             record = write_unit(self.spec, unit, encodings, losses, columns)
-        return UnitResult(record, time.monotonic() - started, self.worker, phases)
+        return UnitResult(record, time.monotonic() - started, self.worker, phases, device)
 
 
 def write_unit(spec: WorkerSpec, unit: WorkUnit, encodings, losses, columns) -> ShardRecord:

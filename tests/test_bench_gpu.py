@@ -313,6 +313,29 @@ def test_phase_summary_sums_each_phase_over_units_and_the_share_and_rate_of_scor
         steady_rate(tmp_path)
 
 
+def test_device_summary_shares_the_units_device_time_and_rates_the_batches(tmp_path):
+    """Where the job's device time went, from its units' `device` records: in batches (and the
+    tokens per second there, beside the floors), idle between batches and at units' edges,
+    without the first unit's wait for work; a vLLM job's units have none."""
+    from stage1_runs import device_summary
+
+    units = {
+        "0": {"device": {"batches": 3, "in_batches_s": 1.5, "between_batches_s": 0.1,
+                         "before_first_s": None}},
+        "1": {"device": {"batches": 2, "in_batches_s": 1.0, "between_batches_s": 0.2,
+                         "before_first_s": 0.2}},
+    }  # fmt: skip
+    (tmp_path / "stage1-run.json").write_text(json.dumps({"units": units}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"totals": {"teacher_tokens": 10_000}}))
+    assert device_summary(tmp_path) == (
+        "device: 5 batches, 83.3% of 3.00 s in them (at 4,000 tok/s), 10.0% idle between "
+        "batches, 6.7% idle at 1 edge between units"
+    )
+    units["1"]["device"] = None
+    (tmp_path / "stage1-run.json").write_text(json.dumps({"units": units}))
+    assert device_summary(tmp_path).startswith("device: not timed")
+
+
 def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
     """bench_stage1_head.py at tiny shapes (eager, as a CPU scores): a row per head pass, each a
     ratio to the fused loss, the pass stage 1 runs on a GPU; the Triton kernels' rows, which need

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline import document_attention
 from pipeline.errors import ConfigError
-from pipeline.scoring import head, head_kernels, hf
+from pipeline.scoring import device, head, head_kernels, hf
 from pipeline.scoring.batching import pack_rows, packed_layouts, padded_layouts
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.teacher import resolve_teacher
@@ -290,6 +291,50 @@ def test_overlapped_batches_cache_what_serial_batches_do(teachers, packing):
                 np.testing.assert_array_equal(ours, theirs)
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_each_batch_is_timed_from_its_first_input_copy_to_its_columns_copies(
+    teachers, overlap, monkeypatch
+):
+    """A scoring call's `device_time` (what stage1-run.json records of each unit, and the run's
+    last line sums) comes from events on the device's stream: a batch is in the device's hands
+    from its first input copy to its columns' copies, and the device idles between batches and
+    at a call's edge. Here a clock that counts the work queued (each input copy, the body, the
+    head) stands in for the device's: every launch falls within a batch, none between batches
+    or between two calls, and the first call after the warm-up has no edge."""
+    launches = [0]
+
+    def counting(launch):
+        def counted(*args, **kwargs):
+            launches[0] += 1
+            return launch(*args, **kwargs)
+
+        return counted
+
+    tokenizer = load_tokenizer(str(teachers["tinyllama"]))
+    ids = [e.ids for e in tokenizer.encode_batch(TEXTS)]
+    scorer = hf.HFScorer(
+        resolve_teacher(str(teachers["tinyllama"])), dtype="float32", max_length=MAX_LENGTH,
+        stride=STRIDE, batch_tokens=64, device="cpu", row_packing="padded",
+        batch_overlap=overlap,
+    )  # fmt: skip
+    monkeypatch.setattr(device, "time", SimpleNamespace(monotonic=lambda: launches[0]))
+    monkeypatch.setattr(hf, "to_device", counting(hf.to_device))
+    monkeypatch.setattr(scorer, "body", counting(scorer.body))
+    monkeypatch.setattr(scorer.columns, "of_batch", counting(scorer.columns.of_batch))
+    records = []
+    for _ in range(2):  # two units
+        queued = scorer.queue_columns(ids)
+        queued.collect()
+        records.append(queued.device_time.record())
+    batches = len(scorer.layouts(scorer.plan(ids).windows))
+    assert batches >= 4
+    # a batch: its ids, mask, scored rows and positions copied in, the body, the head
+    assert launches[0] == 2 * 6 * batches
+    first, second = ({"batches": batches, "in_batches_s": 6 * batches, "between_batches_s": 0}
+                     for _ in range(2))  # fmt: skip
+    assert records == [first | {"before_first_s": None}, second | {"before_first_s": 0}]
+
+
 class DeviceReads(TorchDispatchMode):
     """Records the ops that make the host wait for a CUDA device (everything queued before them
     included): a value read back (item(), bool(), equal), a shape that depends on values
@@ -320,7 +365,7 @@ def test_a_packed_batch_is_queued_without_waiting_for_the_device(teachers):
     device: on a GPU one such read waits for every batch queued before it, and nothing on a CPU
     shows it. The batch's work (inputs, packed mask, body, scored positions, every column of the
     fused head) and flex attention's block mask are audited op by op; the only wait is the one
-    for the columns' copies (HostCopies, an event). Padded rows are not audited: transformers
+    for the columns' copies (QueuedBatch, an event). Padded rows are not audited: transformers
     reads their 2-D mask once per batch (whether it may skip it), which packed rows never give
     it."""
     with torch.inference_mode(), DeviceReads() as audit:  # it sees what it must, as scoring runs

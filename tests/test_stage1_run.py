@@ -229,7 +229,8 @@ def overlaps(a: list[float], b: list[float]) -> bool:
 def test_overlapped_units_cache_the_same_bytes_with_writing_beside_scoring(built, tmp_path):
     """--unit-overlap on (auto's choice with GPU workers): one worker holds two units at once,
     one on the teacher while the other is tokenized or written, and the cache is byte for byte
-    the one built one unit after another (auto on CPUs: no two units of a worker overlap)."""
+    the one built one unit after another (auto on CPUs: no two units of a worker overlap). The
+    run record's account of each unit's device time fits within the unit's scoring."""
     built_out, command, first = built
     serial = json.loads((built_out / "stage1-run.json").read_text())
     assert serial["unit_overlap"] == "off"
@@ -249,6 +250,19 @@ def test_overlapped_units_cache_the_same_bytes_with_writing_beside_scoring(built
     phases = [u["phases"] for u in record["units"].values()]
     scoring = [p["score"] for p in phases]
     assert not any(overlaps(a, b) for a, b in itertools.combinations(scoring, 2))  # one at a time
+    # Each unit's device time (on a CPU the host's clock, as the phases are) lies within its
+    # scoring, from its first batch to its last one's read-back, and with the units' edges adds up
+    # to no more than the worker's scoring; the worker's first unit has no edge.
+    units = sorted(record["units"].values(), key=lambda u: u["phases"]["score"][0])
+    edges = [u["device"]["before_first_s"] for u in units]
+    assert edges[0] is None and all(edge >= 0 for edge in edges[1:]), edges
+    for unit in units:
+        device, score, collect = unit["device"], unit["phases"]["score"], unit["phases"]["collect"]
+        assert device["batches"] >= 1 and device["in_batches_s"] > 0, device
+        assert device["in_batches_s"] + device["between_batches_s"] <= collect[1] - score[0] + 2e-3
+    account = sum(u["device"]["in_batches_s"] + u["device"]["between_batches_s"] for u in units)
+    span = units[-1]["phases"]["collect"][1] - units[0]["phases"]["score"][0]
+    assert account + sum(edges[1:]) <= span + 2e-3
     beside = [
         (i, j)
         for i, p in enumerate(phases)

@@ -46,7 +46,7 @@ from pipeline.scoring.batching import (
     padded_layouts,
     scored_positions,
 )
-from pipeline.scoring.device import HostCopies, QueuedColumns, free_memory, to_device
+from pipeline.scoring.device import DeviceTime, QueuedBatch, QueuedColumns, free_memory, to_device
 from pipeline.scoring.head import HeadExtras, empty_columns, head_chunk_rows, head_columns
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
@@ -101,6 +101,7 @@ class HFScorer:
             self.compile = "off"  # a teacher of another shape runs eagerly; asked for, refused
         compile_layers(self.model, self.compile, "the teacher")
         self._head_rows: int | None = None  # rows per head chunk, from the first scoring call
+        self._last_done = None  # the event behind the last batch queued (DeviceTime)
         self._warm_up(compile)
 
     def _warm_up(self, asked: str) -> None:
@@ -112,6 +113,7 @@ class HFScorer:
         try:
             for documents in self._warm_up_units():
                 self.score_columns(documents)
+            self._last_done = None  # a unit's edge is timed from the previous unit, not load
         except Exception as exc:  # torch.compile's failures share no base class
             if self.compile == "off":
                 raise
@@ -273,26 +275,27 @@ class HFScorer:
             # previous unit's last batch, or this one's) is not documented.
             free = free_memory(self.device) if self.head_chunks == "sized" else None
             self._head_rows = head_chunk_rows(self.vocab_size, self.head_chunks, free)
-        rows = self._head_rows
+        rows, device_time = self._head_rows, DeviceTime()
 
-        def place(layout: BatchLayout, copies: HostCopies) -> None:
+        def place(layout: BatchLayout, batch: QueuedBatch) -> None:
             scored = windows.scored[layout.windows]
             bounds = np.cumsum(scored)[:-1]
-            for name, values in copies.arrays().items():
+            for name, values in batch.arrays().items():
                 for part, row in zip(np.split(values, bounds), layout.windows, strict=True):
                     doc = columns[name][windows.doc[row]]
                     doc[windows.score_from[row] : windows.end[row]] = part
+            device_time.add(batch)
             if progress is not None:
                 progress(int(scored.sum()))
 
         # --batch-overlap on: a batch's results are read back only once the next batch is queued
         # behind it, so the host builds and launches that batch while the device computes.
-        in_flight: deque[tuple[BatchLayout, HostCopies]] = deque()
+        in_flight: deque[tuple[BatchLayout, QueuedBatch]] = deque()
         for layout in plan.layouts:
             in_flight.append((layout, self._score_batch(token_ids, windows, layout, rows)))
             while len(in_flight) > (self.batch_overlap == "on"):
                 place(*in_flight.popleft())
-        return QueuedColumns(columns, in_flight, place)
+        return QueuedColumns(columns, in_flight, place, device_time)
 
     def layouts(self, windows: WindowTable) -> list[BatchLayout]:
         """The batches `windows` are scored in, under `--row-packing`."""
@@ -304,7 +307,11 @@ class HFScorer:
         self, token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """(the forward pass's inputs, row, position of each scored position), on the device."""
-        input_ids, segment_ids, position_ids = layout_arrays(token_ids, windows, layout)
+        arrays = layout_arrays(token_ids, windows, layout), scored_positions(windows, layout)
+        return self._inputs_on_device(*arrays)
+
+    def _inputs_on_device(self, arrays: tuple, scored: tuple) -> tuple[dict, torch.Tensor, ...]:
+        input_ids, segment_ids, position_ids = arrays
         ids = to_device(input_ids, self.device)
         if self.row_packing == "packed":
             inputs = self._packed_inputs(
@@ -313,17 +320,17 @@ class HFScorer:
         else:
             mask = to_device((segment_ids > 0).astype(np.int64), self.device)
             inputs = {"input_ids": ids, "attention_mask": mask}
-        row, position = (
-            to_device(values, self.device) for values in scored_positions(windows, layout)
-        )
+        row, position = (to_device(values, self.device) for values in scored)
         return inputs, row, position
 
     def _score_batch(
         self, token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout, rows: int
-    ) -> HostCopies:
+    ) -> QueuedBatch:
         """The batch's work queued on the device, head chunks of `rows` scored positions, its
-        columns' copies to the host started."""
-        inputs, row, position = self.batch_inputs(token_ids, windows, layout)
+        columns' copies to the host started; timed from when the host has built its inputs."""
+        arrays = layout_arrays(token_ids, windows, layout), scored_positions(windows, layout)
+        batch = QueuedBatch(self.device, previous=self._last_done)
+        inputs, row, position = self._inputs_on_device(*arrays)
         ids = inputs["input_ids"]
         targets = ids[row, position + 1]
         if self.plain_head:
@@ -332,4 +339,6 @@ class HFScorer:
         else:
             hidden = self.model(**inputs, use_cache=False).logits[row, position]
             head = None
-        return HostCopies(self.columns.of_batch(hidden, head, targets, rows))
+        batch.copy(self.columns.of_batch(hidden, head, targets, rows))
+        self._last_done = batch.done
+        return batch
