@@ -200,9 +200,12 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     # settings: each caches exactly what stage 1 does, and trains exactly what `token` does.
     switches = ("again", "+space", "+topk 32", "plain head", "fixed chunks", "serial units",
                 "serial batches", "eager layers", "padded rows")  # fmt: skip
+    device = r"device: \d+ batches, [.\d]+% of [.\d]+ s in them \(at [,\d]+ tok/s\), .*"
     for switch in switches:
         line = f"stage 1 {switch} vs stage 1: max |stored loss difference| 0.00e+00"
-        assert re.search(rf"^{re.escape(line)}; .* of stage 1 steady$", out, re.M), out
+        assert re.search(rf"^{re.escape(line)}; .* of stage 1 steady; {device}$", out, re.M), out
+    for teacher in bench_gpu.TEACHERS["tiny"]:  # each job's line says where its device time went
+        assert re.search(rf"^stage 1 \(hf\) {teacher}: .*; {device}$", out, re.M), out
     if VLLM_IMPORTS:  # vLLM's own arithmetic, stored as float16 (a step is 0.008 near 12 nats)
         vllm = re.search(
             r"stage 1 vllm vs stage 1: max \|stored loss difference\| ([-+.e0-9]+)", out
