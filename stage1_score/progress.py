@@ -28,7 +28,7 @@ class Progress:
     the share of its bytes read so far (exact for tables, close for JSON lines and text) and
     divides the documents left by that rate.
 
-    The final line also says where the workers' devices spent the scoring (each unit's `device`,
+    Each line also says where the workers' devices spent the scoring so far (each unit's `device`,
     pipeline.scoring.device: DeviceTime): the share in batches, and the shares idle between a
     unit's batches and at units' edges (a worker's first unit has none). A device that idles
     waits for its host: for its work of a batch between batches; at the edges, for tokenizing,
@@ -100,7 +100,7 @@ class Progress:
             )
             parts.append(f"workers: {', '.join(rates)}")
         total = sum(self.device_seconds.values())
-        if final and total > 0:
+        if total > 0:
             shares = ", ".join(f"{t / total:.1%} {w}" for w, t in self.device_seconds.items())
             parts.append(f"device time: {shares}")
         self.emit(" | ".join(parts))

@@ -267,10 +267,10 @@ def test_progress_lines_give_one_rate_a_real_eta_and_right_plurals(monkeypatch):
     progress.scored(UnitResult(shard=shard, seconds=10.0, worker=0, device=device))
     assert lines == [
         "1 unit done | 10 docs | 100 tok/s, 1.0 docs/s | 50% of corpus read | ETA 0m30s | "
-        "workers: w0 100 tok/s"
+        "workers: w0 100 tok/s | device time: 94.7% in batches, 5.3% idle between batches, 0.0% "
+        "idle at units' edges"
     ]
-    # The last line says where the devices' time went; a unit's edge is the wait since the
-    # worker's previous unit (its first has none).
+    # A unit's edge is the wait since the worker's previous unit (its first has none).
     clock[0] = 120.0
     shard = ShardRecord(1, "shard-000001.parquet", 10, 1000, 1, "")
     device = device | {"in_batches_s": 8.5, "before_first_s": 1.5}
