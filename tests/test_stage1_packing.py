@@ -295,8 +295,8 @@ def test_overlapped_batches_cache_what_serial_batches_do(teachers, packing):
 def test_each_batch_is_timed_from_its_first_input_copy_to_its_columns_copies(
     teachers, overlap, monkeypatch
 ):
-    """A scoring call's `device_time` (what stage1-run.json records of each unit, and the run's
-    last line sums) comes from events on the device's stream: a batch is in the device's hands
+    """A scoring call's `device_time` (what stage1-run.json records of each unit, and the
+    driver's progress lines sum) comes from events on the device's stream: a batch is in the device's hands
     from its first input copy to its columns' copies, and the device idles between batches and
     at a call's edge. Here a clock that counts the work queued (each input copy, the body, the
     head) stands in for the device's: every launch falls within a batch, none between batches
