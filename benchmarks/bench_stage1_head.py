@@ -14,7 +14,9 @@ fused's logits reduced by a kernel that reads each once (the space mask's sum in
 measured it, which Inductor compiles to one read of each row for the max and Z, slower there than
 today's form (docs/stage1-gpu-path.md: "One read of the logits"), and `fused +topk 32, one-stage
 top-k` the top 32 as runs 3-6 took it, torch.topk of the whole row, where today's head takes it by
-blocks; `triton loss` and `triton +space` are `--head-kernel triton`, the product and the reductions
+blocks, and `fused +topk 32, ties unranked` by blocks as runs 7 and 8 took it, before equal logits
+were ranked by the lower id (so that the rule's cost is its difference from `fused +topk 32`);
+`triton loss` and `triton +space` are `--head-kernel triton`, the product and the reductions
 in one kernel, all positions in one launch; each `--triton-blocks` adds a `triton
 P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
 (pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a program's
@@ -43,7 +45,11 @@ from pipeline.choices import compiles_on  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.scoring.device import free_memory  # noqa: E402
 from pipeline.scoring.head import HeadColumns, HeadExtras, head_chunk_rows  # noqa: E402
-from pipeline.scoring.head_kernels import compile_head_pass, fused_columns  # noqa: E402
+from pipeline.scoring.head_kernels import (  # noqa: E402
+    compile_head_pass,
+    fused_columns,
+    top_logits,
+)
 
 # (hidden size, vocabulary, scored positions per batch): Qwen2.5-1.5B and -7B, one batch of
 # bench_gpu.py's 16,384 tokens; tiny for a CPU.
@@ -78,10 +84,19 @@ def one_stage_topk(logits: torch.Tensor, targets: torch.Tensor):
     return fused_columns(logits, targets, 0, None), torch.topk(logits, 32, dim=-1, sorted=True)
 
 
+def unranked_topk(logits: torch.Tensor, targets: torch.Tensor):
+    """fused_columns's loss, and its top 32 by blocks before the tie rule (runs 7 and 8): each
+    stage torch.topk's picks among equal values, where today's ranks them by the lower id
+    (head_kernels.ranked_topk); the same values, the ids but where logits tie."""
+    topk = functools.partial(torch.topk, dim=-1, sorted=True)
+    return fused_columns(logits, targets, 0, None), top_logits(logits, 32, rank=topk)
+
+
 # rows of the fused head in earlier forms, beside today's, where the fused pass compiles (CUDA)
 EARLIER_FORMS = (
     ("fused loss, one-read form", one_read_form_loss),
     ("fused +topk 32, one-stage top-k", one_stage_topk),
+    ("fused +topk 32, ties unranked", unranked_topk),
 )
 
 

@@ -365,15 +365,20 @@ def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
 
 
 def test_where_the_fused_pass_compiles_the_head_bench_adds_the_earlier_forms(monkeypatch, capsys):
-    """On CUDA the head bench also times runs 7-8's one-read form of the fused loss and runs 3-6's
-    one-stage top 32, compiled as the scorer compiles `fused`: that path runs here too (compiled
-    on the CPU), so that the next GPU run does not meet it first."""
+    """On CUDA the head bench also times runs 7-8's one-read form of the fused loss, runs 3-6's
+    one-stage top 32 and runs 7-8's top 32 with ties unranked, compiled as the scorer compiles
+    `fused`: that path runs here too (compiled on the CPU), so that the next GPU run does not
+    meet it first."""
     import bench_stage1_head
 
     monkeypatch.setattr(bench_stage1_head, "compiles_on", lambda device: True)
     assert bench_stage1_head.main(["--shape", "tiny", "--repeats", "1"]) == 0
     said = capsys.readouterr().out
-    for label in ("fused loss, one-read form", "fused +topk 32, one-stage top-k"):
+    for label in (
+        "fused loss, one-read form",
+        "fused +topk 32, one-stage top-k",
+        "fused +topk 32, ties unranked",
+    ):
         row = re.search(rf"^{re.escape(label)} +([\d.]+) +([\d.]+)$", said, re.M)
         assert row and float(row[1]) > 0 and float(row[2]) > 0, said
 

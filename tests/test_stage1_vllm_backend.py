@@ -88,6 +88,11 @@ def test_prompt_columns_keep_the_prompt_tokens_logprob_and_the_top_k():
     np.testing.assert_array_equal(columns["topk_ids"], [[4, 7], [3, 0]])
     np.testing.assert_allclose(columns["topk_rest"], 1 - probs.sum(axis=1), rtol=1e-5)
     assert columns["topk_probs"].dtype == columns["topk_rest"].dtype == np.float32
+    # the engine's order among equal log-probabilities is its own; stored, ties go to the lower id
+    tied = flat([(9, -0.5), (8, -1.0), (3, -1.0), (5, -2.0), (1, -1.0)])
+    columns = prompt_columns(prompt[:2], tied, 1, topk=4)
+    np.testing.assert_array_equal(columns["topk_ids"], [[1, 3, 8, 5]])
+    np.testing.assert_allclose(columns["topk_probs"], np.exp([[-1.0, -1.0, -1.0, -2.0]]))
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ chunks). Columns and conventions: docs/cache-columns.md.
 
 For a scored position t (the distribution p = softmax(logits) that predicts token t, the one whose
 -log p(token t) is `loss[t]`), in fp32:
-  - topk_probs[t]: the K largest p(v), descending (tied ones in the kernel's order);
-  - topk_ids[t]:   their token ids;
+  - topk_probs[t]: the K largest p(v), descending;
+  - topk_ids[t]:   their token ids, tied probabilities to the lower id (`ranked_topk`);
   - topk_rest[t]:  1 - sum(topk_probs[t]), the mass outside the K (clamped at 0);
   - space_logprob[t]: log sum_{v in S} p(v) with S the space mask (pipeline.space_mask), at least
     log of fp32's smallest normal (-87.3).
@@ -26,7 +26,8 @@ Four kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
   - triton: the head's matrix product and those reductions in one Triton kernel, so that no
     logit leaves the chip (pipeline.scoring.triton_head; the loss and the space column, no
     top-k).
-Plain, fused and onepass agree within fp32 rounding (top-k ids but among ties), far inside the
+Plain, fused and onepass agree within fp32 rounding (top-k ids exactly where their logits are
+bf16's: ties go to the lower id in each), far inside the
 cache's fp16 storage (tests/test_stage1_head.py, tests/triton_interpreted.py); triton keeps the
 logits in fp32, so on a bf16 teacher it differs from them by bf16's rounding of the logits.
 """
@@ -55,7 +56,7 @@ def plain_columns(
     log_probs, loss = token_log_probs_and_loss(logits, targets)
     columns = {"loss": loss}
     if topk:
-        values, ids = torch.topk(log_probs, topk, dim=-1, sorted=True)
+        values, ids = top_logits(log_probs, topk)
         probs = values.exp()
         columns |= {TOPK_PROBS: probs, TOPK_IDS: ids}
         columns[TOPK_REST] = (1.0 - probs.sum(dim=-1)).clamp_(min=0.0)
@@ -101,30 +102,55 @@ def topk_blocks(vocabulary: int, k: int) -> int:
     return blocks if k and blocks >= 4 * k else 0
 
 
+def ranked_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of `values` [rows, n], descending, and their indices, equal
+    values to the lower index: the first k of a stable descending sort. torch.topk does not
+    promise which of equal values it takes, nor their order (on a CPU it varies), and bf16 logits
+    tie often in a top 32; with this rule the cached ids are a function of the logits alone, the
+    same from every head kernel. torch.topk's values, then the slots holding its k-th value
+    refilled with the lowest indices holding it (the r-th such slot takes the r-th, found by
+    binary search of a running count of them), then each run of equal values ordered by index
+    (one sort of k keys). NaN, a broken teacher's, ranks first, among NaNs as torch.topk picks."""
+    n = values.shape[-1]
+    top, where = torch.topk(values, k, dim=-1, sorted=True)
+    bound = top[:, -1:]
+    above = (top != bound).sum(dim=-1, keepdim=True)  # the slots before the k-th's value
+    tie = torch.arange(1, k + 1, device=values.device) - above  # >= 1: the slot's rank among ties
+    tied_so_far = (values == bound).cumsum(dim=-1, dtype=torch.int32)
+    lowest = torch.searchsorted(tied_so_far, tie.clamp(min=1).to(torch.int32))
+    where = torch.where(tie >= 1, lowest, where)
+    new_run = torch.ones_like(top, dtype=torch.bool)
+    new_run[:, 1:] = top[:, 1:] != top[:, :-1]
+    run_key = new_run.cumsum(dim=-1) * n
+    return top, (run_key + where).sort(dim=-1).values - run_key
+
+
 def top_logits(
-    logits: torch.Tensor, k: int, block_maxima: torch.Tensor | None = None
+    logits: torch.Tensor, k: int, block_maxima: torch.Tensor | None = None, rank=ranked_topk
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk(logits, k, sorted=True) of a chunk [rows, V], from k of its blocks of
-    TOPK_BLOCK logits: one read of the chunk for each block's max (unless `block_maxima` [rows,
-    blocks] holds them: onepass's kernel takes them in its own read), then torch.topk of the
-    blocks with the k largest maxima (and of a last, partial block), a few percent of the row. The
-    k largest logits lie in those blocks (a logit outside them has k block maxima at least as
-    large), so the values are torch.topk's exactly, and the ids too but where logits tie. One
-    stage where the row has under 4k blocks. torch.topk of a whole 152k row runs radix passes over
-    it: 20 ms a batch of the 1.5B shape, against 14 for the whole fused loss (run 5)."""
+    """`ranked_topk(logits, k)` of a chunk [rows, V], from k of its blocks of TOPK_BLOCK logits:
+    one read of the chunk for each block's max (unless `block_maxima` [rows, blocks] holds them:
+    onepass's kernel takes them in its own read), then `ranked_topk` of the k blocks ranked first
+    by their maxima (and of a last, partial block), a few percent of the row. The k first of the
+    row lie in those blocks: a logit outside them has k blocks ranked before its own, each with
+    a logit ranked before it (a larger one, or an equal one in a block of lower ids), so values
+    and ids are `ranked_topk`'s of the whole row exactly. One stage where the row has under 4k
+    blocks. torch.topk of a whole 152k row runs radix passes over it: 20 ms a batch of the 1.5B
+    shape, against 14 for the whole fused loss (run 5). `rank`: the head bench's earlier form
+    passes torch.topk's picks, to measure what the tie rule costs."""
     vocabulary = logits.shape[1]
     blocks = topk_blocks(vocabulary, k)
     if not blocks:
-        return torch.topk(logits, k, dim=-1, sorted=True)
+        return rank(logits, k)
     whole = blocks * TOPK_BLOCK
     by_block = logits[:, :whole].unflatten(1, (blocks, TOPK_BLOCK))
     maxima = by_block.amax(dim=-1) if block_maxima is None else block_maxima
-    # in the order of their ids, so that ties meet torch.topk in the row's order
-    chosen = maxima.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    # in the order of their ids, so that a candidate's place orders it as its id does
+    chosen = rank(maxima, k)[1].sort(dim=-1).values
     candidates = by_block.gather(1, chosen[..., None].expand(-1, -1, TOPK_BLOCK)).flatten(1)
     if whole < vocabulary:
         candidates = torch.cat([candidates, logits[:, whole:]], dim=1)
-    values, where = torch.topk(candidates, k, dim=-1, sorted=True)
+    values, where = rank(candidates, k)
     # a candidate's id: its block's first id plus its offset, or past the chosen blocks, the tail's
     block = chosen.gather(1, (where // TOPK_BLOCK).clamp(max=k - 1))
     in_blocks = block * TOPK_BLOCK + where % TOPK_BLOCK

@@ -52,7 +52,8 @@ def prompt_columns(
     prompt_token_ids: Sequence[int], prompt_logprobs: Any, first: int, topk: int = 0
 ) -> dict[str, np.ndarray]:
     """{"loss": -log P of prompt tokens first..n-1} as float32, and with `topk` the top-k
-    columns of those positions (`TOPK_PROBS` float32 descending, `TOPK_IDS` int64, `TOPK_REST`
+    columns of those positions (`TOPK_PROBS` float32 descending, `TOPK_IDS` int64, equal
+    probabilities to the lower id, `TOPK_REST`
     the mass outside them), from `RequestOutput.prompt_logprobs` as a FlatLogprobs of
     max(topk, 1) + 1 entries per position i >= 1, the prompt token's first (its fields
     `start_indices`, `end_indices`, `token_ids`, `logprobs`)."""
@@ -92,10 +93,13 @@ def prompt_columns(
         )
     columns = {"loss": -logprobs[:, 0]}
     if topk:
-        probs = np.exp(logprobs[:, 1:])
+        # equal log-probabilities to the lower id, as the HF backend ranks them
+        # (pipeline.scoring.head_kernels: ranked_topk); the engine orders ties its own way
+        order = np.lexsort((token_ids[:, 1:], -logprobs[:, 1:]))
+        probs = np.exp(np.take_along_axis(logprobs[:, 1:], order, axis=1))
         columns |= {
             TOPK_PROBS: probs,
-            TOPK_IDS: token_ids[:, 1:],
+            TOPK_IDS: np.take_along_axis(token_ids[:, 1:], order, axis=1),
             TOPK_REST: np.maximum(1.0 - probs.sum(axis=1), 0.0, dtype=np.float32),
         }
     return columns
