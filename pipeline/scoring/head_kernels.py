@@ -27,9 +27,9 @@ Four kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
     logit leaves the chip (pipeline.scoring.triton_head; the loss and the space column, no
     top-k).
 Plain, fused and onepass agree within fp32 rounding (top-k ids exactly where their logits are
-bf16's: ties go to the lower id in each), far inside the
-cache's fp16 storage (tests/test_stage1_head.py, tests/triton_interpreted.py); triton keeps the
-logits in fp32, so on a bf16 teacher it differs from them by bf16's rounding of the logits.
+bf16's: ties go to the lower id in each), far inside the cache's fp16 storage
+(tests/test_stage1_head.py, tests/triton_interpreted.py); triton keeps the logits in fp32, so on a
+bf16 teacher it differs from them by bf16's rounding of the logits.
 """
 
 from __future__ import annotations
