@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.scoring.head import LOGIT_BUDGET, head_chunk_rows
 from pipeline.scoring.head_kernels import (
@@ -128,6 +130,27 @@ def test_the_top_logits_by_blocks_are_the_first_of_a_stable_sort(vocabulary):
             for values, ids in (top_logits(logits, k), ranked_topk(logits, k)):
                 assert torch.equal(values, expected_values[:, :k]), (dtype, k)
                 assert torch.equal(ids, expected_ids), (dtype, k)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    length=st.integers(1, 1300),
+    k=st.integers(1, 40),
+    levels=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_any_row_of_few_values_ranks_as_a_stable_sort(rows, length, k, levels, seed):
+    """The rule on rows no hand could pick: a few distinct values (so ties everywhere, at any
+    rank), any length, any k up to it; by blocks where the row has 4k of them (k <= 2 here)."""
+    k = min(k, length)
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, levels, (rows, length), generator=generator).float()
+    expected = torch.sort(values, dim=-1, descending=True, stable=True)
+    for top, ids in (ranked_topk(values, k), top_logits(values, k)):
+        assert torch.equal(top, expected.values[:, :k]) and torch.equal(
+            ids, expected.indices[:, :k]
+        )
 
 
 def test_the_compiled_fused_pass_never_splits_a_reduction():
