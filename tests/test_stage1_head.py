@@ -116,12 +116,12 @@ def tied_logits(vocabulary: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("vocabulary", [151_936, 50_257, 32_000, 1_000])
 def test_the_top_logits_by_blocks_are_the_first_of_a_stable_sort(vocabulary):
-    """`top_logits` (the fused and onepass heads' top k: the k blocks of 128 ranked first by
-    their maxima, then the top k of those) and `ranked_topk` (the plain head's, and `top_logits`'
-    where the row is too short for blocks) give the first k of a stable descending sort of the
-    whole row, values and ids, ties to the lower id (torch.topk promises neither): on Qwen2.5's
-    vocabulary, GPT-2's (a last block of 81), TinyLlama's, and one too small for blocks; bf16
-    and fp32 logits on a grid of halves, so that ties sit at every rank and across blocks."""
+    """`top_logits` (every head's top k: the k blocks of 128 ranked first by their maxima, then
+    the top k of those) and `ranked_topk` (each of its stages, and the whole of a row too short
+    for blocks) give the first k of a stable descending sort of the whole row, values and ids,
+    ties to the lower id (torch.topk promises neither): on Qwen2.5's vocabulary, GPT-2's (a last
+    block of 81), TinyLlama's, and one too small for blocks; bf16 and fp32 logits on a grid of
+    halves, so that ties sit at every rank and across blocks."""
     for dtype in (torch.bfloat16, torch.float32):
         logits = tied_logits(vocabulary, dtype)
         expected_values = torch.sort(logits, dim=-1, descending=True, stable=True).values

@@ -53,10 +53,10 @@ def prompt_columns(
 ) -> dict[str, np.ndarray]:
     """{"loss": -log P of prompt tokens first..n-1} as float32, and with `topk` the top-k
     columns of those positions (`TOPK_PROBS` float32 descending, `TOPK_IDS` int64, equal
-    probabilities to the lower id, `TOPK_REST`
-    the mass outside them), from `RequestOutput.prompt_logprobs` as a FlatLogprobs of
-    max(topk, 1) + 1 entries per position i >= 1, the prompt token's first (its fields
-    `start_indices`, `end_indices`, `token_ids`, `logprobs`)."""
+    probabilities to the lower id, `TOPK_REST` the mass outside them), from
+    `RequestOutput.prompt_logprobs` as a FlatLogprobs of max(topk, 1) + 1 entries per position
+    i >= 1, the prompt token's first (its fields `start_indices`, `end_indices`, `token_ids`,
+    `logprobs`)."""
     n = len(prompt_token_ids)
     if not 1 <= first <= n:
         raise ValueError(f"first scored position must be in 1..{n}, not {first}")
