@@ -292,6 +292,12 @@ def test_a_failed_row_is_named_and_a_row_past_the_budget_skipped_while_the_rest_
     ]  # fmt: skip
 
 
+def write_job_records(out: Path, units: dict) -> None:
+    """A stage-1 job's records as stage1_runs reads them: its units, and 10,000 teacher tokens."""
+    (out / "stage1-run.json").write_text(json.dumps({"units": units}))
+    (out / "manifest.json").write_text(json.dumps({"totals": {"teacher_tokens": 10_000}}))
+
+
 def test_phase_summary_sums_each_phase_over_units_and_the_share_and_rate_of_scoring(tmp_path):
     """And `stage 1 steady`'s rate: the tokens over [the first unit's scoring, the last one's
     read-back], without the first tokenizing and the last writing, one worker's clock."""
@@ -303,15 +309,14 @@ def test_phase_summary_sums_each_phase_over_units_and_the_share_and_rate_of_scor
         "1": {"worker": 0, "phases": {"tokenize": [11, 12], "score": [13, 15],
                                       "collect": [15, 15.5], "write": [15.5, 16]}},
     }  # fmt: skip
-    (tmp_path / "stage1-run.json").write_text(json.dumps({"units": units}))
-    (tmp_path / "manifest.json").write_text(json.dumps({"totals": {"teacher_tokens": 10_000}}))
+    write_job_records(tmp_path, units)
     assert phase_summary(tmp_path) == (
         "2 units in 6.00 s: tokenize 2.00 s, score 4.00 s, collect 1.00 s, write 1.00 s; scoring "
         "67% of it, at 2,500 tok/s"
     )
     assert steady_rate(tmp_path) == pytest.approx(10_000 / (15.5 - 11))
     units["1"]["worker"] = 1  # another worker's clock
-    (tmp_path / "stage1-run.json").write_text(json.dumps({"units": units}))
+    write_job_records(tmp_path, units)
     with pytest.raises(ValueError, match="one worker"):
         steady_rate(tmp_path)
 
@@ -328,14 +333,13 @@ def test_device_summary_shares_the_units_device_time_and_rates_the_batches(tmp_p
         "1": {"device": {"batches": 2, "in_batches_s": 1.0, "between_batches_s": 0.2,
                          "before_first_s": 0.2}},
     }  # fmt: skip
-    (tmp_path / "stage1-run.json").write_text(json.dumps({"units": units}))
-    (tmp_path / "manifest.json").write_text(json.dumps({"totals": {"teacher_tokens": 10_000}}))
+    write_job_records(tmp_path, units)
     assert device_summary(tmp_path) == (
         "device: 5 batches, 83.3% of 3.00 s in them (at 4,000 tok/s), 10.0% idle between "
         "batches, 6.7% idle at 1 edge between units"
     )
     units["1"]["device"] = None
-    (tmp_path / "stage1-run.json").write_text(json.dumps({"units": units}))
+    write_job_records(tmp_path, units)
     assert device_summary(tmp_path).startswith("device: not timed")
 
 
