@@ -90,6 +90,8 @@ What each row measures:
   scoring call, between it and `stage 1 +space` what it costs the job. Each: one warm-up pass, then
   the best of --repeats passes, synchronized; the same teacher-token count as the job. The `stage 1
   (hf)` row's ratio is to `body`, and a line before the table gives stage 1 / bare forward.
+  `--floors` measures only the floors it names beside `body` (all of them take a 7B teacher
+  about 5 minutes on an H200).
 - stage 2: `stage2_train/train.py` in-process on the first teacher's cache; tokens/s and MFU are the
   median of metrics.jsonl's per-step `tokens_per_second` and `mfu` after the first third of steps.
 - stage 2 floor: the fastest plain training loop of the same student on batches of the same
@@ -128,6 +130,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,6 +247,12 @@ STAGE2_RUNS = (
     ("token eager", ("--guidance", "token", "--compile", "off"), "token"),
     ("token plain loss", ("--guidance", "token", "--loss-kernel", "plain"), "token"),
 )
+# The floors beside `body`, which every stage-1 ratio divides by; --floors measures fewer (a 7B
+# teacher's full set takes about 5 minutes on an H200, run 13).
+FLOORS = (
+    "bare forward", "body + fused head", "scorer", "scorer by unit", "scorer queued units",
+    "body + triton head", "body + onepass head", "scorer +space",
+)  # fmt: skip
 LOSS_CHECK_DOCS = 4
 # With --profile-dir, the unit each stage-1 job traces (--profile-unit) and the scorer traces
 # again in this process: the second, past the first (and tiny shapes' runs have two).
@@ -304,13 +313,19 @@ def computed_slots(scorer: HFScorer, token_ids: list[np.ndarray], per_unit: int)
 
 
 def forward_rates(
-    scorer: HFScorer, token_ids: list[np.ndarray], per_unit: int, repeats: int, device
+    scorer: HFScorer,
+    token_ids: list[np.ndarray],
+    per_unit: int,
+    repeats: int,
+    device,
+    floors: Collection[str] | None = None,
 ) -> dict:
     """{side: teacher tokens/s} of the bare forward pass and the floors, on the batches the worker
     builds (each unit of `per_unit` documents laid out apart, as the worker lays out a unit: its
     windows, `--row-packing` layout, mask and positions), already on the device, and of the
     worker's whole scoring call from host token ids, over all documents at once and over the
-    job's units; each counts every teacher token, as the job's progress does."""
+    job's units; each counts every teacher token, as the job's progress does. `floors`: only
+    these sides beside `body` (None: all)."""
     units = job_units(token_ids, per_unit)
     batches = []
     for unit in units:  # planned as the worker plans a unit (HFScorer.plan)
@@ -357,10 +372,17 @@ def forward_rates(
         "scorer": scorer_pass, "scorer by unit": scorer_units,
         "scorer queued units": scorer_queued_units,
     }  # fmt: skip
-    rates = {side: best_rate(run, tokens, repeats, device) for side, run in sides.items()}
+    wanted = FLOORS if floors is None else floors
+    rates = {
+        side: best_rate(run, tokens, repeats, device)
+        for side, run in sides.items()
+        if side == "body" or side in wanted
+    }
     if triton_runs(device):  # the head's product and reductions in one kernel; one read of logits
         for kernel in ("triton", "onepass"):
             side = f"body + {kernel} head"
+            if side not in wanted:
+                continue
             try:  # a Triton kernel's first compile on this GPU is here: it costs a line, not the floors
                 columns = HeadColumns(HeadExtras(), scorer.vocab_size, device, kernel)
                 rates[side] = best_rate(
@@ -580,7 +602,8 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     cached = cache_rows(teacher.out)
     token_ids = [np.asarray(r["token_ids"], dtype=np.int64) for r in cached]
     reset_peak(device)
-    floors = forward_rates(scorer, token_ids, per_unit, bench.args.repeats, device)
+    wanted = bench.args.floors or FLOORS
+    floors = forward_rates(scorer, token_ids, per_unit, bench.args.repeats, device, wanted)
     by_unit, at_once = computed_slots(scorer, token_ids, per_unit)
     print(f"slots the body computes, {teacher.name}: {by_unit:,} on units of {per_unit} (the "
           f"job's and the floors'), {at_once:,} on all documents at once (the `scorer` row's): "
@@ -588,21 +611,26 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     bare_peak = peak_memory(device)
     # the scorer with --space-logprob's column: whether what `+space` costs the job is the
     # scoring call's own cost, or the job's around it
-    mask = space_mask(load_tokenizer(str(teacher.folder)), scorer.vocab_size)[0]
-    spaced = load(extras=HeadExtras(space_mask=mask))
-    tokens = sum(len(ids) for ids in token_ids)
-    score = functools.partial(spaced.score_columns, token_ids)
-    floors["scorer +space"] = best_rate(score, tokens, bench.args.repeats, device)
+    spaced = None
+    if "scorer +space" in wanted:
+        mask = space_mask(load_tokenizer(str(teacher.folder)), scorer.vocab_size)[0]
+        spaced = load(extras=HeadExtras(space_mask=mask))
+        tokens = sum(len(ids) for ids in token_ids)
+        score = functools.partial(spaced.score_columns, token_ids)
+        floors["scorer +space"] = best_rate(score, tokens, bench.args.repeats, device)
+        del score
     if bench.args.profile_dir:  # the job's traced unit, scored here, without the job around it
         unit = token_ids[PROFILED_UNIT * per_unit : (PROFILED_UNIT + 1) * per_unit]
         for label, traced_scorer in (("scorer", scorer), ("scorer+space", spaced)):
+            if traced_scorer is None:  # --floors without `scorer +space`
+                continue
             with traced(True) as trace:
                 traced_scorer.score_columns(unit)
                 synchronize(device)
             path = bench.args.profile_dir / f"{teacher.name}-{label}-unit-{PROFILED_UNIT}.json"
             path.write_bytes(trace.data)
             report_gaps(path)
-    del spaced, score
+    del spaced
     model.set_attn_implementation("sdpa")  # the check's plain forward pass
     differences = []
     for row, ids in zip(cached[:LOSS_CHECK_DOCS], token_ids, strict=False):
@@ -620,7 +648,9 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     # What this process compiled for this teacher counts towards the recompile limit of the
     # next one's: a worker holds one teacher and starts afresh.
     torch._dynamo.reset()
-    print(f"stage 1 / bare forward, {teacher.name}: {teacher.rate / floors['bare forward']:.3f}")
+    if "bare forward" in floors:
+        bare = floors["bare forward"]
+        print(f"stage 1 / bare forward, {teacher.name}: {teacher.rate / bare:.3f}")
     body_rate = floors["body"]
     bench.add(Row("stage 1 (hf)", teacher.name, teacher.rate, teacher.rate / body_rate,
                   mfu(parameters, teacher.rate, peak, training=False), polled["peak"]))  # fmt: skip
@@ -825,6 +855,11 @@ def main(argv: list[str] | None = None) -> int:
         "feeds stage 2 and the switch rows",
     )  # fmt: skip
     parser.add_argument("--stage1-only", action="store_true", help="no stage-2 rows")
+    parser.add_argument(
+        "--floors", nargs="+", choices=FLOORS,
+        help="only these stage-1 floors beside `body`, which every stage-1 ratio divides by "
+        "(default: all)",
+    )  # fmt: skip
     parser.add_argument(
         "--switches", nargs="+",
         choices=[label for label, _ in (*STAGE1_VARIANTS, *TRITON_VARIANTS)] + ["vllm"],

@@ -74,6 +74,13 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch, capsys):
     sides = ("bare_forward", "body", "body_and_fused_head", "scorer_pass", "scorer_units",
              "scorer_queued_units")  # fmt: skip
     assert timed == dict.fromkeys(sides, 39 + 89 + 14)
+    # --floors: only the sides named, beside `body`, which every ratio divides by
+    timed.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(bench_gpu, "best_rate", count)
+        patch.setattr(bench_gpu, "triton_runs", lambda device: True)
+        fewer = bench_gpu.forward_rates(scorer, ids, 2, 1, cpu, floors=("bare forward",))
+    assert set(fewer) == {"bare forward", "body"} and set(timed) == {"bare_forward", "body"}
     # the scorer scores all documents in one call, then the job's units of 2 in order, then
     # queues them as a worker does
     assert calls == [[39, 89, 14], [39, 89], [14], [39, 89], [14]]
