@@ -6,18 +6,18 @@ Targets: stage 1 >= 0.95 of the bare forward (issue 12) and >= 0.85 of the body 
 stage 2 >= 55% MFU, token within 3% of none.
 
     python benchmarks/bench_gpu.py [--shapes gpu|tiny] [--docs N] [--steps S]
-        [--teachers NAME ...] [--stage1-only] [--switches LABEL ...] [--budget-seconds S]
-        [--rows-jsonl PATH] [--profile-dir DIR]
+        [--teachers NAME ...] [--stage1-only] [--switches LABEL ...] [--floors SIDE ...]
+        [--budget-seconds S] [--rows-jsonl PATH] [--profile-dir DIR]
 
-The rows come in the order the targets need them: each teacher's `stage 1 (hf)` with its floors,
-the first teacher's `+space` and `padded rows`, stage 2's `none`, `token` and floor, then the
+The rows come in the order the targets need them: each teacher's `stage 1 (hf)` and `stage 1
+steady` as soon as its `body` floor is measured, then its other floors, the first teacher's `+space` and `padded rows`, stage 2's `none`, `token` and floor, then the
 other switch rows. Each is printed as it is measured (and appended to --rows-jsonl), with each
 stage-1 job's unit phases and device time (benchmarks/stage1_runs.py: phase_summary,
 device_summary: the shares of the device's time in batches, at what rate, and idle between them
 and at units' edges, from the run record's events), so that a run cut off by a
 lease's limit still reports what it measured; a row that fails is named in one line and the rest
-go on (exit 1); with --budget-seconds, a switch row (or the floor) that would end past the budget,
-by its baseline's time, is skipped and named; --switches picks the switch rows. On an H200 the
+go on (exit 1); with --budget-seconds, a switch row (or a stage-1 floor but `body`, or the
+stage-2 floor) that would end past the budget, by its baseline's time, is skipped and named; --switches picks the switch rows. On an H200 the
 whole table takes longer than 10 minutes: the 1.5B teacher's rows alone took 269 s with its layers
 compiled (2026-11-26, run 3), each switch row about 45 s.
 
@@ -89,9 +89,9 @@ What each row measures:
   column, the scorer loaded again with it: between it and `scorer` lies what the column costs the
   scoring call, between it and `stage 1 +space` what it costs the job. Each: one warm-up pass, then
   the best of --repeats passes, synchronized; the same teacher-token count as the job. The `stage 1
-  (hf)` row's ratio is to `body`, and a line before the table gives stage 1 / bare forward.
-  `--floors` measures only the floors it names beside `body` (all of them take a 7B teacher
-  about 5 minutes on an H200).
+  (hf)` row's ratio is to `body`, and a line gives stage 1 / bare forward. `body` is measured
+  first, the others each as its own row (one that fails costs that row), and `--floors` measures
+  only the ones it names (all of them take a 7B teacher about 5 minutes on an H200).
 - stage 2: `stage2_train/train.py` in-process on the first teacher's cache; tokens/s and MFU are the
   median of metrics.jsonl's per-step `tokens_per_second` and `mfu` after the first third of steps.
 - stage 2 floor: the fastest plain training loop of the same student on batches of the same
@@ -107,7 +107,7 @@ What each row measures:
 MFU: 2 N (forward) or 6 N (training) x tokens/s over the device's peak dense bf16 FLOP/s
 (pipeline/flops.py, NVIDIA datasheets; N without the input embedding; stage 2's over the target
 tokens trained, not padding); n/a on a CPU. Peak memory: torch.cuda.max_memory_allocated
-in this process (the bare forward, stage 2), or for stage 1, whose worker is a Ray actor, the
+in this process over the row (a floor, stage 2), or for stage 1, whose worker is a Ray actor, the
 device's used memory polled every 0.1 s above what was used before, once a finished job's worker
 has freed its own (polled_device_memory); on a CPU the process's RSS
 high-water mark (resource.getrusage, so it never goes down) and n/a for stage 1.
@@ -130,7 +130,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,20 +312,22 @@ def computed_slots(scorer: HFScorer, token_ids: list[np.ndarray], per_unit: int)
     )
 
 
-def forward_rates(
+def floor_timings(
     scorer: HFScorer,
     token_ids: list[np.ndarray],
     per_unit: int,
     repeats: int,
     device,
     floors: Collection[str] | None = None,
-) -> dict:
-    """{side: teacher tokens/s} of the bare forward pass and the floors, on the batches the worker
-    builds (each unit of `per_unit` documents laid out apart, as the worker lays out a unit: its
-    windows, `--row-packing` layout, mask and positions), already on the device, and of the
-    worker's whole scoring call from host token ids, over all documents at once and over the
-    job's units; each counts every teacher token, as the job's progress does. `floors`: only
-    these sides beside `body` (None: all)."""
+) -> dict[str, Callable[[], float]]:
+    """{side: a call that times it and returns its teacher tokens/s}, `body` first: the bare
+    forward pass and the floors, on the batches the worker builds (each unit of `per_unit`
+    documents laid out apart, as the worker lays out a unit: its windows, `--row-packing` layout,
+    mask and positions), already on the device, and the worker's whole scoring call from host
+    token ids, over all documents at once and over the job's units; each counts every teacher
+    token, as the job's progress does. `floors`: only these sides beside `body` (None: all but
+    `scorer +space`, whose scorer the caller loads). Calls, not rates, so that each row is printed
+    as it is measured and a side past the budget is never run."""
     units = job_units(token_ids, per_unit)
     batches = []
     for unit in units:  # planned as the worker plans a unit (HFScorer.plan)
@@ -366,31 +368,24 @@ def forward_rates(
             queued.pop(0).collect()
         queued.pop().collect()
 
-    sides = {
-        "bare forward": bare_forward, "body": body,
-        "body + fused head": body_and_fused_head,
+    def kernel_head(kernel: str) -> float:  # a Triton kernel's first compile is in its warm-up
+        columns = HeadColumns(HeadExtras(), scorer.vocab_size, device, kernel)
+        return best_rate(functools.partial(body_and_head, columns), tokens, repeats, device)
+
+    passes = {
+        "body": body, "bare forward": bare_forward, "body + fused head": body_and_fused_head,
         "scorer": scorer_pass, "scorer by unit": scorer_units,
         "scorer queued units": scorer_queued_units,
     }  # fmt: skip
-    wanted = FLOORS if floors is None else floors
-    rates = {
-        side: best_rate(run, tokens, repeats, device)
-        for side, run in sides.items()
-        if side == "body" or side in wanted
+    timings = {
+        side: functools.partial(best_rate, one_pass, tokens, repeats, device)
+        for side, one_pass in passes.items()
     }
     if triton_runs(device):  # the head's product and reductions in one kernel; one read of logits
         for kernel in ("triton", "onepass"):
-            side = f"body + {kernel} head"
-            if side not in wanted:
-                continue
-            try:  # a Triton kernel's first compile on this GPU is here: it costs a line, not the floors
-                columns = HeadColumns(HeadExtras(), scorer.vocab_size, device, kernel)
-                rates[side] = best_rate(
-                    functools.partial(body_and_head, columns), tokens, repeats, device
-                )
-            except Exception as exc:
-                print(f"{side}: not measured ({type(exc).__name__}: {exc})"[:400], flush=True)
-    return rates
+            timings[f"body + {kernel} head"] = functools.partial(kernel_head, kernel)
+    wanted = FLOORS if floors is None else floors
+    return {side: timing for side, timing in timings.items() if side == "body" or side in wanted}
 
 
 @torch.inference_mode()
@@ -596,41 +591,67 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
         HFScorer, resolve_teacher(str(teacher.folder)), dtype=dtype, max_length=max_length,
         stride=stride, batch_tokens=batch_tokens, device=str(device),
     )  # fmt: skip
+    loaded = time.perf_counter()
     scorer = load()
+    load_seconds = time.perf_counter() - loaded
     model = scorer.model
     parameters = teacher.parameters = flop_parameters(model)
     cached = cache_rows(teacher.out)
     token_ids = [np.asarray(r["token_ids"], dtype=np.int64) for r in cached]
-    reset_peak(device)
+    tokens, repeats = sum(len(ids) for ids in token_ids), bench.args.repeats
     wanted = bench.args.floors or FLOORS
-    floors = forward_rates(scorer, token_ids, per_unit, bench.args.repeats, device, wanted)
+    timings = floor_timings(scorer, token_ids, per_unit, repeats, device, wanted)
+
+    # the body first, and the job's rows against it at once: a run cut off in the floors keeps them
+    reset_peak(device)
+    body_rate = timings.pop("body")()
+    body_peak = peak_memory(device)
+    steady = teacher.steady = steady_rate(teacher.out)
+    for what, rate, peak_bytes in (
+        ("stage 1 (hf)", teacher.rate, polled["peak"]),
+        ("stage 1 steady", steady, polled["peak"]),
+        ("body", body_rate, body_peak),
+    ):
+        bench.add(Row(what, teacher.name, rate, rate / body_rate,
+                      mfu(parameters, rate, peak, training=False), peak_bytes))  # fmt: skip
+
+    def floor_row(side: str, timing: Callable[[], float]) -> None:
+        reset_peak(device)
+        rate = timing()
+        bench.add(Row(side, teacher.name, rate, rate / body_rate,
+                      mfu(parameters, rate, peak, training=False), peak_memory(device)))  # fmt: skip
+        if side == "bare forward":
+            print(f"stage 1 / bare forward, {teacher.name}: {teacher.rate / rate:.3f}", flush=True)
+
     by_unit, at_once = computed_slots(scorer, token_ids, per_unit)
     print(f"slots the body computes, {teacher.name}: {by_unit:,} on units of {per_unit} (the "
           f"job's and the floors'), {at_once:,} on all documents at once (the `scorer` row's): "
           f"{by_unit / at_once:.4f}", flush=True)  # fmt: skip
-    bare_peak = peak_memory(device)
-    # the scorer with --space-logprob's column: whether what `+space` costs the job is the
-    # scoring call's own cost, or the job's around it
-    spaced = None
+    spaced, vocab_size = {}, scorer.vocab_size
+
+    def scorer_with_space() -> float:  # whether what `+space` costs the job is the call's own cost
+        mask = space_mask(load_tokenizer(str(teacher.folder)), vocab_size)[0]
+        spaced["scorer+space"] = load(extras=HeadExtras(space_mask=mask))
+        score = functools.partial(spaced["scorer+space"].score_columns, token_ids)
+        return best_rate(score, tokens, repeats, device)
+
     if "scorer +space" in wanted:
-        mask = space_mask(load_tokenizer(str(teacher.folder)), scorer.vocab_size)[0]
-        spaced = load(extras=HeadExtras(space_mask=mask))
-        tokens = sum(len(ids) for ids in token_ids)
-        score = functools.partial(spaced.score_columns, token_ids)
-        floors["scorer +space"] = best_rate(score, tokens, bench.args.repeats, device)
-        del score
+        timings["scorer +space"] = scorer_with_space
+    # a side's warm-up and timed passes at the slowest floor's rate (0.84 of the body in run 12)
+    floor_seconds = (1 + repeats) * tokens / body_rate / 0.8
+    for side, timing in timings.items():
+        extra = load_seconds if timing is scorer_with_space else 0.0
+        bench.attempt(side, functools.partial(floor_row, side, timing), floor_seconds + extra)
     if bench.args.profile_dir:  # the job's traced unit, scored here, without the job around it
         unit = token_ids[PROFILED_UNIT * per_unit : (PROFILED_UNIT + 1) * per_unit]
-        for label, traced_scorer in (("scorer", scorer), ("scorer+space", spaced)):
-            if traced_scorer is None:  # --floors without `scorer +space`
-                continue
+        for label, traced_scorer in (("scorer", scorer), *spaced.items()):
             with traced(True) as trace:
                 traced_scorer.score_columns(unit)
                 synchronize(device)
             path = bench.args.profile_dir / f"{teacher.name}-{label}-unit-{PROFILED_UNIT}.json"
             path.write_bytes(trace.data)
             report_gaps(path)
-    del spaced
+    spaced.clear()
     model.set_attn_implementation("sdpa")  # the check's plain forward pass
     differences = []
     for row, ids in zip(cached[:LOSS_CHECK_DOCS], token_ids, strict=False):
@@ -648,18 +669,6 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     # What this process compiled for this teacher counts towards the recompile limit of the
     # next one's: a worker holds one teacher and starts afresh.
     torch._dynamo.reset()
-    if "bare forward" in floors:
-        bare = floors["bare forward"]
-        print(f"stage 1 / bare forward, {teacher.name}: {teacher.rate / bare:.3f}")
-    body_rate = floors["body"]
-    bench.add(Row("stage 1 (hf)", teacher.name, teacher.rate, teacher.rate / body_rate,
-                  mfu(parameters, teacher.rate, peak, training=False), polled["peak"]))  # fmt: skip
-    steady = teacher.steady = steady_rate(teacher.out)
-    bench.add(Row("stage 1 steady", teacher.name, steady, steady / body_rate,
-                  mfu(parameters, steady, peak, training=False), polled["peak"]))  # fmt: skip
-    for side, rate in floors.items():
-        bench.add(Row(side, teacher.name, rate, rate / body_rate,
-                      mfu(parameters, rate, peak, training=False), bare_peak))  # fmt: skip
 
 
 def stage1_variant(bench: Bench, teacher: Teacher, label: str, options: tuple) -> None:
@@ -838,8 +847,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
     parser.add_argument(
         "--budget-seconds", type=float, default=0.0,
-        help="skip an optional row (a switch row, the stage-2 floor) whose predicted time would "
-        "end past this many seconds from the start; 0: no budget",
+        help="skip an optional row (a switch row, a stage-1 floor but `body`, the stage-2 floor) "
+        "whose predicted time would end past this many seconds from the start; 0: no budget",
     )  # fmt: skip
     parser.add_argument("--rows-jsonl", type=Path, help="also append each row here as measured")
     parser.add_argument(

@@ -32,7 +32,7 @@ from tests.stage1_helpers import (  # noqa: E402
 )
 
 
-def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch, capsys):
+def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
     cpu = torch.device("cpu")
     shape = bench_gpu.TEACHERS["tiny"]["qwen2.5-1.5b-like"]
     folder = bench_gpu.build_teacher(tmp_path / "teacher", shape, cpu, torch.float32)
@@ -66,12 +66,15 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch, capsys):
         patch.setattr(bench_gpu, "best_rate", count)
         patch.setattr(scorer, "queue_columns", recorded)
         patch.setattr(scorer, "batch_inputs", recorded_inputs)
-        rates = bench_gpu.forward_rates(scorer, ids, 2, 1, cpu)
-    assert set(rates) == {
-        "bare forward", "body", "body + fused head", "scorer", "scorer by unit",
+        timings = bench_gpu.floor_timings(scorer, ids, 2, 1, cpu)
+        assert timed == {}  # nothing is timed until its row asks: a side past the budget never runs
+        rates = {side: timing() for side, timing in timings.items()}
+    # the body first: the job's rows are printed against it before any other floor is measured
+    assert list(rates) == [
+        "body", "bare forward", "body + fused head", "scorer", "scorer by unit",
         "scorer queued units",
-    }  # fmt: skip
-    sides = ("bare_forward", "body", "body_and_fused_head", "scorer_pass", "scorer_units",
+    ]  # fmt: skip
+    sides = ("body", "bare_forward", "body_and_fused_head", "scorer_pass", "scorer_units",
              "scorer_queued_units")  # fmt: skip
     assert timed == dict.fromkeys(sides, 39 + 89 + 14)
     # --floors: only the sides named, beside `body`, which every ratio divides by
@@ -79,8 +82,11 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch, capsys):
     with monkeypatch.context() as patch:
         patch.setattr(bench_gpu, "best_rate", count)
         patch.setattr(bench_gpu, "triton_runs", lambda device: True)
-        fewer = bench_gpu.forward_rates(scorer, ids, 2, 1, cpu, floors=("bare forward",))
-    assert set(fewer) == {"bare forward", "body"} and set(timed) == {"bare_forward", "body"}
+        fewer = bench_gpu.floor_timings(scorer, ids, 2, 1, cpu, floors=("bare forward",))
+        assert list(fewer) == ["body", "bare forward"]
+        for timing in fewer.values():
+            timing()
+    assert set(timed) == {"bare_forward", "body"}
     # the scorer scores all documents in one call, then the job's units of 2 in order, then
     # queues them as a worker does
     assert calls == [[39, 89, 14], [39, 89], [14], [39, 89], [14]]
@@ -98,8 +104,9 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch, capsys):
     whole = scorer.layouts(plan_document_windows([39, 89, 14], 32, 16))
     assert at_once == sum(layout.slots for layout in whole) != by_unit
 
-    # Where Triton runs, its kernels' sides are optional: a first compile that fails on the GPU
-    # costs a line, not the floors (kernels planted here: fused's pass stands in for Triton's).
+    # Where Triton runs, its kernels' sides follow, each built when its row is measured, so a
+    # first compile that fails on the GPU fails that row alone (kernels planted here: fused's
+    # pass stands in for Triton's).
     def columns(extras, vocab_size, device, kernel):
         if kernel == "onepass":
             raise RuntimeError("ptxas: a planted compile error")
@@ -109,10 +116,11 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch, capsys):
         patch.setattr(bench_gpu, "best_rate", count)
         patch.setattr(bench_gpu, "triton_runs", lambda device: True)
         patch.setattr(bench_gpu, "HeadColumns", columns)
-        rates = bench_gpu.forward_rates(scorer, ids, 2, 1, cpu)
-    assert "body + triton head" in rates and "body + onepass head" not in rates
-    out = capsys.readouterr().out
-    assert "body + onepass head: not measured (RuntimeError: ptxas: a planted compile" in out
+        timings = bench_gpu.floor_timings(scorer, ids, 2, 1, cpu)
+        assert list(timings)[-2:] == ["body + triton head", "body + onepass head"]
+        assert timings["body + triton head"]() == 1.0
+        with pytest.raises(RuntimeError, match="planted compile error"):
+            timings["body + onepass head"]()
     assert_rate_is_tokens_per_second_of_the_best_timed_pass(monkeypatch)
 
     # 89 tokens in windows of 32 with a stride of 16: the reference is the windows module's plain
@@ -233,6 +241,33 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
         assert "traceEvents" in json.loads(path.read_text())
         # each followed by its device's gaps (benchmarks/trace_gaps.py): a CPU trace has none
         assert f"trace {path.name}: no device work in the trace" in out
+
+
+@pytest.mark.slow
+def test_a_floor_that_fails_costs_its_row_and_the_jobs_rows_come_first(monkeypatch, capsys):
+    """Run 13 lost a 7B job's rows when its floors outlasted the device call: the job's rows are
+    now printed against the body as soon as it is measured, and a floor that fails (a planted
+    bare forward here) costs its row alone; --floors measures the floors named."""
+    floor_timings = bench_gpu.floor_timings
+
+    def broken() -> float:
+        raise RuntimeError("planted")
+
+    def planted(*args, **kwargs):
+        return floor_timings(*args, **kwargs) | {"bare forward": broken}
+
+    monkeypatch.setattr(bench_gpu, "floor_timings", planted)
+    command = ["--shapes", "tiny", "--docs", "16", "--repeats", "1", "--stage1-only",
+               "--teachers", "qwen2.5-1.5b-like", "--switches", "again",
+               "--floors", "bare forward", "body + fused head"]  # fmt: skip
+    assert bench_gpu.main(command) == 1  # a failed row fails the run
+    out = capsys.readouterr().out
+    measured = [line.split("  ")[0] for line in out.splitlines() if "qwen2.5-1.5b-like  " in line]
+    assert measured[:4] == ["stage 1 (hf)", "stage 1 steady", "body", "body + fused head"], out
+    assert "bare forward: FAILED (RuntimeError: planted)" in out
+    assert "row failed: bare forward" in out and "stage 1 again" in measured
+    assert not {"scorer", "scorer +space"} & set(measured)
+    assert out.count(": passed") == 1
 
 
 def test_a_trace_the_gap_reader_cannot_read_costs_a_line_not_the_run(tmp_path, capsys):
