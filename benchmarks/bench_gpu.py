@@ -10,14 +10,15 @@ stage 2 >= 55% MFU, token within 3% of none.
         [--budget-seconds S] [--rows-jsonl PATH] [--profile-dir DIR]
 
 The rows come in the order the targets need them: each teacher's `stage 1 (hf)` and `stage 1
-steady` as soon as its `body` floor is measured, then its other floors, the first teacher's `+space` and `padded rows`, stage 2's `none`, `token` and floor, then the
-other switch rows. Each is printed as it is measured (and appended to --rows-jsonl), with each
-stage-1 job's unit phases and device time (benchmarks/stage1_runs.py: phase_summary,
-device_summary: the shares of the device's time in batches, at what rate, and idle between them
-and at units' edges, from the run record's events), so that a run cut off by a
-lease's limit still reports what it measured; a row that fails is named in one line and the rest
-go on (exit 1); with --budget-seconds, a switch row (or a stage-1 floor but `body`, or the
-stage-2 floor) that would end past the budget, by its baseline's time, is skipped and named; --switches picks the switch rows. On an H200 the
+steady` as soon as its `body` floor is measured, then its other floors, the first teacher's
+`+space` and `padded rows`, stage 2's `none`, `token` and floor, then the other switch rows.
+Each is printed as it is measured (and appended to --rows-jsonl), with each stage-1 job's unit
+phases and device time (benchmarks/stage1_runs.py: phase_summary, device_summary: the shares of
+the device's time in batches, at what rate, and idle between them and at units' edges, from the
+run record's events), so that a run cut off by a lease's limit still reports what it measured;
+a row that fails is named in one line and the rest go on (exit 1); with --budget-seconds, a
+switch row (or a stage-1 floor but `body`, or the stage-2 floor) that would end past the budget,
+by its baseline's time, is skipped and named; --switches picks the switch rows. On an H200 the
 whole table takes longer than 10 minutes: the 1.5B teacher's rows alone took 269 s with its layers
 compiled (2026-11-26, run 3), each switch row about 45 s.
 
@@ -618,8 +619,8 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     def floor_row(side: str, timing: Callable[[], float]) -> None:
         reset_peak(device)
         rate = timing()
-        bench.add(Row(side, teacher.name, rate, rate / body_rate,
-                      mfu(parameters, rate, peak, training=False), peak_memory(device)))  # fmt: skip
+        utilization = mfu(parameters, rate, peak, training=False)
+        bench.add(Row(side, teacher.name, rate, rate / body_rate, utilization, peak_memory(device)))
         if side == "bare forward":
             print(f"stage 1 / bare forward, {teacher.name}: {teacher.rate / rate:.3f}", flush=True)
 
