@@ -248,8 +248,7 @@ STAGE2_RUNS = (
     ("token eager", ("--guidance", "token", "--compile", "off"), "token"),
     ("token plain loss", ("--guidance", "token", "--loss-kernel", "plain"), "token"),
 )
-# The floors beside `body`, which every stage-1 ratio divides by; --floors measures fewer (a 7B
-# teacher's full set takes about 5 minutes on an H200, run 13).
+# The floors beside `body`, which every stage-1 ratio divides by; --floors measures fewer.
 FLOORS = (
     "bare forward", "body + fused head", "scorer", "scorer by unit", "scorer queued units",
     "body + triton head", "body + onepass head", "scorer +space",
