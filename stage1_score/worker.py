@@ -146,6 +146,10 @@ class UnitScorer:
         # One unit on the teacher at a time; with --unit-overlap on (a threaded actor holding two
         # units) the other unit's tokenizing and writing run beside it.
         self._device = threading.Lock()
+        # One unit tokenized at a time: the tokenizer spreads one call over every core, so the
+        # first two units, which arrive together, would share them and the teacher would wait for
+        # both; in turn, the first unit reaches it after its own tokenizing alone.
+        self._tokenizing = threading.Lock()
 
     def _load(self) -> None:
         if self._scorer is not None:
@@ -176,7 +180,7 @@ class UnitScorer:
     def score_unit(self, unit: WorkUnit) -> UnitResult:
         self._load()
         started, phases = time.monotonic(), {}
-        with phase(phases, "tokenize"):
+        with self._tokenizing, phase(phases, "tokenize"):
             encodings = self._tokenizer.encode_batch(unit.texts)
             ids = [e.ids for e in encodings]
             # before the teacher is held: the previous unit's last batch, maybe a short one, may

@@ -13,6 +13,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -272,24 +274,36 @@ def test_overlapped_units_cache_the_same_bytes_with_writing_beside_scoring(built
     assert beside, phases
 
 
+def loaded_worker(teacher: Path, out: Path):
+    """An in-process worker of the tiny teacher (--batch-overlap on, a GPU's default), loaded."""
+    from pipeline.scoring.teacher import resolve_teacher
+    from stage1_score.worker import UnitScorer, WorkerSpec
+
+    spec = WorkerSpec(
+        teacher=resolve_teacher(str(teacher)), tokenizer=None, backend="hf", dtype="float32",
+        max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=128, loss_dtype="float32",
+        out=out, run_fingerprint="test", threads=1, progress_seconds=1e9, batch_overlap="on",
+    )  # fmt: skip
+    worker = UnitScorer(spec)
+    worker.describe()  # loads the teacher
+    return worker
+
+
+def shipped_unit(index: int, docs: int = 8):
+    from stage1_score.units import WorkUnit
+
+    texts = [text for _, text in shipped_documents(docs * (index + 1))[docs * index :]]
+    doc_ids = [f"d{index}-{i}" for i in range(docs)]
+    return WorkUnit(index, doc_ids, texts, [sha256_text(t) for t in texts], [], "content", 1.0)
+
+
 def test_a_unit_holds_the_teacher_only_while_its_batches_are_queued(teacher, tmp_path):
     """--batch-overlap on (a GPU's default) under --unit-overlap: a unit holds the teacher (the
     worker's lock) while its batches are queued, and reads its last batch back after releasing
     it, so that the next unit queues its first batch behind that one and the device does not
     wait at the units' edge for a read-back and the next unit's first inputs. The unit's batches
     are planned before it holds the teacher, and the plan made is the one queued."""
-    from pipeline.scoring.teacher import resolve_teacher
-    from stage1_score.units import WorkUnit
-    from stage1_score.worker import UnitScorer, WorkerSpec
-
-    spec = WorkerSpec(
-        teacher=resolve_teacher(str(teacher)), tokenizer=None, backend="hf", dtype="float32",
-        max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=128, loss_dtype="float32",
-        out=tmp_path, run_fingerprint="test", threads=1, progress_seconds=1e9,
-        batch_overlap="on",
-    )  # fmt: skip
-    worker = UnitScorer(spec)
-    worker.describe()  # loads the teacher
+    worker = loaded_worker(teacher, tmp_path)
     held, queue_columns, plan = {}, worker._scorer.queue_columns, worker._scorer.plan
     planned = []
 
@@ -314,16 +328,53 @@ def test_a_unit_holds_the_teacher_only_while_its_batches_are_queued(teacher, tmp
 
     worker._scorer.queue_columns = queue_and_watch
     worker._scorer.plan = plan_and_watch
-    texts = [text for _, text in shipped_documents(8)]
-    unit = WorkUnit(0, [f"d{i}" for i in range(8)], texts, [sha256_text(t) for t in texts], [],
-                    "content", 1.0)  # fmt: skip
-    phases = worker.score_unit(unit).phases
+    phases = worker.score_unit(shipped_unit(0)).phases
     assert held == {
         "planning": False, "queueing": True, "queued the plan made": True, "in flight": 1,
         "collecting": False,
     }  # fmt: skip
     order = [phases[name] for name in ("tokenize", "score", "collect", "write")]
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(order)), phases
+
+
+def test_a_worker_tokenizes_its_units_in_turn(teacher, tmp_path):
+    """Under --unit-overlap a worker's first two units arrive together. The tokenizer spreads one
+    call over every core, so two at once share them, and the teacher waits for the first unit
+    until both are done (benchmarks/bench_stage1_tokenizing.py: 1.9 times its own time on 2 cores).
+    The second unit's tokenizing begins after the first's ends, even when it arrives while the
+    first is being tokenized, and each unit is scored as if alone."""
+    worker = loaded_worker(teacher, tmp_path)
+    encode, spans = worker._tokenizer.encode_batch, {}
+    first_inside, second_started = threading.Event(), threading.Event()
+
+    def encode_and_watch(texts):
+        first = not spans
+        start = time.monotonic()
+        if first:  # hold the first unit's tokenizing until the second unit has come
+            first_inside.set()
+            assert second_started.wait(60)
+            time.sleep(0.3)  # long enough for the second to begin tokenizing, if it may
+        encodings = encode(texts)
+        spans[texts[0]] = [start, time.monotonic()]
+        return encodings
+
+    worker._tokenizer.encode_batch = encode_and_watch
+    units, results = [shipped_unit(0), shipped_unit(1)], {}
+
+    def score(unit):
+        results[unit.index] = worker.score_unit(unit)
+
+    first = threading.Thread(target=score, args=(units[0],))
+    first.start()
+    assert first_inside.wait(60)
+    second_started.set()
+    score(units[1])
+    first.join(60)
+    first_span, second_span = (spans[unit.texts[0]] for unit in units)
+    assert first_span[1] <= second_span[0], spans
+    alone = loaded_worker(teacher, tmp_path / "alone")
+    for unit in units:
+        assert results[unit.index].shard == alone.score_unit(unit).shard
 
 
 def test_packed_rows_cache_what_padded_rows_do_and_are_recorded(built, tmp_path):
