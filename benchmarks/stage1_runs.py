@@ -73,21 +73,26 @@ def phase_summary(out: Path) -> str:
     seconds summed over units, the share of the span from the first unit's start to the last
     one's end during which a unit was on the teacher (its batches being queued: one worker, its
     device's busy share, since the next unit queues behind the last batch while it is collected),
-    and the teacher tokens per second of scoring alone (the manifest's tokens over the summed
-    score phases), to set beside bench_gpu.py's `scorer` rows, the same call without the job
-    around it."""
+    the teacher tokens per second of scoring alone (the manifest's tokens over the summed score
+    phases), to set beside bench_gpu.py's `scorer` rows, the same call without the job around
+    it, and the span's edges outside `stage 1 steady`'s (steady_rate): from the first unit's
+    start to the first scoring, and from the last read-back to the last write's end."""
     units, tokens = run_units(out)
     phases = [unit["phases"] for unit in units]
     begin = min(p["tokenize"][0] for p in phases)
-    span = max(p["write"][1] for p in phases) - begin
+    end = max(p["write"][1] for p in phases)
     seconds = {
         name: sum(p[name][1] - p[name][0] for p in phases)
         for name in ("tokenize", "score", "collect", "write")
     }
     summed = ", ".join(f"{name} {value:.2f} s" for name, value in seconds.items())
+    first = min(p["score"][0] for p in phases) - begin
+    last = end - max(p["collect"][1] for p in phases)
     return (
-        f"{len(phases)} units in {span:.2f} s: {summed}; scoring {seconds['score'] / span:.0%} of "
-        f"it, at {tokens / seconds['score']:,.0f} tok/s"
+        f"{len(phases)} units in {end - begin:.2f} s: {summed}; scoring "
+        f"{seconds['score'] / (end - begin):.0%} of it, at {tokens / seconds['score']:,.0f} "
+        f"tok/s; edges: the first scoring {first:.2f} s after the start, the last write ending "
+        f"{last:.2f} s after the last read-back"
     )
 
 

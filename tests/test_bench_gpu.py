@@ -342,7 +342,8 @@ def write_job_records(out: Path, units: dict) -> None:
 
 def test_phase_summary_sums_each_phase_over_units_and_the_share_and_rate_of_scoring(tmp_path):
     """And `stage 1 steady`'s rate: the tokens over [the first unit's scoring, the last one's
-    read-back], without the first tokenizing and the last writing, one worker's clock."""
+    read-back], without the first tokenizing and the last writing, one worker's clock; those
+    edges are the summary's last figures."""
     from stage1_runs import phase_summary, steady_rate
 
     units = {  # unit 1 tokenized while unit 0 scored
@@ -354,7 +355,8 @@ def test_phase_summary_sums_each_phase_over_units_and_the_share_and_rate_of_scor
     write_job_records(tmp_path, units)
     assert phase_summary(tmp_path) == (
         "2 units in 6.00 s: tokenize 2.00 s, score 4.00 s, collect 1.00 s, write 1.00 s; scoring "
-        "67% of it, at 2,500 tok/s"
+        "67% of it, at 2,500 tok/s; edges: the first scoring 1.00 s after the start, the last "
+        "write ending 0.50 s after the last read-back"
     )
     assert steady_rate(tmp_path) == pytest.approx(10_000 / (15.5 - 11))
     units["1"]["worker"] = 1  # another worker's clock
