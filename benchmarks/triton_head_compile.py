@@ -87,7 +87,7 @@ def compile_head(blocks: triton_head.Blocks, arch: int, space: bool) -> Compiled
     )  # fmt: skip
     source = ASTSource(fn=triton_head._head_sums, signature=signature, constexprs=constants,
                        attrs=launch_attrs(triton_head._head_sums, SIGNATURE))  # fmt: skip
-    options = {"num_warps": blocks.warps, "num_stages": blocks.stages}
+    options = triton_head.head_options(blocks)
     kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     usage = resource_usage(kernel.asm["cubin"])
     ptx = kernel.asm["ptx"]
@@ -118,8 +118,9 @@ def compile_rows(arch: int, space: bool, maxima: bool = False) -> CompiledRows:
     )
     source = ASTSource(fn=triton_head._row_sums, signature=signature, constexprs=constants,
                        attrs=launch_attrs(triton_head._row_sums, ROW_SIGNATURE))  # fmt: skip
-    options = {"num_warps": triton_head.ROW_WARPS}
-    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    kernel = triton.compile(
+        source, target=GPUTarget("cuda", arch, 32), options=triton_head.ROW_OPTIONS
+    )
     usage = resource_usage(kernel.asm["cubin"])
     widths = [int(n) for n in re.findall(r"ld\.global(?:\.\w+)*\.v(\d)\.b32", kernel.asm["ptx"])]
     return CompiledRows(

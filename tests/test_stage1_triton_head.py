@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,21 @@ def test_the_row_kernel_compiles_to_full_vector_loads_without_spills():
             assert compiled.load_bytes == 16 and compiled.spill_bytes == 0, (arch, maxima, compiled)
 
 
+def test_each_kernel_says_how_it_rounds_its_sums_not_tritons_default():
+    """Whether a multiply and an add fuse into one rounding moves a kernel's sums, so a cache's
+    last bits; Triton 3.10 turns its default off. Compiled with the options a launch passes, each
+    kernel says it (Triton warns where a compile leaves it to the default)."""
+    from triton_head_compile import compile_head, compile_rows
+
+    from pipeline.scoring.triton_head import GPU_BLOCKS
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        compile_head(GPU_BLOCKS, 90, True)
+        compile_rows(90, True)
+    assert not [w for w in said if "FP_FUSION" in str(w.message)], [str(w.message) for w in said]
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter is on")
 @pytest.mark.parametrize("space", [False, True])
 def test_one_compile_of_each_kernel_serves_batches_of_every_size(monkeypatch, space):
@@ -127,6 +143,7 @@ def test_one_compile_of_each_kernel_serves_batches_of_every_size(monkeypatch, sp
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 _, specialization, options = self.bind(*args, **kwargs)
+                assert options.get("enable_fp_fusion") is True, options  # not Triton's default
                 self.keys.add(f"{specialization} {sorted(options.items())}")
 
             return launch

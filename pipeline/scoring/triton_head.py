@@ -81,6 +81,10 @@ REFERENCE_TOLERANCE = 1e-2
 # a GPU; in the interpreter, whole rows of the tests' vocabularies at once)
 ROW_BLOCK, ROW_WARPS = 4096, 8
 INTERPRETER_ROW_BLOCK = 65536
+# Whether a multiply and an add may fuse into one rounding (an FMA) in the kernels' running sums:
+# on, as the measured runs compiled them and as Inductor compiles its own kernels. Said at launch,
+# since Triton 3.10 turns its default off, which would move the cached columns' last bits.
+FP_FUSION = True
 # Triton compiles a kernel again for each new specialization of its arguments: an integer's
 # divisibility by 16 (or being 1), a pointer's 16-byte alignment. What varies with a batch's
 # scored positions (their count, a head chunk's targets, the sums' offsets in their one
@@ -222,6 +226,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if full else "tf32"
 
 
+def head_options(blocks: Blocks) -> dict:
+    """The head kernel's compile options on a GPU: its launch's, and its compile check's."""
+    return {"num_warps": blocks.warps, "num_stages": blocks.stages, "enable_fp_fusion": FP_FUSION}
+
+
+ROW_OPTIONS = {"num_warps": ROW_WARPS, "enable_fp_fusion": FP_FUSION}  # likewise, the row kernel's
+
+
 def triton_head_columns(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -243,7 +255,7 @@ def triton_head_columns(
     sums = torch.empty(4, spans, positions, dtype=torch.float32, device=hidden.device)
     top, total, space_total, picked = sums
     if positions:
-        launch = {} if INTERPRETED else {"num_warps": blocks.warps, "num_stages": blocks.stages}
+        launch = {} if INTERPRETED else head_options(blocks)
         _head_sums[(-(-positions // blocks.positions) * spans,)](
             hidden, weight, bias if bias is not None else hidden, targets,
             space if space is not None else targets,
@@ -277,7 +289,7 @@ def logit_row_sums(
     top, total, space_total, picked = sums[:, 0]
     if rows:
         block = INTERPRETER_ROW_BLOCK if INTERPRETED else ROW_BLOCK
-        launch = {} if INTERPRETED else {"num_warps": ROW_WARPS}
+        launch = {} if INTERPRETED else ROW_OPTIONS
         _row_sums[(rows,)](
             logits, targets, space if space is not None else logits,  # unread: any aligned
             top, total, space_total, picked, logits if block_maxima is None else block_maxima,
