@@ -10,8 +10,19 @@ from importlib import metadata
 
 from pipeline import __version__
 
-# Import names; a package that is not installed is left out of the record.
-RECORDED_MODULES = ("torch", "transformers", "tokenizers", "pyarrow", "numpy", "ray", "vllm", "gguf")
+# Import names; a package that is not installed is left out of the record. Triton compiles a GPU
+# run's kernels (Inductor's and the teacher head's own), so it decides a GPU cache's last bits.
+RECORDED_MODULES = (
+    "torch",
+    "triton",
+    "transformers",
+    "tokenizers",
+    "pyarrow",
+    "numpy",
+    "ray",
+    "vllm",
+    "gguf",
+)
 
 
 @functools.cache

@@ -28,6 +28,7 @@ from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.io import sha256_text
 from pipeline.scoring.teacher import TeacherError
 from pipeline.tokenizer import load_tokenizer
+from pipeline.versions import software_versions
 from stage1_score.output import LOCK_NAME, OutputLock
 from stage1_score.run import main
 from tests.stage1_helpers import (
@@ -103,6 +104,7 @@ def test_two_workers_build_a_verified_cache_equal_to_the_teacher(built, teacher,
     assert problems == []
     assert [s.index for s in manifest.shards] == list(range(-(-NUM_DOCS // DOCS_PER_SHARD)))
     assert manifest.total_rows == NUM_DOCS
+    assert manifest.software == software_versions()  # Triton's among them: test_versions.py
     first_id = json.loads(corpus.read_text().splitlines()[0])["id"]
     assert [(s.record, s.doc_id, s.reason) for s in manifest.skipped] == [
         (3, "empty", "empty or whitespace-only text"),
