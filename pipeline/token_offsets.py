@@ -6,8 +6,9 @@ documents at once (a per-token document index keeps every repair inside its docu
     of the next character, which the next token also covers; it gets the zero-width span it has
     in the text (zero_dummy_prefix).
   - Characters a normalizer drops (Qwen2.5's NFC folds "e" + U+0301 into "é" and reports only the
-    "e") belong to the token before them (to the first token at the start of the text), so every
-    character is covered by some token (cover_dropped_characters).
+    "e"), and characters a vocabulary lacks, belong to the token before them (to the first token
+    at the start of the text), so every character of a document with any token is covered by
+    some token (cover_dropped_characters).
   - BOS and EOS are added here, with the zero-width spans (0, 0) and (len, len) (framed).
 """
 
@@ -77,7 +78,8 @@ def cover_dropped_characters(
 
     Per document: a gap after a token joins that token (NFC's dropped combining mark belongs to
     its base character); a gap before the first token joins the first token. Spans stay in text
-    order.
+    order. A document with no token with a width (only characters the vocabulary lacks: SmolLM2
+    has no token for six control bytes) has nothing to give them to and stays without.
     """
     wide = np.flatnonzero(end > start)
     if wide.size == 0:

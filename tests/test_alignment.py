@@ -8,7 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pipeline.alignment import (
@@ -255,14 +255,21 @@ TEXTS = st.lists(_FRAGMENTS, min_size=1, max_size=12).map("".join)
 ORDERED_PAIRS = list(itertools.permutations(SHIPPED, 2))
 
 
+# Characters a shipped tokenizer gives no token: SmolLM2's byte-level vocabulary lacks these six
+# control bytes (and has no byte fallback), so its model never sees them.
+UNTOKENIZED = {"smollm2": set("\x04\x06\x13\x14\x16\x1d")}
+
+
 def check_alignment_properties(text: str) -> None:
     encodings = {name: load_tokenizer(name).encode(text, add_eos=True) for name in SHIPPED}
     for name, enc in encodings.items():
-        # Every character has a token, so a student token can only be unmapped if zero-width.
+        # Every character has a token, so a student token can only be unmapped if zero-width or
+        # over a text that its teacher gives no token at all: one of only characters it lacks.
         covered = np.zeros(len(text), dtype=bool)
         for a, b in zip(enc.start, enc.end, strict=True):
             covered[a:b] = True
-        assert covered.all(), f"{name} leaves characters {np.flatnonzero(~covered)} of {text!r}"
+        lacked = set(text) <= UNTOKENIZED.get(name, set())
+        assert covered.all() != lacked, f"{name} covers {np.flatnonzero(covered)} of {text!r}"
     for student_name, teacher_name in ORDERED_PAIRS:
         s, t = encodings[student_name], encodings[teacher_name]
         where = f"student {student_name}, teacher {teacher_name}, text {text!r}"
@@ -297,6 +304,9 @@ def check_alignment_properties(text: str) -> None:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(TEXTS)
+@example("\x16")  # SmolLM2 gives it no token: every student token over it is unmapped
+@example("\x04\x1d")
+@example("a\x16b")  # within a text the token before takes it, as a normalizer's dropped mark
 def test_alignment_properties_for_every_ordered_pair(text):
     check_alignment_properties(text)
 
