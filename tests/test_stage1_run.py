@@ -292,6 +292,7 @@ def loaded_worker(teacher: Path, out: Path):
 
 
 def shipped_unit(index: int, docs: int = 8):
+    """Work unit `index` of `docs` shipped documents, the next ones after unit `index - 1`'s."""
     from stage1_score.units import WorkUnit
 
     texts = [text for _, text in shipped_documents(docs * (index + 1))[docs * index :]]
@@ -342,17 +343,16 @@ def test_a_unit_holds_the_teacher_only_while_its_batches_are_queued(teacher, tmp
 def test_a_worker_tokenizes_its_units_in_turn(teacher, tmp_path):
     """Under --unit-overlap a worker's first two units arrive together. The tokenizer spreads one
     call over every core, so two at once share them, and the teacher waits for the first unit
-    until both are done (benchmarks/bench_stage1_tokenizing.py: 1.9 times its own time on 2 cores).
-    The second unit's tokenizing begins after the first's ends, even when it arrives while the
-    first is being tokenized, and each unit is scored as if alone."""
+    until both are done (benchmarks/bench_stage1_tokenizing.py: 1.9 times its own time on 2
+    cores). The second unit's tokenizing begins after the first's ends, even when it arrives
+    while the first is being tokenized, and each unit is scored as if alone."""
     worker = loaded_worker(teacher, tmp_path)
     encode, spans = worker._tokenizer.encode_batch, {}
     first_inside, second_started = threading.Event(), threading.Event()
 
     def encode_and_watch(texts):
-        first = not spans
         start = time.monotonic()
-        if first:  # hold the first unit's tokenizing until the second unit has come
+        if not first_inside.is_set():  # the first unit: held until the second has come
             first_inside.set()
             assert second_started.wait(60)
             time.sleep(0.3)  # long enough for the second to begin tokenizing, if it may
