@@ -607,19 +607,19 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
     body_rate = timings.pop("body")()
     body_peak = peak_memory(device)
     steady = teacher.steady = steady_rate(teacher.out)
-    for what, rate, peak_bytes in (
-        ("stage 1 (hf)", teacher.rate, polled["peak"]),
-        ("stage 1 steady", steady, polled["peak"]),
-        ("body", body_rate, body_peak),
-    ):
-        bench.add(Row(what, teacher.name, rate, rate / body_rate,
-                      mfu(parameters, rate, peak, training=False), peak_bytes))  # fmt: skip
+
+    def add_against_body(what: str, rate: float, peak_bytes: int | None) -> None:
+        utilization = mfu(parameters, rate, peak, training=False)
+        bench.add(Row(what, teacher.name, rate, rate / body_rate, utilization, peak_bytes))
+
+    add_against_body("stage 1 (hf)", teacher.rate, polled["peak"])
+    add_against_body("stage 1 steady", steady, polled["peak"])
+    add_against_body("body", body_rate, body_peak)
 
     def floor_row(side: str, timing: Callable[[], float]) -> None:
         reset_peak(device)
         rate = timing()
-        utilization = mfu(parameters, rate, peak, training=False)
-        bench.add(Row(side, teacher.name, rate, rate / body_rate, utilization, peak_memory(device)))
+        add_against_body(side, rate, peak_memory(device))
         if side == "bare forward":
             print(f"stage 1 / bare forward, {teacher.name}: {teacher.rate / rate:.3f}", flush=True)
 
