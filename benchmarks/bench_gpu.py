@@ -6,7 +6,7 @@ Targets: stage 1 >= 0.95 of the bare forward (issue 12) and >= 0.85 of the body 
 stage 2 >= 55% MFU, token within 3% of none.
 
     python benchmarks/bench_gpu.py [--shapes gpu|tiny] [--docs N] [--steps S]
-        [--teachers NAME ...] [--stage1-only] [--switches LABEL ...] [--floors SIDE ...]
+        [--teachers NAME ...] [--stage1-only] [--switches [LABEL ...]] [--floors SIDE ...]
         [--budget-seconds S] [--rows-jsonl PATH] [--profile-dir DIR]
 
 The rows come in the order the targets need them: each teacher's `stage 1 (hf)` and `stage 1
@@ -788,7 +788,7 @@ def measure_all(bench: Bench, scratch: Path, corpus: Path, dtype: str) -> None:
         if names[0] not in measured:
             return  # its cache feeds every row below
         first, variants = measured[names[0]], dict(stage1_variants(bench.device))
-        if bench.args.switches:
+        if bench.args.switches is not None:  # named with no label: no switch row
             variants = {k: v for k, v in variants.items() if k in bench.args.switches}
         variant_rows(label for label in variants if label in PRIORITY_VARIANTS)
         if bench.args.stage1_only:
@@ -870,9 +870,10 @@ def main(argv: list[str] | None = None) -> int:
         "(default: all)",
     )  # fmt: skip
     parser.add_argument(
-        "--switches", nargs="+",
+        "--switches", nargs="*",
         choices=[label for label, _ in (*STAGE1_VARIANTS, *TRITON_VARIANTS)] + ["vllm"],
-        help="only these stage-1 switch rows, in their usual order (default: all)",
+        help="only these stage-1 switch rows, in their usual order (default: all; named alone: "
+        "none, as for a run of stage 2's rows)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

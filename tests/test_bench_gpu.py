@@ -270,6 +270,18 @@ def test_a_floor_that_fails_costs_its_row_and_the_jobs_rows_come_first(monkeypat
     assert out.count(": passed") == 1
 
 
+@pytest.mark.slow
+def test_switches_named_alone_measure_no_switch_row(capsys):
+    """A device call spent on stage 2's rows (or on the floors) names `--switches` with no label,
+    which must measure no stage-1 switch row, not every one."""
+    command = ["--shapes", "tiny", "--docs", "16", "--repeats", "1", "--stage1-only",
+               "--teachers", "qwen2.5-1.5b-like", "--switches", "--floors", "bare forward"]  # fmt: skip
+    assert bench_gpu.main(command) == 0
+    out = capsys.readouterr().out
+    measured = [line.split("  ")[0] for line in out.splitlines() if "qwen2.5-1.5b-like  " in line]
+    assert set(measured) == {"stage 1 (hf)", "stage 1 steady", "body", "bare forward"}, out
+
+
 def test_a_trace_the_gap_reader_cannot_read_costs_a_line_not_the_run(tmp_path, capsys):
     broken = tmp_path / "unit.json"
     broken.write_text("{")
