@@ -275,7 +275,8 @@ def test_switches_named_alone_measure_no_switch_row(capsys):
     """A device call spent on stage 2's rows (or on the floors) names `--switches` with no label,
     which must measure no stage-1 switch row, not every one."""
     command = ["--shapes", "tiny", "--docs", "16", "--repeats", "1", "--stage1-only",
-               "--teachers", "qwen2.5-1.5b-like", "--switches", "--floors", "bare forward"]  # fmt: skip
+               "--teachers", "qwen2.5-1.5b-like", "--floors", "bare forward",
+               "--switches"]  # fmt: skip
     assert bench_gpu.main(command) == 0
     out = capsys.readouterr().out
     measured = [line.split("  ")[0] for line in out.splitlines() if "qwen2.5-1.5b-like  " in line]
