@@ -39,7 +39,7 @@ def one_round(tokenizer, first: list[str], second: list[str]) -> dict[str, float
     """Seconds of: the first unit alone, the first beside the second, both at once, both in turn."""
     start = time.perf_counter()
     alone = tokenized(tokenizer, first) - start
-    both_alone = tokenized(tokenizer, second) - start
+    in_turn = tokenized(tokenizer, second) - start  # the first, then the second
     ends = {}
     beside = threading.Thread(
         target=lambda: ends.setdefault("second", tokenized(tokenizer, second))
@@ -51,7 +51,7 @@ def one_round(tokenizer, first: list[str], second: list[str]) -> dict[str, float
     return {
         "first alone": alone,
         "first beside the second": ends["first"] - start,
-        "both in turn": both_alone,
+        "both in turn": in_turn,
         "both at once": max(ends.values()) - start,
     }
 
