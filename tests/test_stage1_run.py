@@ -348,19 +348,31 @@ def test_a_worker_tokenizes_its_units_in_turn(teacher, tmp_path):
     while the first is being tokenized, and each unit is scored as if alone."""
     worker = loaded_worker(teacher, tmp_path)
     encode, spans = worker._tokenizer.encode_batch, {}
-    first_inside, second_started = threading.Event(), threading.Event()
+    first_inside, second_arrived = threading.Event(), threading.Event()
+    in_turn = worker._tokenizing
+
+    class WatchedTurn:  # the second unit's arrival at its turn to tokenize, before it waits
+        def __enter__(self):
+            if first_inside.is_set():
+                second_arrived.set()
+            return in_turn.__enter__()
+
+        def __exit__(self, *exc):
+            return in_turn.__exit__(*exc)
 
     def encode_and_watch(texts):
         start = time.monotonic()
         if not first_inside.is_set():  # the first unit: held until the second has come
             first_inside.set()
-            assert second_started.wait(60)
-            time.sleep(0.3)  # long enough for the second to begin tokenizing, if it may
+            assert second_arrived.wait(60)
+        else:  # the second unit tokenizing: if the first is still held, it did not wait its turn
+            second_arrived.set()
         encodings = encode(texts)
         spans[texts[0]] = [start, time.monotonic()]
         return encodings
 
     worker._tokenizer.encode_batch = encode_and_watch
+    worker._tokenizing = WatchedTurn()
     units, results = [shipped_unit(0), shipped_unit(1)], {}
 
     def score(unit):
@@ -369,7 +381,6 @@ def test_a_worker_tokenizes_its_units_in_turn(teacher, tmp_path):
     first = threading.Thread(target=score, args=(units[0],))
     first.start()
     assert first_inside.wait(60)
-    second_started.set()
     score(units[1])
     first.join(60)
     first_span, second_span = (spans[unit.texts[0]] for unit in units)
