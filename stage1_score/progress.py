@@ -11,6 +11,7 @@ from stage1_score.units import WorkUnit
 from stage1_score.worker import UnitResult
 
 _log = get_logger("stage1")
+UNSCORED_SHOWN = 5  # document ids a unit's warning names
 
 
 def _duration(seconds: float) -> str:
@@ -33,12 +34,16 @@ class Progress:
     unit's batches and at units' edges (a worker's first unit has none). A device that idles
     waits for its host: for its work of a batch between batches; at the edges, for tokenizing,
     writing or the corpus's reading.
+
+    A document with no scored teacher token is warned of by its unit and counted in the lines
+    (this run's units; `vocagno cache stats` counts the whole cache's).
     """
 
-    def __init__(self, fraction_read: Callable[[], float], every: float, emit=None):
+    def __init__(self, fraction_read: Callable[[], float], every: float, emit=None, warn=None):
         self.fraction_read = fraction_read
         self.every = every
         self.emit = emit or _log.info
+        self.warn = warn or _log.warning
         self.started = time.monotonic()
         self.last = self.started
         self.planned_docs = 0
@@ -46,6 +51,7 @@ class Progress:
         self.resumed_units = 0
         self.run_docs = 0
         self.run_tokens = 0
+        self.run_unscored = 0  # documents this run scored that have no scored teacher token
         self.units_done = 0
         self.scoring_since: float | None = None  # when the first unit scored began
         self.worker_tokens: dict[int, int] = defaultdict(int)
@@ -67,6 +73,16 @@ class Progress:
         self.run_docs += result.shard.rows
         self.run_tokens += result.shard.teacher_tokens
         self.worker_tokens[result.worker] += result.shard.teacher_tokens
+        if result.unscored:
+            self.run_unscored += len(result.unscored)
+            shown = ", ".join(map(repr, result.unscored[:UNSCORED_SHOWN]))
+            more = len(result.unscored) - UNSCORED_SHOWN
+            self.warn(
+                f"unit {result.shard.index}: {counted(len(result.unscored), 'document')} with no "
+                f"scored teacher token ({shown}{f' and {more:,} more' if more > 0 else ''}): "
+                "fewer than two teacher tokens, as the first has no prediction; stage 2 leaves "
+                "their student tokens unmapped (--unmapped)"
+            )
         device = result.device
         if device is not None:
             self.device_seconds["in batches"] += device["in_batches_s"]
@@ -82,6 +98,8 @@ class Progress:
         if self.resumed_units:
             done += f" ({self.resumed_units:,} from an earlier run)"
         parts = [done, counted(self.done_docs, "doc")]
+        if self.run_unscored:
+            parts[-1] += f" ({self.run_unscored:,} with no scored teacher token)"
         scoring = now - self.scoring_since if self.scoring_since is not None else 0.0
         if scoring:
             doc_rate = self.run_docs / scoring

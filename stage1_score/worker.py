@@ -76,6 +76,10 @@ class UnitResult:
     # where the unit's time on the device went (pipeline.scoring.device: DeviceTime.record);
     # None where the backend returns only once done (vLLM's engine)
     device: dict | None = None
+    # ids of the unit's documents with no scored teacher token: fewer than two tokens, as token 0
+    # has no prediction (one word under a teacher with no BOS, or only characters its vocabulary
+    # lacks); stage 2 leaves their student tokens unmapped
+    unscored: list[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -186,7 +190,8 @@ class UnitScorer:
             # before the teacher is held: the previous unit's last batch, maybe a short one, may
             # be all that the device has queued
             plan = self._scorer.plan(ids)
-        scorable = sum(max(len(e) - 1, 0) for e in encodings)  # token 0 has no prediction
+        lengths = [len(e) for e in encodings]
+        scorable = sum(max(n - 1, 0) for n in lengths)  # token 0 has no prediction
         report = _ProgressLog(self.worker, unit.index, scorable, self.spec.progress_seconds)
         with traced(unit.index == self.spec.profile_unit) as trace:
             with self._device, phase(phases, "score"):
@@ -200,7 +205,9 @@ class UnitScorer:
             Store(self.spec.out).write_bytes(profile_name(unit.index), trace.data)
         with phase(phases, "write"):
             record = write_unit(self.spec, unit, encodings, losses, columns)
-        return UnitResult(record, time.monotonic() - started, self.worker, phases, device)
+        unscored = [doc for doc, n in zip(unit.doc_ids, lengths, strict=True) if n < 2]
+        seconds = time.monotonic() - started
+        return UnitResult(record, seconds, self.worker, phases, device, unscored)
 
 
 def write_unit(spec: WorkerSpec, unit: WorkUnit, encodings, losses, columns) -> ShardRecord:

@@ -1,8 +1,10 @@
 """Stage 1 as a user meets it: a teacher folder missing most of its weights or holding no causal
 LM, an --out inside the corpus, a cache or a .csv inside a corpus folder, a refused run's
-leftovers, a rerun's run record, and the message each of these gives.
+leftovers, a rerun's run record, a document with no scored teacher token, and the message each
+of these gives.
 
-Every refusal here comes before any worker starts, so only the run-record test starts Ray.
+Every refusal here comes before any worker starts, so only the run-record test and the unscored
+document's start Ray.
 """
 
 from __future__ import annotations
@@ -299,3 +301,25 @@ def test_a_rerun_with_nothing_to_do_keeps_the_run_record(teacher, corpus, tmp_pa
     assert json.loads(record)["workers"] == 1 and list(json.loads(record)["units"]) == ["0"]
     assert main(run) == 0
     assert (out / "stage1-run.json").read_bytes() == record
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_document_with_no_scored_teacher_token_is_warned_of_and_counted(tmp_path, capsys):
+    """Under a teacher with no BOS (qwen2.5's tokenizer) a one-token document ("7") has no scored
+    token: its first has no prediction. Before, the run and `cache stats` said nothing of it."""
+    teacher = make_tiny_teacher(tmp_path / "qwen-teacher", "qwen2.5")
+    documents = [("seven", "7"), *shipped_documents(2), ("x", "x")]
+    corpus = write_jsonl_corpus(tmp_path / "docs.jsonl", documents)
+    out = tmp_path / "cache"
+    assert main([*command(teacher, corpus, out), "--num-workers", "1"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "unit 0: 2 documents with no scored teacher token ('seven', 'x'): fewer than two teacher "
+        "tokens, as the first has no prediction; stage 2 leaves their student tokens unmapped"
+    ) in err
+    assert "1 unit done | 4 docs (2 with no scored teacher token) |" in err
+    assert vocagno(["cache", "stats", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unscored_documents"] == 2
+    assert vocagno(["cache", "stats", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "documents        4 (+0 skipped; 2 with no scored teacher token)" in text

@@ -112,7 +112,12 @@ def run_stats(args: argparse.Namespace) -> int:
     )
     print(f"tokenizer        {stats.tokenizer.get('fingerprint', stats.tokenizer)}")
     print(f"shards           {stats.shards}")
-    print(f"documents        {stats.documents} (+{stats.skipped} skipped)")
+    unscored = (
+        f"; {stats.unscored_documents} with no scored teacher token"
+        if stats.unscored_documents
+        else ""
+    )
+    print(f"documents        {stats.documents} (+{stats.skipped} skipped{unscored})")
     print(f"teacher tokens   {stats.teacher_tokens} ({stats.nan_fraction:.2%} unscored, NaN)")
     percentiles = "  ".join(f"{k}={v:.3f}" for k, v in stats.loss_percentiles.items())
     print(f"loss (nats)      mean={stats.loss_mean:.4f}  {percentiles}")

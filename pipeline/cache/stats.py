@@ -27,6 +27,7 @@ class CacheStats:
     shards: int
     documents: int
     skipped: int
+    unscored_documents: int  # documents with no scored teacher token (fewer than two tokens)
     teacher_tokens: int
     scored_tokens: int
     nan_fraction: float
@@ -83,16 +84,21 @@ def cache_stats(cache_dir: str | Path) -> CacheStats:
     manifest = load_manifest(cache_dir)
     counts = np.zeros(int(MAX_LOSS / BIN_WIDTH), dtype=np.int64)
     loss_sum = 0.0
-    tokens = scored = total_bytes = 0
+    tokens = scored = unscored_documents = total_bytes = 0
     per_column: Counter = Counter()
     for record in manifest.shards:
         path = child(cache_dir, record.file)
         total_bytes += record.bytes
         per_column.update(column_bytes(path))
         for batch in iter_shard_batches(path, [LOSS], batch_size=1024):
-            loss, _ = list_column(batch, LOSS, np.float64)
+            loss, lengths = list_column(batch, LOSS, np.float64)
             tokens += loss.size
-            finite = loss[~np.isnan(loss)]
+            is_scored = ~np.isnan(loss)
+            scored_per_row = np.bincount(
+                np.repeat(np.arange(len(lengths)), lengths)[is_scored], minlength=len(lengths)
+            )
+            unscored_documents += int((scored_per_row == 0).sum())
+            finite = loss[is_scored]
             scored += finite.size
             loss_sum += float(finite.sum())
             bins = np.clip((finite / BIN_WIDTH).astype(np.int64), 0, len(counts) - 1)
@@ -102,6 +108,7 @@ def cache_stats(cache_dir: str | Path) -> CacheStats:
         shards=len(manifest.shards),
         documents=manifest.total_rows,
         skipped=len(manifest.skipped),
+        unscored_documents=unscored_documents,
         teacher_tokens=tokens,
         scored_tokens=scored,
         nan_fraction=(tokens - scored) / tokens if tokens else float("nan"),
