@@ -18,9 +18,9 @@ the device's time in batches, at what rate, and idle between them and at units' 
 run record's events), so that a run cut off by a lease's limit still reports what it measured;
 a row that fails is named in one line and the rest go on (exit 1); with --budget-seconds, a
 switch row (or a stage-1 floor but `body`, or the stage-2 floor) that would end past the budget,
-by its baseline's time, is skipped and named; --switches picks the switch rows. On an H200 the
-whole table takes longer than 10 minutes: the 1.5B teacher's rows alone took 269 s with its layers
-compiled (2026-11-26, run 3), each switch row about 45 s.
+by its baseline's time, is skipped and named; --switches picks the switch rows and their order.
+On an H200 the whole table takes longer than 10 minutes: the 1.5B teacher's rows alone took 269 s
+with its layers compiled (2026-11-26, run 3), each switch row about 45 s.
 
 Random-weight models are built from the configs below (shapes, not weights, set the speed) and
 saved as model folders with the shipped tokenizers (qwen2.5 for the teachers, tinyllama for the
@@ -43,7 +43,8 @@ What each row measures:
   compile caches cold; run 9's first job measured 0.97 of its later ones, docs/stage1-gpu-path.md).
   Its stored losses equal stage 1's exactly (a rerun gives the same cache).
 - stage 1 +space: the same job with `--space-logprob` (ALM's column, docs/cache-columns.md), for
-  the first teacher, as a ratio to stage 1 without it.
+  the first teacher, as a ratio to stage 1 without it. A switch row measured after `again` also
+  gives, on its line, its ratio to `again`: the plain job nearest it in time.
 - stage 1 +topk 32: the same with `--topk-probs 32` (the distillations' column), as a ratio to
   stage 1.
 - stage 1 switch rows (issue 28): the same job for the first teacher with one of stage 1's GPU
@@ -684,9 +685,14 @@ def stage1_variant(bench: Bench, teacher: Teacher, label: str, options: tuple) -
         for a, b in zip(cache_rows(out), cache_rows(teacher.out), strict=True)
     )  # fmt: skip
     steady = steady_rate(out)  # without the edges, whose host work varies between machines
+    # against the plain job nearest in time too: later jobs on a machine ran 0.5% below its
+    # first (runs 12 and 15), so a switch measured after `again` is read against both
+    again = [r.tokens_per_second for r in bench.rows
+             if r.what == "stage 1 again" and r.model == teacher.name]  # fmt: skip
+    of_again = f", {rate / again[0]:.3f} of stage 1 again" if again else ""
     print(f"stage 1 {label} vs stage 1: max |stored loss difference| {difference:.2e}; "
           f"{phase_summary(out)}; steady {steady:,.0f} tok/s, {steady / teacher.steady:.3f} of "
-          f"stage 1 steady; {device_summary(out)}")  # fmt: skip
+          f"stage 1 steady{of_again}; {device_summary(out)}")  # fmt: skip
     keep_trace(bench, out, f"{teacher.name}-stage1-{label.replace(' ', '-')}")
     shutil.rmtree(out)
     bench.add(Row(f"stage 1 {label}", teacher.name, rate, rate / teacher.rate,
@@ -788,11 +794,16 @@ def measure_all(bench: Bench, scratch: Path, corpus: Path, dtype: str) -> None:
         if names[0] not in measured:
             return  # its cache feeds every row below
         first, variants = measured[names[0]], dict(stage1_variants(bench.device))
-        if bench.args.switches is not None:  # named with no label: no switch row
-            variants = {k: v for k, v in variants.items() if k in bench.args.switches}
-        variant_rows(label for label in variants if label in PRIORITY_VARIANTS)
+        if bench.args.switches is None:
+            before = [label for label in variants if label in PRIORITY_VARIANTS]
+        else:  # all before stage 2, in the order named, so that a budget keeps the first; named
+            # with no label: no switch row
+            variants = {k: variants[k] for k in bench.args.switches if k in variants}
+            before = list(variants)
+        after = [label for label in variants if label not in before]
+        variant_rows(before)
         if bench.args.stage1_only:
-            variant_rows(label for label in variants if label not in PRIORITY_VARIANTS)
+            variant_rows(after)
             return
         ray.shutdown()  # stage 2 trains in this process
         stage2 = Stage2(bench, first.out, scratch)
@@ -800,7 +811,7 @@ def measure_all(bench: Bench, scratch: Path, corpus: Path, dtype: str) -> None:
             return
         bench.attempt("stage 2 floor", stage2.floor, predicted=stage2.seconds["token"])
         start_ray()
-        variant_rows(label for label in variants if label not in PRIORITY_VARIANTS)
+        variant_rows(after)
         ray.shutdown()
         stage2_rows(STAGE2_RUNS[2:], predicted=True)
     finally:
@@ -872,8 +883,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--switches", nargs="*",
         choices=[label for label, _ in (*STAGE1_VARIANTS, *TRITON_VARIANTS)] + ["vllm"],
-        help="only these stage-1 switch rows, in their usual order (default: all; named alone: "
-        "none, as for a run of stage 2's rows)",
+        help="only these stage-1 switch rows, before stage 2's and in the order named, so that "
+        "--budget-seconds skips the last (default: all, in their usual order; named alone: none, "
+        "as for a run of stage 2's rows)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

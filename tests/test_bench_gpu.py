@@ -216,9 +216,10 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     switches = ("again", "+space", "+topk 32", "plain head", "fixed chunks", "serial units",
                 "serial batches", "eager layers", "padded rows")  # fmt: skip
     device = r"device: \d+ batches, [.\d]+% of [.\d]+ s in them \(at [,\d]+ tok/s\), .*"
-    for switch in switches:
+    for switch in switches:  # each after `again` read against it too, the plain job nearest
         line = f"stage 1 {switch} vs stage 1: max |stored loss difference| 0.00e+00"
-        assert re.search(rf"^{re.escape(line)}; .* of stage 1 steady; {device}$", out, re.M), out
+        again = "" if switch == "again" else r", [.\d]+ of stage 1 again"
+        assert re.search(rf"^{re.escape(line)}; .* of stage 1 steady{again}; {device}$", out, re.M)
     for teacher in bench_gpu.TEACHERS["tiny"]:  # each job's line says where its device time went
         assert re.search(rf"^stage 1 \(hf\) {teacher}: .*; {device}$", out, re.M), out
     if VLLM_IMPORTS:  # vLLM's own arithmetic, stored as float16 (a step is 0.008 near 12 nats)
@@ -493,3 +494,28 @@ def test_the_head_bench_one_read_form_is_the_fused_loss():
         fused_columns(logits, targets, 0, None)["loss"],
         rtol=0, atol=0,
     )  # fmt: skip
+
+
+def test_switches_named_run_in_the_order_named(monkeypatch, capsys):
+    """A device call names the row it must have first (run 16's `+space` before `again`), since
+    --budget-seconds skips the rows past it; before, the named rows ran in the usual order. The
+    jobs themselves are stood in for: this is the order, not the measuring."""
+    import ray
+
+    ran = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(
+        bench_gpu, "teacher_job", lambda bench, scratch, corpus, name, dtype:
+        bench_gpu.Teacher(name, scratch, scratch / "cache", [], seconds=1.0),
+    )  # fmt: skip
+    monkeypatch.setattr(bench_gpu, "stage1_and_floors", lambda bench, teacher, dtype: None)
+    monkeypatch.setattr(bench_gpu, "stage1_variant", lambda bench, t, label, o: ran.append(label))
+    command = ["--shapes", "tiny", "--docs", "16", "--stage1-only",
+               "--teachers", "qwen2.5-1.5b-like", "--switches"]  # fmt: skip
+    # (+topk 32 is no priority row: unnamed, it would run after the others, and after stage 2)
+    for named in (["+space", "again"], ["again", "+space"], ["+topk 32", "+space"], []):
+        ran.clear()
+        assert bench_gpu.main([*command, *named]) == 0
+        assert ran == named
+    capsys.readouterr()
