@@ -44,7 +44,8 @@ What each row measures:
   Its stored losses equal stage 1's exactly (a rerun gives the same cache).
 - stage 1 +space: the same job with `--space-logprob` (ALM's column, docs/cache-columns.md), for
   the first teacher, as a ratio to stage 1 without it. A switch row measured after `again` also
-  gives, on its line, its ratio to `again`: the plain job nearest it in time.
+  gives, on its line, its ratio to the last `again`: the plain job nearest it in time
+  (`--switches +space again +space` reads `+space` twice, each beside a plain job).
 - stage 1 +topk 32: the same with `--topk-probs 32` (the distillations' column), as a ratio to
   stage 1.
 - stage 1 switch rows (issue 28): the same job for the first teacher with one of stage 1's GPU
@@ -686,10 +687,10 @@ def stage1_variant(bench: Bench, teacher: Teacher, label: str, options: tuple) -
     )  # fmt: skip
     steady = steady_rate(out)  # without the edges, whose host work varies between machines
     # against the plain job nearest in time too: later jobs on a machine ran 0.5% below its
-    # first (runs 12 and 15), so a switch measured after `again` is read against both
+    # first (runs 12 and 15), so a switch measured after `again` is read against the last one
     again = [r.tokens_per_second for r in bench.rows
              if r.what == "stage 1 again" and r.model == teacher.name]  # fmt: skip
-    of_again = f", {rate / again[0]:.3f} of stage 1 again" if again else ""
+    of_again = f", {rate / again[-1]:.3f} of stage 1 again" if again else ""
     print(f"stage 1 {label} vs stage 1: max |stored loss difference| {difference:.2e}; "
           f"{phase_summary(out)}; steady {steady:,.0f} tok/s, {steady / teacher.steady:.3f} of "
           f"stage 1 steady{of_again}; {device_summary(out)}")  # fmt: skip
@@ -796,11 +797,10 @@ def measure_all(bench: Bench, scratch: Path, corpus: Path, dtype: str) -> None:
         first, variants = measured[names[0]], dict(stage1_variants(bench.device))
         if bench.args.switches is None:
             before = [label for label in variants if label in PRIORITY_VARIANTS]
-        else:  # all before stage 2, in the order named, so that a budget keeps the first; named
-            # with no label: no switch row
-            variants = {k: variants[k] for k in bench.args.switches if k in variants}
-            before = list(variants)
-        after = [label for label in variants if label not in before]
+            after = [label for label in variants if label not in before]
+        else:  # all before stage 2, in the order named, so that a budget keeps the first (one
+            # named twice is measured twice); named with no label: no switch row
+            before, after = [label for label in bench.args.switches if label in variants], []
         variant_rows(before)
         if bench.args.stage1_only:
             variant_rows(after)
@@ -884,8 +884,8 @@ def main(argv: list[str] | None = None) -> int:
         "--switches", nargs="*",
         choices=[label for label, _ in (*STAGE1_VARIANTS, *TRITON_VARIANTS)] + ["vllm"],
         help="only these stage-1 switch rows, before stage 2's and in the order named, so that "
-        "--budget-seconds skips the last (default: all, in their usual order; named alone: none, "
-        "as for a run of stage 2's rows)",
+        "--budget-seconds skips the last; one named twice is measured twice (default: all, in "
+        "their usual order; named alone: none, as for a run of stage 2's rows)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -498,8 +498,9 @@ def test_the_head_bench_one_read_form_is_the_fused_loss():
 
 def test_switches_named_run_in_the_order_named(monkeypatch, capsys):
     """A device call names the row it must have first (run 16's `+space` before `again`), since
-    --budget-seconds skips the rows past it; before, the named rows ran in the usual order. The
-    jobs themselves are stood in for: this is the order, not the measuring."""
+    --budget-seconds skips the rows past it, and a row named twice is measured twice (`+space`
+    each side of `again`); before, the named rows ran once each in the usual order. The jobs
+    themselves are stood in for: this is the order, not the measuring."""
     import ray
 
     ran = []
@@ -514,7 +515,9 @@ def test_switches_named_run_in_the_order_named(monkeypatch, capsys):
     command = ["--shapes", "tiny", "--docs", "16", "--stage1-only",
                "--teachers", "qwen2.5-1.5b-like", "--switches"]  # fmt: skip
     # (+topk 32 is no priority row: unnamed, it would run after the others, and after stage 2)
-    for named in (["+space", "again"], ["again", "+space"], ["+topk 32", "+space"], []):
+    orders = (["+space", "again"], ["again", "+space"], ["+topk 32", "+space"],
+              ["+space", "again", "+space"], [])  # fmt: skip
+    for named in orders:
         ran.clear()
         assert bench_gpu.main([*command, *named]) == 0
         assert ran == named
