@@ -49,25 +49,60 @@ class RayCluster:
     temp_dir: str
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct ports free now. Each socket is held until all are chosen: a port released
+    is the kernel's to give out again, and a head once got one port for two of its components."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def _ray_executable() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
-def _node_ports() -> list[str]:
-    """Free ports for what every node runs: Ray's fixed defaults (e.g. the agent's 52365)
-    collide with any other node or cluster on this machine."""
+# A worker node's ports for its workers: WORKER_PORTS of them, within [FROM, BELOW) (worker_command)
+WORKER_PORTS, WORKER_PORTS_FROM, WORKER_PORTS_BELOW = 100, 20000, 32768
+# What every node runs, each given a free port: Ray's fixed defaults (e.g. the agent's 52365)
+# collide with any other node or cluster on this machine.
+NODE_PORT_FLAGS = (
+    "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+    "--metrics-export-port",
+)  # fmt: skip
+
+
+def _node_ports(ports: list[int]) -> list[str]:
+    return [f"{flag}={port}" for flag, port in zip(NODE_PORT_FLAGS, ports, strict=True)]
+
+
+def head_command(num_cpus: int, temp_dir: str) -> tuple[list[str], int, int]:
+    """`ray start --head` on free ports, distinct from one another; with its dashboard's port
+    (the job API) and its GCS port (where nodes join)."""
+    dashboard_port, gcs_port, client_port, *node = _free_ports(3 + len(NODE_PORT_FLAGS))
+    command = [
+        _ray_executable(), "start", "--head", "--block", "--disable-usage-stats",
+        f"--num-cpus={num_cpus}", "--num-gpus=0", f"--port={gcs_port}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+        f"--ray-client-server-port={client_port}", f"--temp-dir={temp_dir}", *_node_ports(node),
+    ]  # fmt: skip
+    return command, dashboard_port, gcs_port
+
+
+def worker_command(cluster: RayCluster, num_cpus: int, resources: dict[str, float]) -> list[str]:
+    """`ray start` of one more node of `cluster`, on free ports distinct from one another."""
+    seed, node_manager, object_manager, *node = _free_ports(3 + len(NODE_PORT_FLAGS))
+    # worker ports apart from other nodes' (the head's: Ray's default 10002-19999) and below
+    # Linux's default range for free ports (32768-60999), from which the ports above come
+    low = WORKER_PORTS_FROM + seed % (WORKER_PORTS_BELOW - WORKER_PORTS_FROM - WORKER_PORTS)
     return [
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
-    ]
+        _ray_executable(), "start", "--block", f"--address={cluster.gcs_address}",
+        f"--num-cpus={num_cpus}", "--num-gpus=0", f"--resources={json.dumps(resources)}",
+        f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
+        f"--min-worker-port={low}", f"--max-worker-port={low + WORKER_PORTS - 1}",
+        f"--temp-dir={cluster.temp_dir}", *_node_ports(node),
+    ]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -77,17 +112,10 @@ def local_ray_cluster(num_cpus: int, log_path: Path) -> Iterator[RayCluster]:
     # read it already (a test session) chooses the cluster's mode to match.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     env = dict(os.environ)
-    dashboard_port = _free_port()
-    address = f"http://127.0.0.1:{dashboard_port}"
     # Ray's socket paths must stay short, so its session folder lives under /tmp.
     temp_dir = tempfile.mkdtemp(prefix="vocagno-ray-")
-    gcs_port = _free_port()
-    command = [
-        _ray_executable(), "start", "--head", "--block", "--disable-usage-stats",
-        f"--num-cpus={num_cpus}", "--num-gpus=0", f"--port={gcs_port}",
-        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-        f"--ray-client-server-port={_free_port()}", f"--temp-dir={temp_dir}", *_node_ports(),
-    ]  # fmt: skip
+    command, dashboard_port, gcs_port = head_command(num_cpus, temp_dir)
+    address = f"http://127.0.0.1:{dashboard_port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         head = subprocess.Popen(
@@ -114,14 +142,7 @@ def worker_node(
 ) -> Iterator[subprocess.Popen]:
     """Join one more node (its own raylet) to `cluster`; yield its `ray start --block` process,
     the leader of the node's process group."""
-    low = 20000 + _free_port() % 20000  # worker ports apart from other nodes' on this machine
-    command = [
-        _ray_executable(), "start", "--block", f"--address={cluster.gcs_address}",
-        f"--num-cpus={num_cpus}", "--num-gpus=0", f"--resources={json.dumps(resources)}",
-        f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
-        f"--min-worker-port={low}", f"--max-worker-port={low + 99}",
-        f"--temp-dir={cluster.temp_dir}", *_node_ports(),
-    ]  # fmt: skip
+    command = worker_command(cluster, num_cpus, resources)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         node = subprocess.Popen(
