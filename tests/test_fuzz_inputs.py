@@ -3,7 +3,10 @@ Unicode including lone surrogates and controls, random JSON shapes, byte-order m
 nulls, invalid bytes), texts for `vocagno align`, and hostile manifests for the cache readers.
 The promise each test checks: a result, or our own one-line error, never a foreign exception.
 
-Each property runs at a small size in the default suite and at a large one under `slow`.
+Each property runs at a small size in the default suite and at a large one under `slow`. The small
+runs draw the same examples on every machine (derandomized), so that the default suite passes or
+fails by the code, not by the draw; the slow runs draw new ones each time, to find what no one
+wrote down. A case one of them found is kept as an explicit example of the small run.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from apps.cli import main as vocagno
@@ -67,8 +70,11 @@ def check_corpus_file(tmp_path, generated, on_bad_record: str) -> None:
             assert item.text.strip()
 
 
-@settings(max_examples=FAST, **SETTINGS)
+@settings(max_examples=FAST, derandomize=True, **SETTINGS)
 @given(generated=corpus_file, on_bad_record=st.sampled_from(["error", "skip"]))
+# the slow run's find (2026-11-28): a field named "\n" broke the error's one line, in the advice
+# to pass --text-column with it
+@example(generated=([({"\n": ""}, None)], False, b"\n"), on_bad_record="error")
 def test_generated_corpora_give_documents_skips_or_one_error(tmp_path, generated, on_bad_record):
     check_corpus_file(tmp_path, generated, on_bad_record)
 
@@ -112,7 +118,7 @@ def check_align_text(capsys, text: str) -> None:
     assert list(zip(record["map_start"], record["map_end"], strict=True)) == expected
 
 
-@settings(max_examples=FAST, **SETTINGS)
+@settings(max_examples=FAST, derandomize=True, **SETTINGS)
 @given(text=any_text)
 def test_align_of_any_text_is_an_alignment_or_one_line(capsys, text):
     check_align_text(capsys, text)
@@ -159,7 +165,7 @@ def check_hostile_manifest(tmp_path, manifest: dict, edits) -> None:
 edits = st.lists(st.tuples(st.integers(0, 9), shard_field, hostile_value), min_size=1, max_size=3)
 
 
-@settings(max_examples=FAST, **SETTINGS)
+@settings(max_examples=FAST, derandomize=True, **SETTINGS)
 @given(edits=edits)
 def test_hostile_manifests_are_refused_or_safe(tmp_path, pristine_manifest, edits):
     check_hostile_manifest(tmp_path, pristine_manifest, edits)

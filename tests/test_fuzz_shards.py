@@ -99,7 +99,7 @@ def check_one(shard, change) -> None:
 FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@settings(max_examples=40, **FUZZ)
+@settings(max_examples=40, derandomize=True, **FUZZ)  # the same draw on every machine
 @given(data=st.data())
 def test_a_corrupted_shard_is_refused_by_name_and_never_hangs(shard, data):
     check_one(shard, data.draw(corruptions(shard[1].bytes)))

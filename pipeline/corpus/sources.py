@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,7 +84,13 @@ def _text_field_advice(row: dict, options: CorpusOptions) -> str:
     if not texts:
         return "pass --text-column with the field that holds the text"
     longest = max(texts, key=lambda name: len(texts[name]))
-    return f"pass --text-column {longest} if that field holds the text"
+    return f"pass --text-column {shown_name(longest)} if that field holds the text"
+
+
+def shown_name(name: str) -> str:
+    """A field or column name as a message shows it: as a shell would take it, or where that
+    would break the message's one line (a newline in the name), escaped as Python writes it."""
+    return shlex.quote(name) if name.isprintable() else repr(name)
 
 
 class TextFileSource(Source):
@@ -106,7 +113,8 @@ def _table_columns(options: CorpusOptions, names: list[str], where: str) -> list
     wanted = [options.text_column] + ([options.id_column] if options.id_column else [])
     missing = [c for c in wanted if c not in names]
     if missing:
-        raise CorpusError(f"{where}: no column {missing[0]!r}; the columns are: {', '.join(names)}")
+        shown = ", ".join(map(shown_name, names))
+        raise CorpusError(f"{where}: no column {missing[0]!r}; the columns are: {shown}")
     return wanted
 
 
@@ -199,7 +207,7 @@ class HubDatasetSource(Source):
             if options.text_column not in values:
                 raise CorpusError(
                     f"hub dataset {self.hub_name}: no column {options.text_column!r}; "
-                    f"the columns are: {', '.join(values)}"
+                    f"the columns are: {', '.join(map(shown_name, values))}"
                 )
             doc_id = values.get(options.id_column) if options.id_column else None
             yield RawRecord(row, values[options.text_column], doc_id)
