@@ -39,11 +39,10 @@ class Progress:
     (this run's units; `vocagno cache stats` counts the whole cache's).
     """
 
-    def __init__(self, fraction_read: Callable[[], float], every: float, emit=None, warn=None):
+    def __init__(self, fraction_read: Callable[[], float], every: float, emit=None):
         self.fraction_read = fraction_read
         self.every = every
         self.emit = emit or _log.info
-        self.warn = warn or _log.warning
         self.started = time.monotonic()
         self.last = self.started
         self.planned_docs = 0
@@ -77,7 +76,7 @@ class Progress:
             self.run_unscored += len(result.unscored)
             shown = ", ".join(map(repr, result.unscored[:UNSCORED_SHOWN]))
             more = len(result.unscored) - UNSCORED_SHOWN
-            self.warn(
+            _log.warning(
                 f"unit {result.shard.index}: {counted(len(result.unscored), 'document')} with no "
                 f"scored teacher token ({shown}{f' and {more:,} more' if more > 0 else ''}): "
                 "fewer than two teacher tokens, as the first has no prediction; stage 2 leaves "

@@ -219,7 +219,8 @@ def test_benchmark_main_at_tiny_shapes_prints_every_row_and_passes_the_loss_chec
     for switch in switches:  # each after `again` read against it too, the plain job nearest
         line = f"stage 1 {switch} vs stage 1: max |stored loss difference| 0.00e+00"
         again = "" if switch == "again" else r", [.\d]+ of stage 1 again"
-        assert re.search(rf"^{re.escape(line)}; .* of stage 1 steady{again}; {device}$", out, re.M)
+        pattern = rf"^{re.escape(line)}; .* of stage 1 steady{again}; {device}$"
+        assert re.search(pattern, out, re.M), out
     for teacher in bench_gpu.TEACHERS["tiny"]:  # each job's line says where its device time went
         assert re.search(rf"^stage 1 \(hf\) {teacher}: .*; {device}$", out, re.M), out
     if VLLM_IMPORTS:  # vLLM's own arithmetic, stored as float16 (a step is 0.008 near 12 nats)
