@@ -113,9 +113,14 @@ def _table_columns(options: CorpusOptions, names: list[str], where: str) -> list
     wanted = [options.text_column] + ([options.id_column] if options.id_column else [])
     missing = [c for c in wanted if c not in names]
     if missing:
-        shown = ", ".join(map(shown_name, names))
-        raise CorpusError(f"{where}: no column {missing[0]!r}; the columns are: {shown}")
+        raise no_column(where, missing[0], names)
     return wanted
+
+
+def no_column(where: str, name: str, names) -> CorpusError:
+    return CorpusError(
+        f"{where}: no column {name!r}; the columns are: {', '.join(map(shown_name, names))}"
+    )
 
 
 def _batch_records(batch: dict[str, list], first_row: int, options: CorpusOptions):
@@ -205,9 +210,6 @@ class HubDatasetSource(Source):
             _table_columns(options, stream.column_names, f"hub dataset {self.hub_name}")
         for row, values in enumerate(stream):
             if options.text_column not in values:
-                raise CorpusError(
-                    f"hub dataset {self.hub_name}: no column {options.text_column!r}; "
-                    f"the columns are: {', '.join(map(shown_name, values))}"
-                )
+                raise no_column(f"hub dataset {self.hub_name}", options.text_column, values)
             doc_id = values.get(options.id_column) if options.id_column else None
             yield RawRecord(row, values[options.text_column], doc_id)
