@@ -16,7 +16,10 @@ today's form (docs/stage1-gpu-path.md: "One read of the logits"), and `fused +to
 top-k` the top 32 as runs 3-6 took it, torch.topk of the whole row, where today's head takes it by
 blocks, and `fused +topk 32, ties unranked` by blocks as runs 7 and 8 took it, before equal logits
 were ranked by the lower id (so that the rule's cost is its difference from `fused +topk 32`);
-`triton loss` and `triton +space` are `--head-kernel triton`, the product and the reductions
+`onepass loss, natural exp` and `onepass +space, natural exp` are onepass with the
+exponentials runs 7-15 measured (natural, where today's are in base 2), so that the change's worth
+is their difference from `onepass loss` and `onepass +space`; `triton loss` and `triton +space` are
+`--head-kernel triton`, the product and the reductions
 in one kernel, all positions in one launch; each `--triton-blocks` adds a `triton
 P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
 (pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a program's
@@ -48,6 +51,7 @@ from pipeline.scoring.head import HeadColumns, HeadExtras, head_chunk_rows  # no
 from pipeline.scoring.head_kernels import (  # noqa: E402
     compile_head_pass,
     fused_columns,
+    onepass_columns,
     top_logits,
 )
 
@@ -98,6 +102,10 @@ EARLIER_FORMS = (
     ("fused +topk 32, one-stage top-k", one_stage_topk),
     ("fused +topk 32, ties unranked", unranked_topk),
 )
+
+# onepass's row kernel with its exponentials as runs 7-15 measured them (natural, six instructions
+# a logit where today's base 2 takes two: triton_head.LOG2_E), beside today's, where Triton runs
+NATURAL_EXP_ROWS = (("onepass loss, natural exp", False), ("onepass +space, natural exp", True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
                 earlier(hidden[chunk] @ weight.T, targets[chunk])
 
         measure(label, earlier_form)
+    for label, with_space in NATURAL_EXP_ROWS if "onepass loss" in times else ():  # where it runs
+        from pipeline.scoring.triton_head import logit_row_sums
+
+        extras = HeadExtras(space_mask=space if with_space else None)
+        columns = HeadColumns(extras, vocab, device, "onepass")
+        row_sums = functools.partial(logit_row_sums, natural_exp=True)
+        columns.compute = functools.partial(onepass_columns, row_sums, None)  # no top k
+        measure(label, functools.partial(columns.of_batch, hidden, head, targets, rows))
     for blocks in args.triton_blocks if "triton loss" in times else ():  # where the kernel runs
         from pipeline.scoring.triton_head import Blocks, triton_head_columns
 

@@ -1,8 +1,10 @@
 """What `--head-kernel triton` compiles to for a GPU, on any machine (no GPU needed): per block
 configuration and target, the registers, the spills, the shared memory, whether the product's
 loads are software-pipelined, and which tensor-core instruction it uses; and for `--head-kernel
-onepass`'s row kernel (with the space column, and with the top k's block maxima), its registers,
-spills and the width of its loads of the logits.
+onepass`'s row kernel (with the space column, and with the top k's block maxima; its
+exponentials in base 2, and natural as runs 7-15 measured them), its registers, spills, the width
+of its loads of the logits and the instructions a thread issues per logit in its loop (SASS), which
+bound its speed where memory does not.
 
     python benchmarks/triton_head_compile.py [--blocks P,V,W,SPAN,GROUP,WARPS,STAGES ...]
         [--arch 90 80]
@@ -24,6 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,18 +107,28 @@ class CompiledRows:
     registers: int
     spill_bytes: int
     load_bytes: int  # the widest global load of the logits: 16 is a full vector load
+    loop: Counter  # the row loop's SASS instructions by opcode, one pass over ROW_BLOCK logits
+
+    def per_logit(self, opcode: str | None = None) -> float:
+        """Instructions a thread issues per logit it reads (of `opcode` alone, if given)."""
+        count = self.loop[opcode] if opcode else sum(self.loop.values())
+        return count * 32 * triton_head.ROW_WARPS / triton_head.ROW_BLOCK
 
 
-def compile_rows(arch: int, space: bool, maxima: bool = False) -> CompiledRows:
+def compile_rows(
+    arch: int, space: bool, maxima: bool = False, natural_exp: bool = False
+) -> CompiledRows:
     """`--head-kernel onepass`'s row kernel compiled for sm_`arch` with its fixed block, with or
-    without the space column and the top k's block maxima."""
+    without the space column and the top k's block maxima, its exponentials in base 2 or (as
+    runs 7-15 measured it) natural."""
     names = triton_head._row_sums.arg_names
     signature = ROW_SIGNATURE | {name: "constexpr" for name in names if name not in ROW_SIGNATURE}
     if list(signature) != names:
         raise RuntimeError(f"the row kernel's arguments changed: {names}")
     constants = dict(
-        HAS_SPACE=space, BLOCK=triton_head.ROW_BLOCK, MAX_BLOCK=TOPK_BLOCK if maxima else 0
-    )
+        HAS_SPACE=space, BLOCK=triton_head.ROW_BLOCK, MAX_BLOCK=TOPK_BLOCK if maxima else 0,
+        NATURAL_EXP=natural_exp,
+    )  # fmt: skip
     source = ASTSource(fn=triton_head._row_sums, signature=signature, constexprs=constants,
                        attrs=launch_attrs(triton_head._row_sums, ROW_SIGNATURE))  # fmt: skip
     kernel = triton.compile(
@@ -125,20 +138,43 @@ def compile_rows(arch: int, space: bool, maxima: bool = False) -> CompiledRows:
     widths = [int(n) for n in re.findall(r"ld\.global(?:\.\w+)*\.v(\d)\.b32", kernel.asm["ptx"])]
     return CompiledRows(
         registers=usage["REG"], spill_bytes=usage["STACK"] + usage["LOCAL"],
-        load_bytes=4 * max(widths, default=0),
+        load_bytes=4 * max(widths, default=0), loop=loop_opcodes(kernel.asm["cubin"]),
     )  # fmt: skip
 
 
-def resource_usage(cubin: bytes) -> dict[str, int]:
-    """cuobjdump's resource use of the cubin's kernel: REG, STACK, SHARED, LOCAL, ..."""
+def cuobjdump(cubin: bytes, *flags: str) -> str:
+    """What the cuobjdump Triton ships says of `cubin` with `flags`."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
-        said = subprocess.run(
-            [str(tool), "-res-usage", file.name], capture_output=True, text=True, check=True
+        return subprocess.run(
+            [str(tool), *flags, file.name], capture_output=True, text=True, check=True
         ).stdout
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """cuobjdump's resource use of the cubin's kernel: REG, STACK, SHARED, LOCAL, ..."""
+    said = cuobjdump(cubin, "-res-usage")
     return {key: int(value) for key, value in re.findall(r"(\w+)(?:\[\d+\])?:(\d+)", said)}
+
+
+def loop_opcodes(cubin: bytes) -> Counter:
+    """The opcodes (predicates dropped) of the kernel's one loop in SASS: the instructions from a
+    backward branch's target to the branch."""
+    code = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);",
+                      cuobjdump(cubin, "-sass"))  # fmt: skip
+    loops = [
+        (int(target, 16), int(address, 16))
+        for address, opcode, rest in code
+        if opcode == "BRA"
+        for target in re.findall(r"0x([0-9a-f]+)", rest)
+        if int(target, 16) < int(address, 16)
+    ]
+    if len(loops) != 1:
+        raise RuntimeError(f"expected one loop in the kernel, found {len(loops)}")
+    ((begin, end),) = loops
+    return Counter(op for address, op, _ in code if begin <= int(address, 16) <= end)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     for arch in args.arch:
         for column, space, maxima in (("loss", False, False), ("+space", True, False),
                                       ("+topk", False, True)):  # fmt: skip
-            r = compile_rows(arch, space, maxima)
-            print(
-                f"{'onepass rows':<28} {ARCHES[arch]:<20} {column:<7} "
-                f"{r.registers:>9} {r.spill_bytes:>8}  loads of {r.load_bytes} B"
-            )
+            for natural_exp in (False, True):
+                r = compile_rows(arch, space, maxima, natural_exp)
+                print(
+                    f"{'onepass rows' + (', natural exp' if natural_exp else ''):<28} "
+                    f"{ARCHES[arch]:<20} {column:<7} {r.registers:>9} {r.spill_bytes:>8}  loads "
+                    f"of {r.load_bytes} B, {r.per_logit():.1f} instructions a logit"
+                )
     print(f"triton {triton.__version__}; spill B: stack and local bytes (0: none); pipelined: the "
           "product's loads double-buffered by cp.async")  # fmt: skip
     return 0

@@ -12,6 +12,9 @@ the teacher's."""
 from __future__ import annotations
 
 import json
+import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -22,7 +25,7 @@ from pipeline.cache.verify import verify_cache
 from pipeline.errors import ConfigError
 from pipeline.scoring import hf, triton_head
 from pipeline.scoring.head import exact_columns, head_kernel_function
-from pipeline.scoring.head_kernels import TINY
+from pipeline.scoring.head_kernels import TINY, TOPK_BLOCK
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.scoring.triton_head import triton_head_columns
 from stage1_score.run import main
@@ -118,6 +121,41 @@ def test_onepass_gives_the_plain_kernels_columns_on_the_same_logits(dtype, rows,
                     assert torch.equal(ours[name], value)
                 else:
                     torch.testing.assert_close(ours[name], value.float(), rtol=1e-5, atol=2e-6)
+
+
+def test_the_exponentials_earlier_form_gives_the_same_columns():
+    """bench_stage1_head.py times the row kernel's exponentials as runs 7-15 measured them (natural,
+    not in base 2) beside today's, so that a GPU run says what the change is worth: both forms
+    give the float64 columns of the same logits, the block maxima included."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 150_000, generator=generator) * 4
+    targets = torch.randint(0, 150_000, (7,), generator=generator)
+    space = torch.rand(150_000, generator=generator) < 0.3
+    exact = plain_in_float64(logits, targets, 0, space)
+    maxima = {}
+    for natural_exp in (False, True):
+        maxima[natural_exp] = torch.empty(7, 150_000 // TOPK_BLOCK)
+        ours, _ = triton_head.logit_row_sums(logits, targets, space.to(torch.int8),
+                                             maxima[natural_exp], natural_exp)  # fmt: skip
+        assert ours.keys() == exact.keys()
+        for name, value in exact.items():
+            torch.testing.assert_close(ours[name], value.float(), rtol=1e-5, atol=2e-6)
+    assert torch.equal(maxima[False], maxima[True])
+
+
+def test_the_head_bench_times_onepass_beside_its_earlier_exponentials(capsys):
+    """Where onepass runs (CUDA; here, the interpreter), bench_stage1_head.py times it with the
+    exponentials runs 7-15 measured beside today's, each row a time and a ratio, so that the next
+    GPU run does not meet that path first."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_stage1_head
+
+    assert bench_stage1_head.main(["--shape", "tiny", "--repeats", "1"]) == 0
+    said = capsys.readouterr().out
+    earlier = [label for label, _ in bench_stage1_head.NATURAL_EXP_ROWS]
+    for label in ["onepass loss", "onepass +space", *earlier]:
+        row = re.search(rf"^{re.escape(label)} +([\d.]+) +([\d.]+)$", said, re.M)
+        assert row and float(row[1]) > 0 and float(row[2]) > 0, said
 
 
 def plain_in_float64(logits, targets, topk, space):

@@ -26,10 +26,11 @@ kernel is checked on the machine that runs it.
 
 `--head-kernel onepass`: the logits as the fused pass takes them (cuBLAS's product, in the head's
 dtype), reduced by one Triton program per row that reads each logit once: the same running sums
-(`logit_row_sums`), the space mask's share of Z included, where the fused pass's compiled
-reductions read each row once for the max and Z and again for the space mask's sum (runs 3-6's
-fused pass read it twice for the loss alone: docs/stage1-gpu-path.md). Its columns are fused's up
-to fp32 rounding.
+(`logit_row_sums`), the space mask's share of Z included, each exponential in base 2 (one FMA and
+one MUFU.EX2 a logit: `LOG2_E`), where the fused pass's compiled reductions read each row once for
+the max and Z and again for the space mask's sum (runs 3-6's fused pass read it twice for the loss
+alone: docs/stage1-gpu-path.md). Its columns are fused's up to fp32 rounding, and a space column
+below about -72 nats, which its flushed terms may take to the floor.
 """
 
 from __future__ import annotations
@@ -81,6 +82,18 @@ REFERENCE_TOLERANCE = 1e-2
 # a GPU; in the interpreter, whole rows of the tests' vocabularies at once)
 ROW_BLOCK, ROW_WARPS = 4096, 8
 INTERPRETER_ROW_BLOCK = 65536
+# The row kernel takes each logit's exponential as 2^(logit log2(e) - max log2(e)),
+# one FMA and one MUFU.EX2 a logit, where exp(logit - max) compiles to six instructions (a
+# subtraction, the multiply by log2(e), and ex2's fix-up for results below float32's smallest
+# normal: a compare and two multiplies). Triton's exp2 flushes such results to zero (PTX
+# ex2.approx.ftz), FlashAttention's form: each dropped term is a probability below 1.2e-38, so Z
+# moves by under vocabulary x 1.2e-38 (nothing, at float32's precision) and the space column only
+# where it lies below about -72 nats (docs/cache-columns.md). The compiled row loop issues 9.6
+# instructions a logit for the loss (13.7 before), 15.1 with the space column (19.2), 11.2 with
+# the top k's block maxima (15.4), no spill (benchmarks/triton_head_compile.py, sm_90a); its speed
+# on a GPU is unmeasured (bench_stage1_head.py's `natural exp` rows time the earlier form beside
+# it).
+LOG2_E = tl.constexpr(math.log2(math.e))
 # Whether a multiply and an add may fuse into one rounding (an FMA) in the kernels' running sums:
 # on, as the measured runs compiled them and as Inductor compiles its own kernels. Said at launch,
 # since Triton 3.10 turns its default off, which would move the cached columns' last bits.
@@ -169,11 +182,12 @@ def _head_sums(
 def _row_sums(
     logits_ptr, target_ptr, space_ptr, max_ptr, total_ptr, space_total_ptr, picked_ptr,
     block_max_ptr, vocab, row_stride, HAS_SPACE: tl.constexpr, BLOCK: tl.constexpr,
-    MAX_BLOCK: tl.constexpr,
+    MAX_BLOCK: tl.constexpr, NATURAL_EXP: tl.constexpr,
 ):  # fmt: skip
     """One row of logits, read once: its max, Z and the space mask's share of Z (rescaled as
     the max grows, as `_head_sums`'s are), the target's logit, and with a MAX_BLOCK (0: none) the
-    max of each whole block of that many logits, for `top_logits`."""
+    max of each whole block of that many logits, for `top_logits`. The exponentials in base 2
+    (`LOG2_E`), or with NATURAL_EXP as runs 7-15 measured them."""
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * row_stride
     top = tl.full([], float("-inf"), tl.float32)
@@ -184,8 +198,12 @@ def _row_sums(
         column_ok = column < vocab
         logits = tl.load(logits_ptr + column, mask=column_ok, other=float("-inf")).to(tl.float32)
         new_top = tl.maximum(top, tl.max(logits, 0))
-        scale = tl.exp(top - new_top)
-        exp = tl.exp(logits - new_top)
+        if NATURAL_EXP:
+            scale = tl.exp(top - new_top)
+            exp = tl.exp(logits - new_top)
+        else:
+            scale = tl.math.exp2((top - new_top) * LOG2_E)  # 1 where the max stays
+            exp = tl.math.exp2(logits * LOG2_E - new_top * LOG2_E)
         total = total * scale + tl.sum(exp, 0)
         if HAS_SPACE:
             in_space = tl.load(space_ptr + column, mask=column_ok, other=0) != 0
@@ -274,12 +292,14 @@ def logit_row_sums(
     targets: torch.Tensor,
     space: torch.Tensor | None,
     block_maxima: torch.Tensor | None = None,
+    natural_exp: bool = False,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`--head-kernel onepass`'s reduction of `logits` [N, vocabulary] (any float dtype; rows may
     lie strided apart): ({"loss": [N]} and, with a `space` mask (int8), the space column; log Z
     [N]), fp32, each logit read once; and, given `block_maxima` (fp32 [N, vocabulary //
     TOPK_BLOCK]), the max of each whole block of TOPK_BLOCK logits written into it, which
-    `top_logits` would otherwise read the logits again for."""
+    `top_logits` would otherwise read the logits again for. `natural_exp`: the exponentials as
+    runs 7-15 measured them, for bench_stage1_head.py's rows beside today's."""
     rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -294,7 +314,8 @@ def logit_row_sums(
             logits, targets, space if space is not None else logits,  # unread: any aligned
             top, total, space_total, picked, logits if block_maxima is None else block_maxima,
             vocab, logits.stride(0), HAS_SPACE=space is not None, BLOCK=block,
-            MAX_BLOCK=0 if block_maxima is None else TOPK_BLOCK, **launch,
+            MAX_BLOCK=0 if block_maxima is None else TOPK_BLOCK, NATURAL_EXP=natural_exp,
+            **launch,
         )  # fmt: skip
     return combined_columns(sums, space is not None)
 
