@@ -121,7 +121,8 @@ class ScoreConfig:
         "onepass: a Triton kernel on CUDA that reads each logit once (checked at load); fused: "
         "reductions over the logits as they are, compiled on a GPU (no fp32 copy); plain: an "
         "fp32 log-softmax of each chunk; auto: onepass on a GPU (fused, with a warning, where "
-        "its kernel cannot run), plain on a CPU; the same columns up to fp32 rounding; triton: "
+        "its kernel cannot run), plain on a CPU; the same columns up to fp32 rounding (onepass's "
+        "space column but below -72 nats: docs/cache-columns.md); triton: "
         "the head's product and the reductions in one Triton kernel on CUDA, no logits kept "
         "(loss and --space-logprob, no top-k; checked against an fp32 product at load) "
         "(docs/stage1-gpu-path.md)",
