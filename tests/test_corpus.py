@@ -96,6 +96,22 @@ def test_missing_text_field_in_json_lines_lists_the_fields(tmp_path):
         documents(path)
 
 
+def test_a_hub_dataset_streams_through_datasets_and_names_its_columns(tmp_path, monkeypatch):
+    """`hf:NAME` streams with the `datasets` library, which takes a local folder for NAME as it
+    would a hub id (no network here): the documents in order with their ids, and a text column
+    the dataset lacks is one line that lists the columns it has."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [{"id": r["id"], "body": r["text"]} for r in ROWS])
+    docs = documents(f"hf:{folder}", text_column="body", id_column="id")
+    assert [(d.doc_id, d.text) for d in docs] == [(r["id"], r["text"]) for r in ROWS]
+    with pytest.raises(
+        CorpusError, match=rf"^hub dataset {folder}: no column 'text'; the columns are: id, body$"
+    ):
+        documents(f"hf:{folder}")
+
+
 def test_text_files_one_document_per_file_or_per_line(tmp_path):
     folder = tmp_path / "books"
     (folder / "b").mkdir(parents=True)
