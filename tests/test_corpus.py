@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -106,9 +107,8 @@ def test_a_hub_dataset_streams_through_datasets_and_names_its_columns(tmp_path, 
     write_jsonl(folder / "train.jsonl", [{"id": r["id"], "body": r["text"]} for r in ROWS])
     docs = documents(f"hf:{folder}", text_column="body", id_column="id")
     assert [(d.doc_id, d.text) for d in docs] == [(r["id"], r["text"]) for r in ROWS]
-    with pytest.raises(
-        CorpusError, match=rf"^hub dataset {folder}: no column 'text'; the columns are: id, body$"
-    ):
+    said = f"hub dataset {folder}: no column 'text'; the columns are: id, body"
+    with pytest.raises(CorpusError, match=f"^{re.escape(said)}$"):
         documents(f"hf:{folder}")
 
 
