@@ -11,7 +11,10 @@ the copy Ray ships of DIR, never in a path that exists only on the submitting ma
 Ray 2.60 enables token authentication on a head node whenever a token file exists, while its job
 clients do not follow unless told: the mode is set explicitly (`RAY_AUTH_MODE=token`, unless the
 caller chose one) for the head and for every client, which `RayCluster.env` carries (and this
-process's environment, for the job-submission SDK used here).
+process's environment, for the job-submission SDK used here). Token mode needs a token, which
+`ray start` does not make (`ray.init` does, in ~/.ray/auth_token): where Ray would find none, the
+cluster gets one of its own (`RAY_AUTH_TOKEN`, carried the same way), so a machine that never ran
+Ray starts it, and nothing is written to the user's home.
 
 The job's outcome is Ray's own job status from the SDK, never a match on the CLI's wording.
 """
@@ -22,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -111,6 +115,8 @@ def local_ray_cluster(num_cpus: int, log_path: Path) -> Iterator[RayCluster]:
     # Set here before Ray is imported in this process: Ray reads the mode once. A process that has
     # read it already (a test session) chooses the cluster's mode to match.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"] == "token" and not _ray_token_found():
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     env = dict(os.environ)
     # Ray's socket paths must stay short, so its session folder lives under /tmp.
     temp_dir = tempfile.mkdtemp(prefix="vocagno-ray-")
@@ -134,6 +140,14 @@ def local_ray_cluster(num_cpus: int, log_path: Path) -> Iterator[RayCluster]:
         yield RayCluster(address, env, f"127.0.0.1:{gcs_port}", temp_dir)
     finally:
         _stop_node(head)
+
+
+def _ray_token_found() -> bool:
+    """Whether Ray finds a token where it looks: RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH
+    names (a missing one is Ray's error to give), then ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return True
+    return (Path.home() / ".ray" / "auth_token").is_file()
 
 
 @contextlib.contextmanager
