@@ -38,6 +38,7 @@ test: $(VLLM_STAMP)
 	$(PY) -m pytest
 
 test-all: $(VLLM_STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -m ''
 
 lint: $(STAMP)
