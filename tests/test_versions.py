@@ -29,8 +29,8 @@ def test_the_software_record_holds_the_installed_versions_that_decide_the_number
 
 def test_a_builds_label_that_its_metadata_lacks_is_recorded(monkeypatch):
     """PyPI's CUDA wheel of torch 2.14.1 says `2.14.1` in its metadata and `2.14.1+cu130` in
-    `torch.__version__` (found under `make test-latest`, which failed this file's first test on
-    it): the record keeps the label, which names the CUDA a GPU run's kernels came from. Here the
+    `torch.__version__` (found under the newest versions the ranges allow, what `make
+    test-latest` installs, where this file's first test failed on it): the record keeps the label, which names the CUDA a GPU run's kernels came from. Here the
     installed torch is the CPU build, whose metadata has its label, so a stand-in module carries
     the other form; a module this process never imported is read from its metadata."""
     build = types.ModuleType("torch")
