@@ -16,7 +16,6 @@ from pathlib import Path
 from pipeline.cache.manifest import (
     RUN_RECORD_NAME,
     CacheManifest,
-    ShardRecord,
     SkippedDocument,
     profile_name,
     write_manifest,
@@ -40,7 +39,6 @@ from pipeline.scoring.teacher import (
 )
 from pipeline.space_mask import space_mask
 from pipeline.storage import Store, as_location
-from pipeline.versions import software_versions
 from stage1_score.cluster import (
     check_output_outside,
     check_ray_reachable,
@@ -51,10 +49,12 @@ from stage1_score.cluster import (
 )
 from stage1_score.config import ScoreConfig, result_settings
 from stage1_score.output import (
+    Sidecar,
     finished_shard,
     output_held,
     prepare_output,
     remove_temporaries,
+    scored_by,
 )
 from stage1_score.pool import ScoringError, WorkerPool
 from stage1_score.progress import Progress
@@ -308,7 +308,7 @@ def _score_corpus(job: Plan, pool: WorkerPool, run_fingerprint: str) -> CacheMan
             skipped.extend(unit.skipped)
             yield unit
 
-    def finished(unit: WorkUnit) -> ShardRecord | None:
+    def finished(unit: WorkUnit) -> Sidecar | None:
         return finished_shard(
             as_location(config.out), unit.index, unit.content_sha256, run_fingerprint, log.info
         )
@@ -317,7 +317,7 @@ def _score_corpus(job: Plan, pool: WorkerPool, run_fingerprint: str) -> CacheMan
     if not shards:
         raise CorpusError(f"corpus {config.corpus} holds no documents")
     progress.report(final=True)
-    documents = sum(s.rows for s in shards.values())
+    documents = sum(s.shard.rows for s in shards.values())
     if documents != progress.planned_docs or sorted(shards) != list(range(len(unit_hashes))):
         raise ScoringError(
             f"{documents} documents in {len(shards)} shards, but the corpus gave "
@@ -333,7 +333,7 @@ def _score_corpus(job: Plan, pool: WorkerPool, run_fingerprint: str) -> CacheMan
         tokenizer=job.identity["tokenizer"],
         settings=job.identity["settings"],
         corpus=corpus,
-        shards=[shards[i] for i in range(len(shards))],
+        shards=[shards[i].shard for i in range(len(shards))],
         skipped=skipped,
-        software=software_versions(),
+        software=scored_by(shards, log.warning),
     )

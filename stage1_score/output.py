@@ -5,7 +5,8 @@ Layout of a cache folder:
                                even when killed, so a crash never leaves a stale lock
   producer.json                identity of the run (teacher, tokenizer, settings, corpus files)
   shard-000007.parquet         unit 7's documents, written atomically
-  shard-000007.json            its sidecar, written after the shard: the unit is finished
+  shard-000007.json            its sidecar, written after the shard: the unit is finished (and
+                               the software that scored it)
   stage1-run.json              options and workers of the last run that scored units (how, not
                                what: not identity); a rerun with nothing to do leaves it as it is
   profile-unit-000002.json     with --profile-unit 2: a trace of unit 2's scoring (not the cache's
@@ -36,6 +37,7 @@ from pipeline.cache.manifest import (
     TEMPORARY_GLOB,
     UNIT_FILES_GLOB,
     ShardRecord,
+    cache_software,
     load_manifest,
 )
 from pipeline.cache.schema import shard_name
@@ -43,6 +45,7 @@ from pipeline.cache.verify import verify_shard
 from pipeline.differences import setting_differences
 from pipeline.errors import CacheError
 from pipeline.io import fingerprint
+from pipeline.log import counted
 from pipeline.storage import Store
 from pipeline.storage.lease import LeaseLock
 from pipeline.storage.lock import FolderLock
@@ -66,13 +69,21 @@ class Sidecar:
     shard: ShardRecord
     run_fingerprint: str
     content_sha256: str
+    # the scoring worker's software (pipeline.versions): not in the run's identity, as a rerun
+    # under another torch or Triton resumes the cache (the backend's version is in it)
+    software: dict[str, str]
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict) -> Sidecar:
-        return cls(ShardRecord(**data["shard"]), data["run_fingerprint"], data["content_sha256"])
+        return cls(
+            ShardRecord(**data["shard"]),
+            data["run_fingerprint"],
+            data["content_sha256"],
+            data.get("software", {}),  # {} from a sidecar written before it was recorded
+        )
 
 
 def output_lock(folder: str | Path, lease: float, log=print) -> OutputLock | LeaseLock:
@@ -190,7 +201,7 @@ def remove_temporaries(store: Store) -> None:
 def finished_shard(
     folder: str | Path, index: int, content_sha256: str, run_fingerprint: str, log=print
 ):
-    """The unit's ShardRecord if it is finished (see the module docstring), else None."""
+    """The unit's sidecar if the unit is finished (see the module docstring), else None."""
     sidecar = read_sidecar(folder, index)
     if sidecar is None:
         return None
@@ -206,4 +217,21 @@ def finished_shard(
     except CacheError as exc:
         log(f"unit {index}: {exc}; scoring it again")
         return None
-    return sidecar.shard
+    return sidecar
+
+
+def scored_by(sidecars: dict[int, Sidecar], log=print) -> dict:
+    """The manifest's software record from the units' sidecars (pipeline.cache.manifest:
+    cache_software), said in one line where different software scored its shards."""
+    software = cache_software({index: sidecar.software for index, sidecar in sidecars.items()})
+    mixed = [
+        f"{package} " + ", ".join(f"{v} ({counted(len(s), 'shard')})" for v, s in versions.items())
+        for package, versions in software.items()
+        if isinstance(versions, dict)
+    ]
+    if mixed:
+        log(
+            f"the cache's shards were scored by different software: {'; '.join(mixed)}; "
+            f"{MANIFEST_NAME} names each version's shards (software)"
+        )
+    return software

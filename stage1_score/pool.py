@@ -15,11 +15,11 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from pipeline.cache.manifest import ShardRecord
 from pipeline.errors import ConfigError, VocagnoError
 from pipeline.log import counted, get_logger
 from stage1_score.cluster import connect_ray, describe_cluster
 from stage1_score.config import ScoreConfig
+from stage1_score.output import Sidecar
 from stage1_score.progress import Progress
 from stage1_score.units import WorkUnit
 from stage1_score.worker import UnitResult, UnitScorer, WorkerSpec
@@ -186,16 +186,16 @@ class WorkerPool:
     def score(
         self,
         units: Iterator[WorkUnit],
-        finished: Callable[[WorkUnit], ShardRecord | None],
+        finished: Callable[[WorkUnit], Sidecar | None],
         progress: Progress,
-    ) -> dict[int, ShardRecord]:
-        """Every unit's shard record: resumed where finished, scored by the actors otherwise."""
-        shards: dict[int, ShardRecord] = {}
+    ) -> dict[int, Sidecar]:
+        """Every unit's sidecar: resumed where finished, scored by the actors otherwise."""
+        shards: dict[int, Sidecar] = {}
         for unit in units:
             progress.planned(unit)
-            record = finished(unit)
-            if record is not None:
-                shards[unit.index] = record
+            sidecar = finished(unit)
+            if sidecar is not None:
+                shards[unit.index] = sidecar
                 progress.resumed(unit)
                 continue
             if not self.actors:
@@ -248,7 +248,7 @@ class WorkerPool:
             return
         except Exception as exc:
             raise _unwrap(exc) from None
-        shards[unit.index] = result.shard
+        shards[unit.index] = result.sidecar
         self.placements[unit.index] = {
             "worker": actor.index,
             "node": actor.node,

@@ -30,6 +30,7 @@ from pipeline.scoring.teacher import TeacherSource, load_teacher_tokenizer
 from pipeline.space_mask import space_mask
 from pipeline.storage import Store
 from pipeline.storage.store import child
+from pipeline.versions import software_versions
 from stage1_score.output import Sidecar, write_sidecar
 from stage1_score.units import WorkUnit
 
@@ -66,7 +67,7 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class UnitResult:
-    shard: ShardRecord
+    sidecar: Sidecar  # the unit's shard record and the software that scored it
     seconds: float
     worker: int
     # [start, end] in the worker node's monotonic seconds of "tokenize" (and its batches planned),
@@ -80,6 +81,10 @@ class UnitResult:
     # has no prediction (one word under a teacher with no BOS, or only characters its vocabulary
     # lacks); stage 2 leaves their student tokens unmapped
     unscored: list[str] = field(default_factory=list)
+
+    @property
+    def shard(self) -> ShardRecord:
+        return self.sidecar.shard
 
 
 @contextlib.contextmanager
@@ -164,6 +169,8 @@ class UnitScorer:
         self._tokenizer = load_teacher_tokenizer(self.spec.teacher, self.spec.tokenizer)
         self._extras = head_extras(self.spec, self._tokenizer)
         self._scorer = load_scorer(self.spec, self._extras)
+        # once the teacher is loaded, so that each package it imported names its build
+        self._software = software_versions()
 
     def describe(self) -> dict:
         self._load()
@@ -204,14 +211,17 @@ class UnitScorer:
         if trace.data is not None:
             Store(self.spec.out).write_bytes(profile_name(unit.index), trace.data)
         with phase(phases, "write"):
-            record = write_unit(self.spec, unit, encodings, losses, columns)
+            sidecar = write_unit(self.spec, unit, encodings, losses, columns, self._software)
         unscored = [doc for doc, n in zip(unit.doc_ids, lengths, strict=True) if n < 2]
         seconds = time.monotonic() - started
-        return UnitResult(record, seconds, self.worker, phases, device, unscored)
+        return UnitResult(sidecar, seconds, self.worker, phases, device, unscored)
 
 
-def write_unit(spec: WorkerSpec, unit: WorkUnit, encodings, losses, columns) -> ShardRecord:
-    """The unit's shard (atomically), then its sidecar: the worker's host work after scoring."""
+def write_unit(
+    spec: WorkerSpec, unit: WorkUnit, encodings, losses, columns, software: dict
+) -> Sidecar:
+    """The unit's shard (atomically), then its sidecar, which names the `software` that scored it:
+    the worker's host work after scoring."""
     table = build_unit_table(
         unit.doc_ids,
         unit.texts,
@@ -232,8 +242,9 @@ def write_unit(spec: WorkerSpec, unit: WorkUnit, encodings, losses, columns) -> 
     size, digest = write_shard(child(spec.out, name), table, footer)
     total = sum(len(e) for e in encodings)
     record = ShardRecord(unit.index, name, len(unit), total, size, digest)
-    write_sidecar(spec.out, Sidecar(record, spec.run_fingerprint, unit.content_sha256))
-    return record
+    sidecar = Sidecar(record, spec.run_fingerprint, unit.content_sha256, software)
+    write_sidecar(spec.out, sidecar)
+    return sidecar
 
 
 class _ProgressLog:

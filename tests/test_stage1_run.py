@@ -226,6 +226,36 @@ def test_rerun_is_byte_identical_and_recomputes_only_a_missing_shard(built):
     assert changed == {"shard-000002.parquet"}
 
 
+def test_the_manifest_names_the_software_of_the_workers_that_scored_each_shard(
+    built, tmp_path, monkeypatch, capsys
+):
+    """The manifest's software record is the scoring workers', never the driver's (which stores
+    nothing it computed); a cache resumed under other software (its identity names the backend's
+    version, not torch's) says which shards each version scored, in the manifest and in a line."""
+    built_out, command, _ = built
+    out = tmp_path / "cache"
+    shutil.copytree(built_out, out)
+    command = [str(out) if arg == str(built_out) else arg for arg in command]
+    workers = software_versions()  # the workers' environment: this process's
+    assert json.loads((out / "shard-000000.json").read_text())["software"] == workers
+    sidecar = json.loads((out / "shard-000001.json").read_text())
+    sidecar["software"]["torch"] = "2.0.0+elsewhere"  # unit 1 scored under another torch
+    (out / "shard-000001.json").write_text(json.dumps(sidecar))
+    (out / "shard-000002.parquet").unlink()  # unit 2 scored again by this run's worker
+    # A package the driver alone has in another build (a worker process imports its own).
+    monkeypatch.setitem(sys.modules, "gguf", type(sys)("gguf"))
+    sys.modules["gguf"].__version__ = "0.0.0+driver"
+    assert main(command) == 0
+    software = load_manifest(out).software
+    assert software.pop("torch") == {workers["torch"]: [0, 2, 3], "2.0.0+elsewhere": [1]}
+    assert software == {p: v for p, v in workers.items() if p != "torch"}
+    assert json.loads((out / "shard-000002.json").read_text())["software"] == workers
+    assert (
+        f"shards were scored by different software: torch {workers['torch']} (3 shards), "
+        "2.0.0+elsewhere (1 shard); manifest.json names each version's shards (software)"
+    ) in capsys.readouterr().err
+
+
 def overlaps(a: list[float], b: list[float]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 

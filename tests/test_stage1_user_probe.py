@@ -253,6 +253,7 @@ def test_progress_lines_give_one_rate_a_real_eta_and_right_plurals(monkeypatch):
     so the 30 documents left take 30 s; counted from the start it would read 330 s."""
     from pipeline.cache.manifest import ShardRecord
     from stage1_score import progress as module
+    from stage1_score.output import Sidecar
     from stage1_score.units import WorkUnit
     from stage1_score.worker import UnitResult
 
@@ -264,9 +265,9 @@ def test_progress_lines_give_one_rate_a_real_eta_and_right_plurals(monkeypatch):
         ids = [f"{index}-{i}" for i in range(10)]
         progress.planned(WorkUnit(index, ids, ids, ids, [], "", 0.5))
     clock[0] = 110.0
-    shard = ShardRecord(0, "shard-000000.parquet", 10, 1000, 1, "")
+    sidecar = Sidecar(ShardRecord(0, "shard-000000.parquet", 10, 1000, 1, ""), "run", "unit", {})
     device = {"batches": 4, "in_batches_s": 9.0, "between_batches_s": 0.5, "before_first_s": None}
-    progress.scored(UnitResult(shard=shard, seconds=10.0, worker=0, device=device))
+    progress.scored(UnitResult(sidecar=sidecar, seconds=10.0, worker=0, device=device))
     assert lines == [
         "1 unit done | 10 docs | 100 tok/s, 1.0 docs/s | 50% of corpus read | ETA 0m30s | "
         "workers: w0 100 tok/s | device time: 94.7% in batches, 5.3% idle between batches, 0.0% "
@@ -274,9 +275,9 @@ def test_progress_lines_give_one_rate_a_real_eta_and_right_plurals(monkeypatch):
     ]
     # A unit's edge is the wait since the worker's previous unit (its first has none).
     clock[0] = 120.0
-    shard = ShardRecord(1, "shard-000001.parquet", 10, 1000, 1, "")
+    sidecar = Sidecar(ShardRecord(1, "shard-000001.parquet", 10, 1000, 1, ""), "run", "unit", {})
     device = device | {"in_batches_s": 8.5, "before_first_s": 1.5}
-    progress.scored(UnitResult(shard=shard, seconds=10.0, worker=0, device=device))
+    progress.scored(UnitResult(sidecar=sidecar, seconds=10.0, worker=0, device=device))
     progress.report(final=True)
     assert lines[-1] == (
         "2 units done | 20 docs | 100 tok/s, 1.0 docs/s | finished in 2m00s | workers: w0 100 "

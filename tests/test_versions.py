@@ -8,6 +8,7 @@ import types
 
 import pipeline
 from pipeline import versions
+from pipeline.cache.manifest import UNRECORDED, cache_software
 from pipeline.versions import distribution_version, software_versions
 
 
@@ -30,9 +31,10 @@ def test_the_software_record_holds_the_installed_versions_that_decide_the_number
 def test_a_builds_label_that_its_metadata_lacks_is_recorded(monkeypatch):
     """PyPI's CUDA wheel of torch 2.14.1 says `2.14.1` in its metadata and `2.14.1+cu130` in
     `torch.__version__` (found under the newest versions the ranges allow, what `make
-    test-latest` installs, where this file's first test failed on it): the record keeps the label, which names the CUDA a GPU run's kernels came from. Here the
-    installed torch is the CPU build, whose metadata has its label, so a stand-in module carries
-    the other form; a module this process never imported is read from its metadata."""
+    test-latest` installs, where this file's first test failed on it): the record keeps the
+    label, which names the CUDA a GPU run's kernels came from. Here the installed torch is the
+    CPU build, whose metadata has its label, so a stand-in module carries the other form; a
+    module this process never imported is read from its metadata."""
     build = types.ModuleType("torch")
     build.__version__ = distribution_version("torch").split("+")[0] + "+cu130"
     monkeypatch.setitem(sys.modules, "torch", build)
@@ -41,3 +43,17 @@ def test_a_builds_label_that_its_metadata_lacks_is_recorded(monkeypatch):
     record = software_versions()
     assert record["torch"] == build.__version__
     assert record["zstandard"] == distribution_version("zstandard")
+
+
+def test_a_caches_record_names_each_versions_shards_where_its_shards_differ():
+    """A cache's record is its shards' (tests/test_stage1_run.py: the scoring workers'): one
+    version a package where every shard agrees, else each version with the shards it scored,
+    for a package one worker lacked and for a shard whose sidecar predates the record too."""
+    here = {"vocagno": "0.1.0", "torch": "2.13.0+cpu", "vllm": "0.32.0"}
+    there = {"vocagno": "0.1.0", "torch": "2.14.1+cu130"}
+    assert cache_software({1: here, 0: here}) == here
+    assert cache_software({2: there, 0: here, 1: {}}) == {
+        "vocagno": {"0.1.0": [0, 2], UNRECORDED: [1]},
+        "torch": {"2.13.0+cpu": [0], UNRECORDED: [1], "2.14.1+cu130": [2]},
+        "vllm": {"0.32.0": [0], UNRECORDED: [1], "not installed": [2]},
+    }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -165,6 +166,27 @@ def _check_shard_record(shard: ShardRecord) -> None:
             raise ValueError(f"shard {shard.index}: {name} {value!r} is not a count")
     if not (isinstance(shard.sha256, str) and re.fullmatch(r"[0-9a-f]{64}", shard.sha256)):
         raise ValueError(f"shard {shard.index}: sha256 {shard.sha256!r} is not a SHA-256 digest")
+
+
+UNRECORDED = "unrecorded"  # a shard whose sidecar predates the software record
+
+
+def cache_software(by_shard: Mapping[int, Mapping[str, str]]) -> dict:
+    """The manifest's `software`: the versions of the workers that scored the shards (never the
+    driver's, which computes nothing stored). Where the shards' records differ (a run resumed
+    under another torch or Triton: the run's identity names only the backend's version), each
+    package that differs maps its versions to the shards they scored, "not installed" and
+    UNRECORDED among them."""
+    records = [by_shard[index] for index in sorted(by_shard)]
+    packages = dict.fromkeys(package for record in records for package in record)
+    software: dict = {}
+    for package in packages:
+        shards: dict[str, list[int]] = {}
+        for index, record in zip(sorted(by_shard), records, strict=True):
+            version = record.get(package, "not installed" if record else UNRECORDED)
+            shards.setdefault(version, []).append(index)
+        software[package] = next(iter(shards)) if len(shards) == 1 else shards
+    return software
 
 
 def write_manifest(cache_dir: str | Path, manifest: CacheManifest) -> None:
