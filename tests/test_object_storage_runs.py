@@ -133,7 +133,7 @@ def bucket_cache(ray_address, teacher, corpus, bucket, tmp_path_factory) -> str:
     assert stage1(command) == 0  # the killed run's lease has lapsed
     assert LOCK_NAME not in store.names()
     objects = download_all(uri)
-    assert all(objects[name] == data for name, data in kept.items())
+    assert [name for name, data in kept.items() if objects[name] != data] == []  # names them
     assert last_modified(uri, kept) == written  # finished units kept, not written again
     return uri
 

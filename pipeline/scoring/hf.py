@@ -156,7 +156,6 @@ class HFScorer:
         return {
             "backend": self.name,
             "backend_version": transformers.__version__,
-            "torch_version": torch.__version__,
             "model_dtype": str(self.model.dtype).removeprefix("torch."),
             "head": "chunked" if self.plain_head else "model forward",
             "head_kernel": self.head_kernel,
