@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 import numpy as np
@@ -242,9 +243,11 @@ def test_the_manifest_names_the_software_of_the_workers_that_scored_each_shard(
     sidecar["software"]["torch"] = "2.0.0+elsewhere"  # unit 1 scored under another torch
     (out / "shard-000001.json").write_text(json.dumps(sidecar))
     (out / "shard-000002.parquet").unlink()  # unit 2 scored again by this run's worker
-    # A package the driver alone has in another build (a worker process imports its own).
-    monkeypatch.setitem(sys.modules, "gguf", type(sys)("gguf"))
-    sys.modules["gguf"].__version__ = "0.0.0+driver"
+    # A package the driver alone has in another build (a worker process imports its own); with a
+    # spec, as an imported module has, for libraries that look for the package while it is there.
+    stand_in = type(sys)("gguf")
+    stand_in.__version__, stand_in.__spec__ = "0.0.0+driver", ModuleSpec("gguf", None)
+    monkeypatch.setitem(sys.modules, "gguf", stand_in)
     assert main(command) == 0
     software = load_manifest(out).software
     assert software.pop("torch") == {workers["torch"]: [0, 2, 3], "2.0.0+elsewhere": [1]}
