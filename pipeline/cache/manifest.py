@@ -177,12 +177,13 @@ def cache_software(by_shard: Mapping[int, Mapping[str, str]]) -> dict:
     under another torch or Triton: the run's identity names only the backend's version), each
     package that differs maps its versions to the shards they scored, "not installed" and
     UNRECORDED among them."""
-    records = [by_shard[index] for index in sorted(by_shard)]
-    packages = dict.fromkeys(package for record in records for package in record)
+    indices = sorted(by_shard)
+    packages = dict.fromkeys(package for index in indices for package in by_shard[index])
     software: dict = {}
     for package in packages:
         shards: dict[str, list[int]] = {}
-        for index, record in zip(sorted(by_shard), records, strict=True):
+        for index in indices:
+            record = by_shard[index]
             version = record.get(package, "not installed" if record else UNRECORDED)
             shards.setdefault(version, []).append(index)
         software[package] = next(iter(shards)) if len(shards) == 1 else shards
