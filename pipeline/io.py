@@ -22,6 +22,12 @@ _ZSTD_READ = 1 << 16
 # mkstemp creates files 0600; outputs should get the mode any other new file would (0666 - umask).
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+TEMPORARY_GLOB = ".*.tmp"  # the temporaries of atomic writes, hidden beside their destinations
+
+
+def temporary_affixes(name: str) -> tuple[str, str]:
+    """The prefix and suffix of a temporary for `name`; TEMPORARY_GLOB matches any between."""
+    return f".{name}.", ".tmp"
 
 
 def canonical_json(obj: Any) -> str:
@@ -70,7 +76,8 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    prefix, suffix = temporary_affixes(dest.name)
+    fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=dest.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     os.chmod(tmp, 0o666 & ~_UMASK)

@@ -1,7 +1,7 @@
 """Caches and corpora in object storage, against a real S3-compatible server (moto's, on
-localhost; tests/object_store.py): the lease lock that keeps two stage-1 runs off one prefix,
-verification naming a corrupted object, stage 2's bounded local shard copies with read-ahead,
-and a corpus read from a bucket. Stage 1 into a bucket under SIGKILL, and stage 2 training from
+localhost; tests/object_store.py): a write cut off midway, the lease lock that keeps two stage-1
+runs off one prefix, verification naming a corrupted object, stage 2's bounded local shard copies
+with read-ahead, and a corpus read from a bucket. Stage 1 into a bucket under SIGKILL, and stage 2 training from
 it, are in test_object_storage_runs.py (slow)."""
 
 from __future__ import annotations
@@ -63,6 +63,54 @@ def wait_until(condition, what: str, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"no {what} after {timeout:.0f} s"
         time.sleep(0.05)
+
+
+class CutOffUploads:
+    """The bucket's filesystem, except that each upload sends the first half of its bytes and then
+    fails with `error`: a stop signal (SIGTERM is a KeyboardInterrupt here) or a dropped
+    connection, midway through a write."""
+
+    def __init__(self, fs, error: BaseException):
+        self.fs, self.error = fs, error
+
+    def __getattr__(self, name: str):
+        return getattr(self.fs, name)
+
+    def open_output_stream(self, path: str):
+        stream, error = self.fs.open_output_stream(path), self.error
+
+        class CutOff:
+            def __enter__(self):
+                stream.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return stream.__exit__(*exc)  # closes the real stream, as `with` does
+
+            def write(self, data: bytes) -> None:
+                stream.write(data[: len(data) // 2])
+                raise error
+
+        return CutOff()
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), OSError("connection reset by peer")])
+def test_a_write_cut_off_midway_leaves_the_object_it_replaces_whole(bucket, error):
+    """A stopped or failed write leaves the previous object, not the half it sent: a stream
+    publishes what it holds when it closes, even on an error (apache/arrow#40502), and a cut-off
+    producer.json or manifest.json would strand a finished cache."""
+    store = Store(f"{bucket}/cut-off-{type(error).__name__}")
+    store.write_json("manifest.json", {"shards": ["shard-00000.parquet"]})
+    before = store.read_bytes("manifest.json")
+    store.fs = CutOffUploads(store.fs, error)
+    with pytest.raises(type(error)):
+        store.write_json("manifest.json", {"shards": ["shard-00000.parquet", "shard-00001"]})
+    assert store.read_bytes("manifest.json") == before
+    assert store.names() == ["manifest.json"]  # nor a temporary left behind
+    store.fs = store.fs.fs
+    store.write_json("manifest.json", {"shards": []})
+    assert store.read_json("manifest.json") == {"shards": []}
+    assert store.names() == ["manifest.json"]
 
 
 def test_a_second_run_on_a_held_prefix_is_refused_until_the_first_ends(bucket):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline.cache.schema import SCHEMA_VERSION, shard_name
 from pipeline.errors import CacheError
-from pipeline.io import fingerprint
+from pipeline.io import TEMPORARY_GLOB, fingerprint
 from pipeline.storage import Store
 
 MANIFEST_NAME = "manifest.json"
@@ -19,7 +19,6 @@ LOCK_NAME = ".stage1.lock"
 PRODUCER_NAME = "producer.json"
 RUN_RECORD_NAME = "stage1-run.json"
 UNIT_FILES_GLOB = "shard-*"  # the shards and their sidecars
-TEMPORARY_GLOB = ".*.tmp"
 PROFILE_GLOB = "profile-unit-*.json"  # --profile-unit's trace
 CACHE_FILE_GLOBS = (
     UNIT_FILES_GLOB,

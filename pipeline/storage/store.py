@@ -7,9 +7,10 @@ come the standard way, from the environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY
 Ray actor or data-loader worker resolves its own.
 
 Publishing is atomic on both kinds: a local file is written to a temporary name, flushed and
-renamed (pipeline.io); an object is sent whole from memory in one upload, which the store makes
-visible only once complete (a PUT, or a multipart upload that is completed last), so a reader never
-sees part of one. Local folders keep exactly the behaviour they always had.
+renamed (pipeline.io); an object is sent whole from memory to a temporary name and, once the
+upload has completed, copied into place by the server (S3's CopyObject, which takes objects up to
+5 GiB), so a reader never sees part of one, even where a write fails or is interrupted midway.
+Local folders keep exactly the behaviour they always had.
 """
 
 from __future__ import annotations
@@ -23,12 +24,19 @@ import json
 import os
 import re
 import urllib.parse
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from pipeline.errors import ConfigError
-from pipeline.io import atomic_write_bytes, atomic_write_json, json_text, sha256_file
+from pipeline.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    json_text,
+    sha256_file,
+    temporary_affixes,
+)
 
 _CHUNK = 1 << 20
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -231,9 +239,19 @@ class Store:
         if self.local is not None:
             atomic_write_bytes(self.local / name, data)
             return
-        # One buffer, one stream: the upload is completed (made visible) only by close().
-        with self.fs.open_output_stream(self.path(name)) as stream:
-            stream.write(data)
+        # A stream publishes what it holds when it closes, and it closes even where the write
+        # inside it failed or was interrupted (apache/arrow#40502): the bytes go to a temporary
+        # object, and only a complete one is moved into place, by one copy on the server.
+        prefix, suffix = temporary_affixes(name)
+        temporary = self.path(f"{prefix}{uuid.uuid4().hex}{suffix}")
+        try:
+            with self.fs.open_output_stream(temporary) as stream:
+                stream.write(data)
+            self.fs.move(temporary, self.path(name))
+        except BaseException:
+            with contextlib.suppress(OSError):  # else the next run's remove_temporaries does
+                self.fs.delete_file(temporary)
+            raise
 
     def write_json(self, name: str, obj: Any) -> None:
         if self.local is not None:
