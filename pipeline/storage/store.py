@@ -241,17 +241,18 @@ class Store:
             return
         # A stream publishes what it holds when it closes, and it closes even where the write
         # inside it failed or was interrupted (apache/arrow#40502): the bytes go to a temporary
-        # object, and only a complete one is moved into place, by one copy on the server.
+        # object, and only a complete one is copied into place, by one request to the server. A
+        # copy, not a move: S3's move is this copy and the delete below, and some of Arrow's
+        # stores (Azure's, in some versions) copy but cannot move.
         prefix, suffix = temporary_affixes(name)
         temporary = self.path(f"{prefix}{uuid.uuid4().hex}{suffix}")
         try:
             with self.fs.open_output_stream(temporary) as stream:
                 stream.write(data)
-            self.fs.move(temporary, self.path(name))
-        except BaseException:
+            self.fs.copy_file(temporary, self.path(name))
+        finally:
             with contextlib.suppress(OSError):  # else the next run's remove_temporaries does
                 self.fs.delete_file(temporary)
-            raise
 
     def write_json(self, name: str, obj: Any) -> None:
         if self.local is not None:
