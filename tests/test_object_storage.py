@@ -1,8 +1,8 @@
-"""Caches and corpora in object storage, against a real S3-compatible server (moto's, on
-localhost; tests/object_store.py): a write cut off midway, the lease lock that keeps two stage-1
-runs off one prefix, verification naming a corrupted object, stage 2's bounded local shard copies
-with read-ahead, and a corpus read from a bucket. Stage 1 into a bucket under SIGKILL, and stage 2 training from
-it, are in test_object_storage_runs.py (slow)."""
+"""Caches and corpora in object storage, against a real S3-compatible server (moto's, on localhost;
+tests/object_store.py): a write cut off midway, the lease lock that keeps two stage-1 runs off one
+prefix, verification naming a corrupted object, stage 2's bounded local shard copies with
+read-ahead, and a corpus read from a bucket. Stage 1 into a bucket under SIGKILL, and stage 2
+training from it, are in test_object_storage_runs.py (slow)."""
 
 from __future__ import annotations
 
@@ -108,7 +108,9 @@ def test_a_write_cut_off_midway_leaves_the_object_it_replaces_whole(bucket, erro
     before = store.read_bytes("manifest.json")
     store.fs = CutOffUploads(store.fs, error)
     with pytest.raises(type(error)):
-        store.write_json("manifest.json", {"shards": ["shard-00000.parquet", "shard-00001"]})
+        store.write_json(
+            "manifest.json", {"shards": ["shard-00000.parquet", "shard-00001.parquet"]}
+        )
     assert store.read_bytes("manifest.json") == before
     assert store.names() == ["manifest.json"]  # nor a temporary left behind
     store.fs = store.fs.fs
