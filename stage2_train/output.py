@@ -22,6 +22,7 @@ import torch
 
 from pipeline.cache.manifest import MANIFEST_NAME
 from pipeline.errors import CacheError, ConfigError
+from pipeline.io import temporary_affixes
 from pipeline.metrics import METRICS_NAME
 from pipeline.models.student import WEIGHT_FILES
 from pipeline.storage.lock import FolderLock
@@ -42,8 +43,8 @@ RUN_ENTRIES = (
     ".final.partial",
     "documents",
     LOCK_NAME,
-    f".{RUN_CONFIG}.*.tmp",
-    f".{METRICS_NAME}.*.tmp",
+    "*".join(temporary_affixes(RUN_CONFIG)),
+    "*".join(temporary_affixes(METRICS_NAME)),
 )
 # A stage-2 config.json holds every option without a default; a model's configuration none.
 RUN_CONFIG_KEYS = {"cache", "student", "out", "max_steps"}
