@@ -44,7 +44,7 @@ from pipeline.cache.schema import shard_name
 from pipeline.cache.verify import verify_shard
 from pipeline.differences import setting_differences
 from pipeline.errors import CacheError
-from pipeline.io import fingerprint
+from pipeline.io import fingerprint, temporary_affixes
 from pipeline.log import counted
 from pipeline.storage import Store
 from pipeline.storage.lease import LeaseLock
@@ -193,9 +193,13 @@ def prepare_output(folder: str | Path, identity: dict, overwrite: bool, log=prin
 
 
 def remove_temporaries(store: Store) -> None:
-    """Delete the temporary files of interrupted writes (the lock must be held)."""
+    """Delete the temporary files of interrupted writes (the lock must be held), except the lock's
+    own: in object storage those are the live lease's renewals in flight, and LeaseLock removes a
+    killed holder's when it lets go."""
+    lock_temporaries = "*".join(temporary_affixes(LOCK_NAME))
     for name in store.names(TEMPORARY_GLOB):
-        store.delete(name)
+        if not fnmatch.fnmatch(name, lock_temporaries):
+            store.delete(name)
 
 
 def finished_shard(

@@ -1,8 +1,8 @@
 """Caches and corpora in object storage, against a real S3-compatible server (moto's, on localhost;
 tests/object_store.py): a write cut off midway, the lease lock that keeps two stage-1 runs off one
-prefix, verification naming a corrupted object, stage 2's bounded local shard copies with
-read-ahead, and a corpus read from a bucket. Stage 1 into a bucket under SIGKILL, and stage 2
-training from it, are in test_object_storage_runs.py (slow)."""
+prefix and its renewals, verification naming a corrupted object, stage 2's bounded local shard
+copies with read-ahead, and a corpus read from a bucket. Stage 1 into a bucket under SIGKILL, and
+stage 2 training from it, are in test_object_storage_runs.py (slow)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from pipeline.errors import CacheError
 from pipeline.log import configure
 from pipeline.storage import Store
 from pipeline.storage.lease import LeaseLock
+from stage1_score.output import remove_temporaries
 from tests.cache_fixtures import build_cache
 from tests.object_store import download_all, moto_s3, objects_under, upload_folder
 
@@ -153,6 +154,47 @@ def test_the_lock_of_a_killed_run_lapses_after_its_lease(bucket):
     clock.now = expires + 0.5
     with LeaseLock(store, LOCK, lease=3, settle=0.1, clock=clock) as lock:
         assert store.read_json(LOCK)["token"] == lock.token
+
+
+class HeldCopies:
+    """The bucket's filesystem, except that copies onto `name` (an atomic write's last step) wait
+    until the test lets them go."""
+
+    def __init__(self, fs, store: Store, name: str):
+        self.fs, self.destination = fs, store.path(name)
+        self.waiting, self.go = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.fs, name)
+
+    def copy_file(self, source: str, destination: str) -> None:
+        if destination == self.destination:
+            self.waiting.set()
+            self.go.wait()
+        self.fs.copy_file(source, destination)
+
+
+def test_a_renewal_in_flight_outlives_the_cleanup_of_temporaries(bucket):
+    """Stage 1 removes interrupted writes' temporaries while it holds the lock (on start, and after
+    losing a worker), as the renewer may be writing the lock itself: the renewal must go through,
+    not fail for a temporary deleted under it. A killed holder's lock temporaries go when the next
+    holder lets go, so that a finished prefix verifies clean."""
+    store = Store(f"{bucket}/renewing")
+    left_by_a_killed_holder = f"..stage1.lock.{'0' * 32}.tmp"
+    store.write_bytes(left_by_a_killed_holder, b"{")
+    store.write_bytes(".shard-000001.parquet.1234.tmp", b"PAR1")
+    clock, said = SetClock(), []
+    with LeaseLock(store, LOCK, lease=3, settle=0.1, clock=clock, log=said.append) as lock:
+        store.fs = held = HeldCopies(store.fs, store, LOCK)
+        clock.now += 1
+        wait_until(held.waiting.is_set, "renewal of the lease")
+        remove_temporaries(store)
+        held.go.set()
+        wait_until(lambda: store.read_json(LOCK)["expires"] == clock.now + 3, "renewed lease")
+        assert (said, lock.lost) == ([], None)
+        assert store.names(".shard-*") == []
+        store.fs = held.fs
+    assert store.names() == []
 
 
 def test_a_cache_in_a_bucket_verifies_and_a_flipped_byte_is_named_and_refused(

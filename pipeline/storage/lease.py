@@ -19,6 +19,7 @@ import time
 import uuid
 
 from pipeline.errors import CacheError
+from pipeline.io import temporary_affixes
 from pipeline.storage.store import Store
 
 
@@ -102,4 +103,8 @@ class LeaseLock:
             self._renewer.join()
         current = self._read()
         if current is not None and current.get("token") == self.token:
+            # No write of the lock is in flight now: ours have stopped, and nobody else writes it
+            # while it is ours. So the temporaries of a killed holder's renewals can go with it.
+            for name in self.store.names("*".join(temporary_affixes(self.name))):
+                self.store.delete(name)
             self.store.delete(self.name)

@@ -261,7 +261,9 @@ class Store:
         self.write_bytes(name, json_text(obj).encode("utf-8"))
 
     def delete(self, name: str) -> None:
+        """Remove `name` if it is there; one already gone (by another hand) is not an error."""
         if self.local is not None:
             (self.local / name).unlink(missing_ok=True)
-        elif self.size(name) is not None:
-            self.fs.delete_file(self.path(name))
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.delete_file(self.path(name))
