@@ -10,8 +10,8 @@ VLLM_LOCK := requirements/cpu-vllm.txt
 LATEST_VENV := .venv-latest
 # --no-deps: the lock is the whole set; nothing is resolved at install time.
 PIP_LOCKED := -m pip install --quiet --require-hashes --no-deps
-# The locks are for CPython 3.11 (their torch CPU wheel is cp311 only): python3.11 where a machine
-# has one beside another python3, which must then be 3.11 itself.
+# The locks are for CPython 3.11 (their CPU torch wheel is cp311 only): python3.11 where there is
+# one, else python3, whose version is checked before .venv is built.
 PYTHON ?= $(or $(shell command -v python3.11 2>/dev/null),python3)
 
 .PHONY: demo test test-all test-latest lint lock clean-venv vllm-cpu
