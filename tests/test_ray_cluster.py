@@ -64,6 +64,7 @@ with local_ray_cluster(1, Path(sys.argv[1])) as cluster:
     from ray.job_submission import JobSubmissionClient  # after the cluster set Ray's mode, as demo
 
     print("jobs", JobSubmissionClient(cluster.address).list_jobs())
+    print("session", cluster.temp_dir)
 """
 
 
@@ -73,11 +74,14 @@ def test_a_private_cluster_starts_on_a_machine_that_never_ran_ray(tmp_path):
     ~/.ray/auth_token), so the head refused to start. With a home that never ran Ray and no token
     in the environment, the cluster starts with a token of its own, its job API answers a client
     that carries it, and nothing is written to the home (the demo's whole job: tests/test_demo.py,
-    slow)."""
-    home = tmp_path / "home"
+    slow). And where TMPDIR is too long for Ray's socket paths (a CI run with TMPDIR under a fresh
+    folder: the head's dashboard failed, and the job API never answered), the session folder goes
+    under /tmp; a cluster that stopped cleanly leaves none behind."""
+    home, temporary = tmp_path / "home", tmp_path / "a-temporary-folder-as-a-cluster-gives-a-job"
     home.mkdir()
+    temporary.mkdir()
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH")}
-    env |= {"HOME": str(home), "PYTHONPATH": str(REPO)}
+    env |= {"HOME": str(home), "PYTHONPATH": str(REPO), "TMPDIR": str(temporary)}
     run = subprocess.run(
         [sys.executable, "-c", STARTS_AND_ANSWERS, str(tmp_path / "head.log")],
         env=env, capture_output=True, text=True, timeout=600,
@@ -86,3 +90,5 @@ def test_a_private_cluster_starts_on_a_machine_that_never_ran_ray(tmp_path):
     assert run.returncode == 0, said + (tmp_path / "head.log").read_text()[-3000:]
     assert "jobs []" in run.stdout, said
     assert not (home / ".ray").exists()
+    session = Path(re.search(r"^session (.+)$", run.stdout, re.M)[1])
+    assert session.parent == Path("/tmp") and not session.exists(), said

@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +44,13 @@ from pipeline.errors import VocagnoError
 STARTUP_SECONDS = 180
 STOP_SECONDS = 15  # then SIGKILL: a private cluster has nothing worth draining
 AGENT_SECONDS = 120
+# Ray puts a node's sockets in {temp dir}/session_{date}_{time}_{µs}_{pid}/sockets/, the longest a
+# dashboard module's, and AF_UNIX takes paths of at most 107 bytes (103 on macOS). Past that the
+# head's dashboard fails ("AF_UNIX path length cannot exceed 107 bytes", in Ray's session logs)
+# and its job API never answers: a TMPDIR of 16 characters or more did that to the demo.
+RAY_SOCKET_TAIL = len("/session_2026-11-29_02-30-11_121544_4194304/sockets/dash_TaskEventsHead")
+SOCKET_PATH_BYTES = 103
+TEMP_PREFIX = "vocagno-ray-"
 
 
 @dataclass(frozen=True)
@@ -118,8 +126,7 @@ def local_ray_cluster(num_cpus: int, log_path: Path) -> Iterator[RayCluster]:
     if os.environ["RAY_AUTH_MODE"] == "token" and not _ray_token_found():
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     env = dict(os.environ)
-    # Ray's socket paths must stay short, so its session folder lives under /tmp.
-    temp_dir = tempfile.mkdtemp(prefix="vocagno-ray-")
+    temp_dir = session_folder(env)
     command, dashboard_port, gcs_port = head_command(num_cpus, temp_dir)
     address = f"http://127.0.0.1:{dashboard_port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,8 +145,23 @@ def local_ray_cluster(num_cpus: int, log_path: Path) -> Iterator[RayCluster]:
                 )
             time.sleep(1)
         yield RayCluster(address, env, f"127.0.0.1:{gcs_port}", temp_dir)
-    finally:
-        _stop_node(head)
+    except BaseException:
+        _stop_node(head)  # the session's logs are kept, for what went wrong
+        raise
+    _stop_node(head)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def session_folder(env: dict[str, str]) -> str:
+    """A new folder for the cluster's session: in the temporary folder (TMPDIR) where Ray's socket
+    paths fit there, else in /tmp, Ray's own default, and then it is the nodes' TMPDIR too (`env`):
+    Python's multiprocessing, which the dashboard uses, puts its sockets in TMPDIR."""
+    root = tempfile.gettempdir()
+    longest = os.path.join(root, TEMP_PREFIX + "x" * 8)  # mkdtemp adds 8 characters
+    if len(os.fsencode(longest)) + RAY_SOCKET_TAIL <= SOCKET_PATH_BYTES:
+        return tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=root)
+    env["TMPDIR"] = folder = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir="/tmp")
+    return folder
 
 
 def _ray_token_found() -> bool:
