@@ -161,6 +161,13 @@ def connect_ray(address: str | None) -> bool:
     options = {} if client else {"include_dashboard": False}
     try:
         ray.init(address=address, logging_level="WARNING", **options)
+    except OSError as error:  # a local Ray's socket paths past AF_UNIX's 107 bytes: one line
+        if "AF_UNIX" not in str(error):
+            raise
+        raise ConfigError(
+            f"{error}; a local Ray keeps its sockets in its temporary folder (RAY_TMPDIR, else "
+            "TMPDIR): set RAY_TMPDIR to a shorter folder, e.g. RAY_TMPDIR=/tmp"
+        ) from None
     except SystemExit as stop:
         if stop.code == signal.SIGTERM and callable(handler):
             handler(signal.SIGTERM, None)

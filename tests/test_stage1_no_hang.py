@@ -3,16 +3,18 @@ as a real process.
 
 - A Ray address where nothing answers (`--ray-address` or RAY_ADDRESS) is refused in one line
   naming it, exit 2, before the output folder is made; without the check, ray.init retried such
-  an address for many minutes, printing only warnings.
+  an address for many minutes, printing only warnings. So is a TMPDIR too long for a local
+  Ray's sockets, naming RAY_TMPDIR.
 - SIGTERM while Ray starts, while the first unit is scored, or after units were finished ends the
   run within STOP_SECONDS (one line, exit 143) and leaves nothing a rerun or `vocagno cache`
   could misread: no output folder when no unit was finished (also once the killed scorer is
   gone, so no unit lands after the cleanup), the finished units when some were, and the rerun
   resumes from them.
 
-The refusals need no Ray and run by default (2 s each, 12 s for the address that drops
-connections); the stop signals need a Ray cluster and a run that starts its workers (15 to 30 s
-each on 2 shared cores, 75 s for the three with the cluster), so they are marked slow.
+The refusals need no Ray and run by default (2 s each, 7 s for the long TMPDIR, 12 s for the
+address that drops connections); the stop signals need a Ray cluster and a run that starts its
+workers (15 to 30 s each on 2 shared cores, 75 s for the three with the cluster), so they are
+marked slow.
 """
 
 from __future__ import annotations
@@ -170,6 +172,23 @@ def test_a_ray_address_that_drops_connections_is_refused_after_the_probe(
     assert f"no answer in {PROBE_SECONDS:.0f} s" in line, line
     assert not out.exists()
     print(f"refused in {seconds:.1f} s: {line}")
+
+
+def test_a_temporary_folder_too_long_for_rays_sockets_is_one_line_naming_the_fix(
+    teacher, corpus, tmp_path
+):
+    """A local Ray puts its sockets under TMPDIR, and a socket's path takes at most 107 bytes:
+    ray.init raised an OSError naming the path; the run says which setting moves them."""
+    out, log, temporary = tmp_path / "cache", tmp_path / "run.log", tmp_path / ("t" * 60)
+    temporary.mkdir()
+    process = start_run(args(teacher, corpus, out, 3), log, RAY_ADDRESS=None, RAY_TMPDIR=None,
+                        TMPDIR=str(temporary))  # fmt: skip
+    ended_within(process, REFUSAL_SECONDS, log)
+    assert process.returncode == 2, log.read_text()
+    line = last_line(log)
+    assert line.startswith("stage1: error: ") and "AF_UNIX" in line, line
+    assert line.endswith("set RAY_TMPDIR to a shorter folder, e.g. RAY_TMPDIR=/tmp"), line
+    assert not out.exists()
 
 
 # --- SIGTERM ----------------------------------------------------------------------------------
