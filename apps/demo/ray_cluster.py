@@ -49,7 +49,7 @@ AGENT_SECONDS = 120
 # head's dashboard fails ("AF_UNIX path length cannot exceed 107 bytes", in Ray's session logs)
 # and its job API never answers: a TMPDIR of 16 characters or more did that to the demo.
 RAY_SOCKET_TAIL = len("/session_2026-11-29_02-30-11_121544_4194304/sockets/dash_TaskEventsHead")
-SOCKET_PATH_BYTES = 103
+SOCKET_PATH_BYTES = 103  # the lower of the two: a folder that fits on macOS fits on Linux
 TEMP_PREFIX = "vocagno-ray-"
 
 
