@@ -153,6 +153,7 @@ def test_any_row_of_few_values_ranks_as_a_stable_sort(rows, length, k, levels, s
         )
 
 
+@pytest.mark.slow  # a setting for a GPU's speed, not its columns; a cold compile of its own
 def test_the_compiled_fused_pass_never_splits_a_reduction():
     """On a GPU Inductor splits a row's reduction where the first chunk it compiles for has under
     2 rows per SM (a padded warm-up's 63), and that one graph serves every later chunk: so

@@ -105,6 +105,7 @@ def test_a_packed_document_gets_every_column_it_gets_scored_alone(teachers, name
     assert_same_topk_ids_but_ties(packed, alone)
 
 
+@pytest.mark.slow  # the compiled test below compares flex to the dense mask too, layers compiled
 def test_flex_attention_scores_packed_rows_as_the_dense_mask_does(teachers):
     """A GPU's choice for packed rows (flex_attention's block mask, compiled on the CPU here)."""
     flex_scorer, flex = columns_of(teachers["smollm2"], TEXTS, row_packing="packed", attention="flex")
@@ -127,11 +128,15 @@ def compiled_as_on_a_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("columns", ["loss", "all"])
-@pytest.mark.parametrize("packing", ["packed", "padded"])
+@pytest.mark.parametrize(
+    "packing",  # packed is a GPU's choice (auto); padded compiles graphs of its own, more slowly
+    ["packed", pytest.param("padded", marks=pytest.mark.slow)],
+)
 def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     teachers, packing, columns, compiled_as_on_a_gpu
 ):
-    """`--compile layers` (auto on a GPU) changes no column beyond rounding. A compiled function
+    """`--compile layers` (auto on a GPU) changes no column beyond rounding: against eager layers
+    and, for packed rows, flex attention against the dense document mask. A compiled function
     compiles again for a new shape (a batch's row count or length, a head chunk's rows, a mask
     where there was none) until it has seen every kind, and on a GPU a compile took longer than
     scoring a small unit (bench_gpu.py, H200, 2026-11-26): the warm-up at load shows the decoder
@@ -162,13 +167,28 @@ def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     # padded: batches of other lengths, with padding and without
     units += [[ids[0], ids[0][:10]], [ids[0][:12]] * 3, [ids[0][:5], ids[0][:7], ids[0][:12]]]
     texts = [e.ids for e in tokenizer.encode_batch(TEXTS)]
-    compiled_losses = [scorer.score(unit) for unit in [*units, texts]]
+    compiled_columns = [joined(scorer.score_columns(unit)) for unit in [*units, texts]]
     assert counters["stats"]["unique_graphs"] == compiled
+    packed = packing == "packed"
+    assert scorer.describe()["attention"] == ("flex" if packed else None)
+    settings["attention"] = "dense" if packed else "auto"
     eager = hf.HFScorer(teacher, compile="off", **settings)
-    assert eager.describe()["compile"] == "off"
-    for unit, losses in zip([*units, texts], compiled_losses, strict=True):
-        for ours, theirs in zip(losses, eager.score(unit), strict=True):
-            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert (eager.describe()["compile"], eager.describe()["attention"]) == (
+        "off", "dense" if packed else None
+    )  # fmt: skip
+    every_column = {*FLOAT_COLUMNS, "topk_ids"}
+    for unit, ours in zip([*units, texts], compiled_columns, strict=True):
+        theirs = joined(eager.score_columns(unit))
+        assert ours.keys() == theirs.keys() == ({"loss"} if columns == "loss" else every_column)
+        for column in ours.keys() - {"topk_ids"}:
+            np.testing.assert_allclose(ours[column], theirs[column], rtol=1e-5, atol=1e-6)
+        if "topk_ids" in ours:
+            assert_same_topk_ids_but_ties(ours, theirs)
+
+
+def joined(columns: dict[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
+    """A unit's columns, its documents concatenated."""
+    return {name: np.concatenate(parts) for name, parts in columns.items()}
 
 
 def test_a_teacher_without_decoder_layers_is_refused_compiling_or_runs_eagerly(
