@@ -143,7 +143,12 @@ def columns_of(
         batch_tokens=64, device="cpu", extras=extras, **switches,
     )  # fmt: skip
     columns = scorer.score_columns(ids)
-    return scorer, {name: np.concatenate(parts) for name, parts in columns.items()}
+    return scorer, joined_columns(columns)
+
+
+def joined_columns(columns: dict[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
+    """Each column's documents concatenated."""
+    return {name: np.concatenate(parts) for name, parts in columns.items()}
 
 
 def as_stored(values: np.ndarray) -> np.ndarray:

@@ -36,6 +36,7 @@ from tests.stage1_helpers import (
     assert_same_topk_ids_but_ties,
     assert_within_one_float16_step,
     columns_of,
+    joined_columns,
     make_tiny_teacher,
 )
 
@@ -97,7 +98,7 @@ def test_a_packed_document_gets_every_column_it_gets_scored_alone(teachers, name
         _, columns = columns_of(teachers[name], row_packing="padded", texts=[text])
         for column, values in columns.items():
             alone.setdefault(column, []).append(values)
-    alone = {column: np.concatenate(parts) for column, parts in alone.items()}
+    alone = joined_columns(alone)
     for column in FLOAT_COLUMNS:
         assert_within_one_float16_step(packed[column], alone[column], column)
         np.testing.assert_allclose(packed[column], alone[column], rtol=1e-5, atol=1e-6)
@@ -167,7 +168,7 @@ def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     # padded: batches of other lengths, with padding and without
     units += [[ids[0], ids[0][:10]], [ids[0][:12]] * 3, [ids[0][:5], ids[0][:7], ids[0][:12]]]
     texts = [e.ids for e in tokenizer.encode_batch(TEXTS)]
-    compiled_columns = [joined(scorer.score_columns(unit)) for unit in [*units, texts]]
+    compiled_columns = [joined_columns(scorer.score_columns(unit)) for unit in [*units, texts]]
     assert counters["stats"]["unique_graphs"] == compiled
     packed = packing == "packed"
     assert scorer.describe()["attention"] == ("flex" if packed else None)
@@ -178,17 +179,12 @@ def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     )  # fmt: skip
     every_column = {*FLOAT_COLUMNS, "topk_ids"}
     for unit, ours in zip([*units, texts], compiled_columns, strict=True):
-        theirs = joined(eager.score_columns(unit))
+        theirs = joined_columns(eager.score_columns(unit))
         assert ours.keys() == theirs.keys() == ({"loss"} if columns == "loss" else every_column)
         for column in ours.keys() - {"topk_ids"}:
             np.testing.assert_allclose(ours[column], theirs[column], rtol=1e-5, atol=1e-6)
         if "topk_ids" in ours:
             assert_same_topk_ids_but_ties(ours, theirs)
-
-
-def joined(columns: dict[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
-    """A unit's columns, its documents concatenated."""
-    return {name: np.concatenate(parts) for name, parts in columns.items()}
 
 
 def test_a_teacher_without_decoder_layers_is_refused_compiling_or_runs_eagerly(
