@@ -128,10 +128,17 @@ def compiled_as_on_a_gpu(monkeypatch):
     head_kernels.compiled_pass.cache_clear()
 
 
-@pytest.mark.parametrize("columns", ["loss", "all"])
+# packed is a GPU's choice (auto); padded compiles graphs of its own, more slowly. The loss alone
+# compiles a subset of what every column does (the same layers, flex and block mask; a head graph
+# without the extras): slow, so that a cold compile of 50 s is paid once in the default suite
 @pytest.mark.parametrize(
-    "packing",  # packed is a GPU's choice (auto); padded compiles graphs of its own, more slowly
-    ["packed", pytest.param("padded", marks=pytest.mark.slow)],
+    "packing, columns",
+    [
+        ("packed", "all"),
+        pytest.param("packed", "loss", marks=pytest.mark.slow),
+        pytest.param("padded", "all", marks=pytest.mark.slow),
+        pytest.param("padded", "loss", marks=pytest.mark.slow),
+    ],
 )
 def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     teachers, packing, columns, compiled_as_on_a_gpu

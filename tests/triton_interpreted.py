@@ -143,6 +143,7 @@ def test_the_exponentials_earlier_form_gives_the_same_columns():
     assert torch.equal(maxima[False], maxima[True])
 
 
+@pytest.mark.slow  # a benchmark's rows; the kernels' columns are tested above
 def test_the_head_bench_times_onepass_beside_its_earlier_exponentials(capsys):
     """Where onepass runs (CUDA; here, the interpreter), bench_stage1_head.py times it with the
     exponentials runs 7-15 measured beside today's, each row a time and a ratio, so that the next
@@ -185,7 +186,8 @@ def test_onepass_has_the_space_columns_floor():
         torch.testing.assert_close(column, torch.full((2,), float(np.log(TINY))))
 
 
-@pytest.mark.parametrize("name", ["smollm2", "tinyllama"])  # byte-level, SentencePiece
+# byte-level; SentencePiece's (slow) changes only the space mask's ids, which the kernels read alike
+@pytest.mark.parametrize("name", ["smollm2", pytest.param("tinyllama", marks=pytest.mark.slow)])
 def test_onepass_caches_every_column_the_plain_head_does(teachers, name):
     scorer, ours = columns_of(teachers[name], head_kernel="onepass")
     _, plain = columns_of(teachers[name], head_kernel="plain")
@@ -199,7 +201,7 @@ def test_onepass_caches_every_column_the_plain_head_does(teachers, name):
     assert_same_topk_ids_but_ties(ours, plain)
 
 
-@pytest.mark.parametrize("name", ["smollm2", "tinyllama"])  # byte-level, SentencePiece
+@pytest.mark.parametrize("name", ["smollm2", pytest.param("tinyllama", marks=pytest.mark.slow)])
 def test_the_triton_head_caches_what_the_plain_one_does(teachers, name):
     scorer, ours = columns_of(teachers[name], topk=0, head_kernel="triton")
     _, plain = columns_of(teachers[name], topk=0, head_kernel="plain")
@@ -283,8 +285,10 @@ def test_onepass_is_checked_at_load_against_the_plain_kernel(teachers, tmp_path,
         hf.HFScorer(teacher, head_kernel="onepass", **settings)
 
 
-# onepass is a GPU's default; triton, not a default, is slower still in the interpreter
-@pytest.mark.parametrize("kernel", ["onepass", pytest.param("triton", marks=pytest.mark.slow)])
+# slow: a Ray job whose workers load and check the kernels in the interpreter (68 s for onepass's
+# on 2 cores); the scorer's columns with each kernel are tested above
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["onepass", "triton"])
 def test_the_stage1_job_caches_with_it_what_plain_caches_and_records_it(teachers, tmp_path, kernel):
     """Through the real job (a local Ray, whose workers inherit TRITON_INTERPRET=1), with each
     Triton kernel: the cache verifies, `stage1-run.json` records the kernel, and every stored loss
