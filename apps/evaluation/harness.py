@@ -57,7 +57,6 @@ def run_lm_eval(
 ) -> dict:
     """lm_eval.simple_evaluate with its `hf` model; returns lm-eval's results dictionary."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     model_args = f"pretrained={model},dtype={dtype}"
     if add_bos_token is not None:
@@ -66,8 +65,21 @@ def run_lm_eval(
         model="hf",
         model_args=model_args,
         tasks=tasks,
-        task_manager=TaskManager(include_path=str(include_path) if include_path else None),
+        task_manager=task_manager(tasks, include_path),
         limit=limit,
         log_samples=log_samples,
         device=device,
     )
+
+
+def task_manager(tasks: list[str], include_path: Path | None):
+    """lm-eval's index of tasks: `include_path`'s alone where it holds every task asked for, else
+    with lm-eval's own. Indexing its own reads about 14,000 YAML files (20 s on 2 cores), which a
+    held-out evaluation does not need."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        local = TaskManager(include_path=str(include_path), include_defaults=False)
+        if set(tasks) <= set(local.all_tasks):
+            return local
+    return TaskManager(include_path=str(include_path) if include_path else None)
