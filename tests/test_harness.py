@@ -46,12 +46,13 @@ def test_lm_eval_scores_heldout_documents_exactly_as_vocagno_eval(tmp_path, toke
 
 def test_lm_evals_own_tasks_are_indexed_only_when_asked_for(tmp_path):
     """A held-out evaluation indexes its folder alone (lm-eval's own ~14,000 task files take 20 s
-    to read on 2 cores); a list that names one of lm-eval's tasks gets lm-eval's index too."""
+    to read on 2 cores)."""
     task = heldout_task(tmp_path / "tasks", ["one document"])
     assert task_manager([task], tmp_path / "tasks").all_tasks == [task]
 
 
 @pytest.mark.slow  # reads lm-eval's whole index
 def test_a_task_of_lm_evals_own_beside_a_local_one_is_found(tmp_path):
+    """A list that names one of lm-eval's tasks gets lm-eval's index too."""
     task = heldout_task(tmp_path / "tasks", ["one document"])
     assert {task, "gsm8k"} <= set(task_manager([task, "gsm8k"], tmp_path / "tasks").all_tasks)

@@ -129,8 +129,8 @@ def compiled_as_on_a_gpu(monkeypatch):
 
 
 # packed is a GPU's choice (auto); padded compiles graphs of its own, more slowly. The loss alone
-# compiles a subset of what every column does (the same layers, flex and block mask; a head graph
-# without the extras): slow, so that a cold compile of 50 s is paid once in the default suite
+# compiles the layers, flex attention and block mask that every column does, and a head graph of
+# its own without the extras: slow
 @pytest.mark.parametrize(
     "packing, columns",
     [
