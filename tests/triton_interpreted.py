@@ -39,6 +39,9 @@ from tests.stage1_helpers import (
 )
 
 assert triton_head.INTERPRETED, "run with TRITON_INTERPRET=1 (tests/test_stage1_triton_head.py)"
+# The scorer tests' teachers: byte-level, and SentencePiece (slow: it changes only the space mask's
+# ids, which the kernels read as any mask)
+SCORER_TEACHERS = ["smollm2", pytest.param("tinyllama", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +189,7 @@ def test_onepass_has_the_space_columns_floor():
         torch.testing.assert_close(column, torch.full((2,), float(np.log(TINY))))
 
 
-# byte-level; SentencePiece's (slow) changes only the space mask's ids, which the kernels read alike
-@pytest.mark.parametrize("name", ["smollm2", pytest.param("tinyllama", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", SCORER_TEACHERS)
 def test_onepass_caches_every_column_the_plain_head_does(teachers, name):
     scorer, ours = columns_of(teachers[name], head_kernel="onepass")
     _, plain = columns_of(teachers[name], head_kernel="plain")
@@ -201,7 +203,7 @@ def test_onepass_caches_every_column_the_plain_head_does(teachers, name):
     assert_same_topk_ids_but_ties(ours, plain)
 
 
-@pytest.mark.parametrize("name", ["smollm2", pytest.param("tinyllama", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", SCORER_TEACHERS)
 def test_the_triton_head_caches_what_the_plain_one_does(teachers, name):
     scorer, ours = columns_of(teachers[name], topk=0, head_kernel="triton")
     _, plain = columns_of(teachers[name], topk=0, head_kernel="plain")
