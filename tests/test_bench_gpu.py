@@ -427,7 +427,7 @@ def test_the_head_bench_times_every_head_pass_against_the_fused_loss(capsys):
     assert all(ms > 0 and ratio > 0 for ms, ratio in rows.values())
 
 
-@pytest.mark.slow  # a benchmark's extra rows; test_stage1_head.py tests the fused pass's compile
+@pytest.mark.slow  # a benchmark's extra rows; test_stage1_packing.py compiles the fused pass
 def test_where_the_fused_pass_compiles_the_head_bench_adds_the_earlier_forms(monkeypatch, capsys):
     """On CUDA the head bench also times runs 7-8's one-read form of the fused loss, runs 3-6's
     one-stage top 32 and runs 7-8's top 32 with ties unranked, compiled as the scorer compiles

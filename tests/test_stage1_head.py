@@ -59,6 +59,10 @@ def test_the_fused_head_caches_every_column_the_plain_one_does(teachers, name):
     assert_same_topk_ids_but_ties(fused, plain)
 
 
+# Slow (71 s of a cold compile in CI): the default run compiles the fused pass with its top-k and
+# space columns in test_stage1_packing.py's compiled-layers test, against the eager pass, which the
+# fused-against-plain test above checks; this adds bf16 logits and onepass's top-k
+@pytest.mark.slow
 def test_the_compiled_fused_pass_equals_the_eager_one_and_the_plain_one():
     """What a GPU runs (torch.compile of fused_columns, and of the top-k columns onepass takes
     beside its Triton kernel, from the block maxima the kernel wrote; the CPU compiles them too) against the eager pass and the plain

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipeline import document_attention
+from pipeline import choices, document_attention
 from pipeline.errors import ConfigError
 from pipeline.scoring import device, head, head_kernels, hf
 from pipeline.scoring.batching import pack_rows, packed_layouts, padded_layouts
@@ -121,11 +121,14 @@ def test_flex_attention_scores_packed_rows_as_the_dense_mask_does(teachers):
 def compiled_as_on_a_gpu(monkeypatch):
     """What a GPU compiles (the fused head, flex attention's block-mask builder) compiled here
     too, on the CPU: `compiles_on` is the only difference. Nothing is compiled to start with, as
-    in a new worker, so that no earlier test's compile hides one."""
-    for module in (head, document_attention):
+    in a new worker, so that no earlier test's compile hides one. Calling what it yields makes
+    scorers built after it eager again, as a CPU's are."""
+    modules = (head, document_attention)
+    for module in modules:
         monkeypatch.setattr(module, "compiles_on", lambda device: True)
     torch._dynamo.reset()
     head_kernels.compiled_pass.cache_clear()
+    yield lambda: [monkeypatch.setattr(m, "compiles_on", choices.compiles_on) for m in modules]
 
 
 # packed is a GPU's choice (auto); padded compiles graphs of its own, more slowly. The loss alone
@@ -143,8 +146,10 @@ def compiled_as_on_a_gpu(monkeypatch):
 def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     teachers, packing, columns, compiled_as_on_a_gpu
 ):
-    """`--compile layers` (auto on a GPU) changes no column beyond rounding: against eager layers
-    and, for packed rows, flex attention against the dense document mask. A compiled function
+    """`--compile layers` (auto on a GPU) changes no column beyond rounding: against a scorer
+    eager throughout (layers, head and, for packed rows, the dense document mask in place of flex
+    attention), so that the compiled fused head is proven here too, with its top-k and space
+    columns (test_stage1_head.py's compiled pass, slow, adds bf16 logits). A compiled function
     compiles again for a new shape (a batch's row count or length, a head chunk's rows, a mask
     where there was none) until it has seen every kind, and on a GPU a compile took longer than
     scoring a small unit (bench_gpu.py, H200, 2026-11-26): the warm-up at load shows the decoder
@@ -180,7 +185,9 @@ def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     packed = packing == "packed"
     assert scorer.describe()["attention"] == ("flex" if packed else None)
     settings["attention"] = "dense" if packed else "auto"
+    compiled_as_on_a_gpu()  # the reference: eager, as on a CPU
     eager = hf.HFScorer(teacher, compile="off", **settings)
+    assert scorer.columns.compute is not eager.columns.compute is head_kernels.fused_columns
     assert (eager.describe()["compile"], eager.describe()["attention"]) == (
         "off", "dense" if packed else None
     )  # fmt: skip
