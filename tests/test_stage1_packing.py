@@ -128,7 +128,12 @@ def compiled_as_on_a_gpu(monkeypatch):
         monkeypatch.setattr(module, "compiles_on", lambda device: True)
     torch._dynamo.reset()
     head_kernels.compiled_pass.cache_clear()
-    yield lambda: [monkeypatch.setattr(m, "compiles_on", choices.compiles_on) for m in modules]
+
+    def eager_again():
+        for module in modules:
+            monkeypatch.setattr(module, "compiles_on", choices.compiles_on)
+
+    yield eager_again
 
 
 # packed is a GPU's choice (auto); padded compiles graphs of its own, more slowly. The loss alone
