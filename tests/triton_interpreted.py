@@ -39,6 +39,7 @@ from tests.stage1_helpers import (
 )
 
 assert triton_head.INTERPRETED, "run with TRITON_INTERPRET=1 (tests/test_stage1_triton_head.py)"
+INTERPRETER = triton_head.INTERPRETER_BLOCKS  # the tiles and spans the cases below cross
 # The scorer tests' teachers: byte-level, and SentencePiece (slow: it changes only the space mask's
 # ids, which the kernels read as any mask)
 SCORER_TEACHERS = ["smollm2", pytest.param("tinyllama", marks=pytest.mark.slow)]
@@ -56,7 +57,7 @@ def teachers(tmp_path_factory):
     [
         # two blocks of positions, three spans (the last short: a whole tile and a partial one),
         # a width the blocks do not tile; with nine spans, slow (26 s of the interpreter's time)
-        (300, 2 * 8192 + 4096 + 368, 100),
+        (300, 2 * INTERPRETER.span + INTERPRETER.vocab + 368, 100),
         pytest.param(300, 70_000, 100, marks=pytest.mark.slow),
         (5, 1000, 128),  # one partial block and tile; a width the blocks tile (no mask along it)
         (600, 10_000, 32),  # three blocks: a group of two, then a group of one; two spans
