@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.choices import OnBadRecord
+from pipeline.alignment import DEFAULT_AGGREGATION
+from pipeline.choices import Aggregation, OnBadRecord, Packing, UnmappedStrategy
 from pipeline.config import option
 from pipeline.tokenizer import TOKENIZER_SPEC
 
@@ -71,3 +72,38 @@ class TrainingCurvesConfig:
             raise ValueError("run_dirs: give at least one run folder")
         if len(set(self.run_dirs)) != len(self.run_dirs):
             raise ValueError(f"run folders must not repeat: {[str(d) for d in self.run_dirs]}")
+
+
+@dataclass
+class SelectionConfig:
+    cache: str = option(help="stage-1 cache folder or URI (s3://..., gs://...)")
+    student: str = option(
+        help="the student as a model folder (a warm start, or a stage-2 run's final/ or export)"
+    )
+    student_tokenizer: str | None = option(
+        None, help=f"the student's tokenizer; unset: the student folder's. {TOKENIZER_SPEC}"
+    )
+    tokens: int = option(32_768, help="target tokens to sample, from the stream's start")
+    seq_len: int = option(2048, help="stage 2's --seq-len (a selection ranks one micro-batch)")
+    micro_batch_size: int = option(4, help="stage 2's --micro-batch-size")
+    packing: Packing = option("documents", help="stage 2's --packing")
+    topk: float | None = option(None, help="stage 2's --topk; unset: stage 2's default")
+    unmapped: UnmappedStrategy | None = option(
+        None, help="stage 2's --unmapped; unset: stage 2's default"
+    )
+    aggregate: Aggregation = option(DEFAULT_AGGREGATION, help="stage 2's --aggregate")
+    seed: int = option(0, help="stage 2's --seed (data order) and the random selection's seed")
+    min_count: int = option(20, help="token types seen fewer times are not listed as seldom kept")
+    max_kept_rate: float = option(
+        0.05, help="a token type kept at most this share of its occurrences is seldom kept"
+    )
+    top: int = option(15, help="how many of the most frequent seldom-kept types to list")
+    out: Path = option("analysis", help="folder for selection.{json,md}")
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        for name in ("tokens", "seq_len", "micro_batch_size", "min_count", "top"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if not 0 <= self.max_kept_rate < 1:
+            raise ValueError(f"max_kept_rate must be in [0, 1), not {self.max_kept_rate}")

@@ -1,4 +1,5 @@
-"""`vocagno analyze overlap|chunks|curves`: the paper's analyses as tables and PNG figures."""
+"""`vocagno analyze overlap|chunks|curves|selection`: the paper's analyses as tables and PNG
+figures, and what teacher-guided selection keeps for a given student."""
 
 from __future__ import annotations
 
@@ -56,6 +57,22 @@ def _curves(args: argparse.Namespace) -> int:
     return 0
 
 
+def _selection(args: argparse.Namespace) -> int:
+    from apps.analysis.selection import (
+        JSON_NAME,
+        MARKDOWN_NAME,
+        run_selection_report,
+        summary_lines,
+    )
+
+    config = config_from_args(args)
+    report = run_selection_report(config)
+    for line in summary_lines(report["statistics"]):
+        print(line)
+    print(f"wrote {config.out / JSON_NAME} and {config.out / MARKDOWN_NAME}")
+    return 0
+
+
 def _pct(value: float | None) -> str:
     return "   n/a" if value is None else f"{100 * value:5.1f}%"
 
@@ -63,13 +80,15 @@ def _pct(value: float | None) -> str:
 def add_parser(subparsers) -> None:
     from apps.analysis.configs import (
         ChunkOverlapConfig,
+        SelectionConfig,
         TrainingCurvesConfig,
         VocabularyOverlapConfig,
     )
 
     parser = subparsers.add_parser(
         "analyze",
-        help="the paper's analyses: vocabulary overlap, chunk overlap, training curves",
+        help="the paper's analyses (vocabulary overlap, chunk overlap, training curves) and what "
+        "guidance selects",
         description="The paper's analyses as tables and PNG figures.",
     )
     analyses = parser.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
@@ -92,6 +111,18 @@ def add_parser(subparsers) -> None:
         "token-level lexical alignment as the reference (paper Figures 3 and 6). Writes "
         "chunk_overlap.json, .md and .png into --out.",
         _chunks,
+    )
+    config_subcommand(
+        analyses,
+        "selection",
+        SelectionConfig,
+        SECTION,
+        "What teacher-guided selection keeps for this student, on stage 2's own micro-batches of "
+        "the cache: the share of the student's loss the kept tokens carry against a random "
+        "selection of the same size, the rank correlation of excess loss with the student's and "
+        "the teacher's loss, and the frequent token types that are (almost) never kept. Writes "
+        "selection.json and .md into --out (docs/analysis.md).",
+        _selection,
     )
 
     # By hand: its run folders are positional, which build_parser (flags only) cannot express.
