@@ -84,8 +84,11 @@ def warm_start_done(config: DemoConfig) -> bool:
     return (config.out / "warm-start" / "config.json").exists()
 
 
-def make_warm_start(config: DemoConfig, stage2: TrainConfig) -> Path:
-    """The student every arm continues from, pretrained once on its own slice and reused."""
+def make_warm_start(
+    config: DemoConfig, stage2: TrainConfig, heldout: list[str] | None = None, every: int = 0
+) -> Path:
+    """The student every arm continues from, pretrained once on its own slice and reused;
+    `heldout` documents' loss is recorded every `every` steps (apps.demo.warm_start)."""
     from apps.demo.warm_start import train_warm_start
 
     folder = config.out / "warm-start"
@@ -109,6 +112,8 @@ def make_warm_start(config: DemoConfig, stage2: TrainConfig) -> Path:
         warmup_steps=config.warm_start_warmup,
         weight_decay=stage2.weight_decay,
         threads=config.nproc_per_node,
+        heldout=heldout,
+        heldout_every=every,
     )
 
 

@@ -36,6 +36,18 @@ def pack(ids: np.ndarray, seq_len: int) -> np.ndarray:
     return ids[: rows * seq_len].reshape(rows, seq_len)
 
 
+@torch.no_grad()
+def mean_loss(model, rows: torch.Tensor, batch_sequences: int) -> float:
+    """The mean next-token loss over packed rows (every row's targets weigh alike)."""
+    model.eval()
+    total = 0.0
+    for first in range(0, len(rows), batch_sequences):
+        batch = rows[first : first + batch_sequences]
+        total += model(input_ids=batch, labels=batch).loss.item() * len(batch)
+    model.train()
+    return total / len(rows)
+
+
 def train_warm_start(
     folder: Path,
     student: str,
@@ -51,7 +63,11 @@ def train_warm_start(
     warmup_steps: int,
     weight_decay: float = 0.1,
     threads: int = 2,
+    heldout: list[str] | None = None,
+    heldout_every: int = 0,
 ) -> Path:
+    """`heldout`: documents whose mean loss is recorded in the history every `heldout_every`
+    steps and at the end (how far the warm start got; the dose-response's plateau test)."""
     from pipeline.models.hf_tokenizer import save_tokenizer
     from pipeline.models.student import build_student
     from pipeline.tokenizer import load_tokenizer
@@ -61,6 +77,10 @@ def train_warm_start(
     model = build_student(student, tokenizer, seed, seq_len).train()
     encodings = tokenizer.encode_batch(texts, add_eos=True)
     rows = torch.from_numpy(pack(np.concatenate([e.ids for e in encodings]), seq_len)).long()
+    heldout_rows = None
+    if heldout:
+        held = tokenizer.encode_batch(heldout, add_eos=True)
+        heldout_rows = torch.from_numpy(pack(np.concatenate([e.ids for e in held]), seq_len)).long()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -84,6 +104,8 @@ def train_warm_start(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         history.append({"step": step + 1, "loss": round(loss.item(), 4)})
+        if heldout_rows is not None and ((step + 1) % heldout_every == 0 or step + 1 == steps):
+            history[-1]["heldout_loss"] = round(mean_loss(model, heldout_rows, batch_sequences), 4)
         if (step + 1) % 20 == 0 or step + 1 == steps:
             log(f"warm start step {step + 1}/{steps}: loss {loss.item():.3f} "
                 f"({time.monotonic() - started:.0f} s)")  # fmt: skip

@@ -1,0 +1,64 @@
+"""Options of the dose-response (`[dose]` in manifests/dose-response.toml): the demo's, with a
+ladder of warm-start lengths in place of one, the held-out documents that say how far each warm
+start got, the seeds, and the selection diagnostic's sample. Its pre-registered comparison is the
+demo's `[preregistered]` table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from apps.demo.config import WARM_START_OFFSET, DemoConfig
+from pipeline.config import option
+
+SECTION = "dose"
+TRAIN_SPLIT_DOCUMENTS = 20_000  # the shipped train split (pipeline.shipped)
+
+
+@dataclass
+class DoseConfig(DemoConfig):
+    out: Path = option(Path("runs/dose-response"), help="folder for every output")
+    warm_start_ladder: list[int] = option(
+        [40, 160, 480], help="warm-start lengths in optimizer steps, increasing: the dose"
+    )
+    heldout_docs: int = option(
+        200, help="train-split documents after the warm start's, for its held-out loss"
+    )
+    heldout_every: int = option(40, help="steps between held-out losses of a warm start")
+    plateau_tolerance: float = option(
+        0.02,
+        help="the longest warm start has flattened if its held-out loss fell by less than this "
+        "share over its last quarter of steps",
+    )
+    seeds: list[int] = option([0], help="stage 2's --seed of each arm at every warm start")
+    longest_seeds: list[int] = option(
+        [0, 1], help="stage 2's --seed of each arm at the longest warm start"
+    )
+    selection_tokens: int = option(
+        32_768, help="targets of each warm start's selection diagnostic (vocagno analyze selection)"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ladder = self.warm_start_ladder
+        if not ladder or ladder[0] < 1 or ladder != sorted(set(ladder)):
+            raise ValueError(f"warm_start_ladder must be increasing steps of at least 1: {ladder}")
+        for name in ("seeds", "longest_seeds"):
+            seeds = getattr(self, name)
+            if not seeds or len(set(seeds)) != len(seeds):
+                raise ValueError(f"{name} must name at least one seed, each once")
+        if self.heldout_docs < 1 or self.heldout_every < 1 or self.selection_tokens < 1:
+            raise ValueError("heldout_docs, heldout_every and selection_tokens must be >= 1")
+        if WARM_START_OFFSET + self.warm_start_docs + self.heldout_docs > TRAIN_SPLIT_DOCUMENTS:
+            raise ValueError(
+                f"warm_start_docs + heldout_docs must be at most "
+                f"{TRAIN_SPLIT_DOCUMENTS - WARM_START_OFFSET:,}: both come from the train split's "
+                f"documents {WARM_START_OFFSET:,} on"
+            )
+
+    @property
+    def heldout_offset(self) -> int:
+        return WARM_START_OFFSET + self.warm_start_docs
+
+    def seeds_at(self, steps: int) -> list[int]:
+        return self.longest_seeds if steps == self.warm_start_ladder[-1] else self.seeds

@@ -1,0 +1,121 @@
+"""The dose-response's steps: the teacher and one stage-1 cache (loss, top-k and space columns),
+then for each warm-start length a plainly trained warm start (its held-out loss recorded as it
+goes), the selection diagnostic on the cache, and every arm trained from it for the same budget
+and evaluated; then the report. A rerun reuses every finished step: the cache, each warm start,
+each diagnostic, each arm's final model and each evaluation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from apps.analysis.configs import SelectionConfig
+from apps.demo.run import (
+    StepTimings,
+    cache_done,
+    check_stage_tables,
+    eval_path,
+    evaluate_models,
+    make_warm_start,
+    run_stage2,
+    score_with_ray,
+    warm_start_done,
+    write_corpus_slice,
+)
+from experiments.dose.config import DoseConfig
+from experiments.dose.report import arm_name, rung_folder, write_dose_report
+from pipeline.log import get_logger
+from stage2_train.config import TrainConfig
+
+log = get_logger("dose").info
+
+
+def rung_config(config: DoseConfig, steps: int) -> DoseConfig:
+    """The demo's options for one warm-start length: its own folder for the warm start, the
+    arms and their evaluations (the cache stays in the experiment's folder)."""
+    return dataclasses.replace(config, out=rung_folder(config.out, steps), warm_start_steps=steps)
+
+
+def selection_done(rung: DoseConfig) -> bool:
+    return (rung.out / "selection" / "selection.json").exists()
+
+
+def selection_diagnostic(rung: DoseConfig, stage2: TrainConfig, cache: Path, student: Path):
+    """`vocagno analyze selection` of the warm start, with the arms' shape and selection."""
+    from apps.analysis.selection import run_selection_report
+
+    if selection_done(rung):
+        return
+    run_selection_report(
+        SelectionConfig(
+            cache=str(cache), student=str(student), student_tokenizer=rung.student_tokenizer,
+            tokens=rung.selection_tokens, seq_len=stage2.seq_len,
+            micro_batch_size=stage2.micro_batch_size, packing=stage2.packing, topk=stage2.topk,
+            unmapped=stage2.unmapped, aggregate=stage2.aggregate, out=rung.out / "selection",
+        )
+    )  # fmt: skip
+
+
+def train_and_evaluate(
+    rung: DoseConfig, settings: dict, manifest: Path, cache: Path, student: Path, arm: str,
+    seed: int,
+) -> None:  # fmt: skip
+    """One arm from the rung's warm start for the whole budget, then its evaluation; its
+    checkpoints are removed once the final model is written (disk)."""
+    name = arm_name(arm, seed)
+    out = rung.out / "arms" / name
+    if not (out / "final" / "config.json").exists():
+        run_stage2(rung, manifest, cache, student, arm, out, "--seed", str(seed))
+    evaluate_models(rung, settings, {name: out / "final"})
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+
+
+def run_dose(config: DoseConfig, manifest: Path) -> Path:
+    from pipeline.models.teacher_assets import prepare_smollm2_teacher
+
+    stage2, settings, prereg = check_stage_tables(config, manifest)
+    config.out.mkdir(parents=True, exist_ok=True)
+    steps = StepTimings(config.out)
+    log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
+    teacher = (
+        Path(config.teacher)
+        if config.teacher
+        else steps.timed("teacher", False, prepare_smollm2_teacher)
+    )
+    corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
+    log(f"stage 1: scoring {config.train_docs:,} documents with the teacher")
+    cache = steps.timed(
+        "stage1", cache_done(config), score_with_ray, config, manifest, teacher, corpus
+    )
+    heldout_file = write_corpus_slice(
+        config.out / "corpus" / "heldout.jsonl", config.heldout_docs, config.heldout_offset
+    )
+    heldout = [json.loads(line)["text"] for line in heldout_file.read_text().splitlines()]
+    for length in config.warm_start_ladder:
+        rung = rung_config(config, length)
+        log(f"warm start of {length} steps")
+        student = steps.timed(
+            f"warm-start-{length}", warm_start_done(rung), make_warm_start, rung, stage2,
+            heldout, config.heldout_every,
+        )  # fmt: skip
+        steps.timed(
+            f"selection-{length}", selection_done(rung), selection_diagnostic, rung, stage2,
+            cache, student,
+        )  # fmt: skip
+        steps.timed(
+            f"eval-warm-start-{length}", eval_path(rung, "warm-start").exists(), evaluate_models,
+            rung, settings, {"warm-start": student},
+        )  # fmt: skip
+        for seed in config.seeds_at(length):
+            for arm in config.arms:
+                name = arm_name(arm, seed)
+                if eval_path(rung, name).exists():
+                    continue
+                log(f"warm start {length}: {name}, stage 2 for {stage2.max_steps} steps, evaluate")
+                steps.timed(
+                    f"{length}-{name}", False, train_and_evaluate, rung, settings, manifest,
+                    cache, student, arm, seed,
+                )  # fmt: skip
+    return write_dose_report(config, manifest, prereg, steps.seconds)
