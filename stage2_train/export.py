@@ -4,7 +4,12 @@
 The folder is written as OUT/final is: the student's weights by save_pretrained (safetensors), its
 tokenizer, and vocagno.json saying what produced it, so that `vocagno eval` (or transformers) reads
 a run's intermediate steps, which a curve over the token budget needs. Only the model's part of
-the checkpoint is read, not the optimizer's."""
+the checkpoint is read, not the optimizer's.
+
+Export writes only where it may: a new or empty --out, or (with --overwrite) an earlier export,
+which it replaces whole. A folder holding a stage-2 run, a checkpoint (its own source included), a
+cache, a model it did not export or anyone's files is refused in one line, --overwrite or not, and
+so is a folder inside the checkpoint's run (which would then hold files stage 2 did not write)."""
 
 from __future__ import annotations
 
@@ -19,10 +24,70 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from pipeline.errors import ConfigError, exit_code  # noqa: E402
 from pipeline.log import configure, get_logger  # noqa: E402
 
+EARLIER_EXPORT = "an earlier export"
+
+
+def _holds(folder: Path) -> str:
+    """What a non-empty folder holds, as the refusal names it."""
+    from pipeline.cache.manifest import MANIFEST_NAME
+    from pipeline.metrics import METRICS_NAME
+    from pipeline.models.model_folder import PROVENANCE_NAME
+    from stage2_train.checkpoint import CHECKPOINTS, MARKER
+    from stage2_train.output import RUN_CONFIG, is_run_config
+
+    names = {entry.name for entry in folder.iterdir()}
+    if MARKER in names:
+        return "a stage-2 checkpoint"
+    if {CHECKPOINTS, METRICS_NAME} & names or is_run_config(folder / RUN_CONFIG):
+        return "a stage-2 run"
+    if MANIFEST_NAME in names or any(name.endswith(".parquet") for name in names):
+        return "a teacher-loss cache"
+    if PROVENANCE_NAME in names:
+        try:
+            provenance = json.loads((folder / PROVENANCE_NAME).read_text())
+        except (OSError, ValueError):
+            provenance = None
+        if isinstance(provenance, dict) and "exported_from" in provenance:
+            return EARLIER_EXPORT
+        return "a model stage 2 wrote (a run's final/)"
+    if RUN_CONFIG in names:
+        return "a model"
+    shown = ", ".join(sorted(names)[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"files export did not write ({shown})"
+
+
+def export_refusal(checkpoint: Path, dest: Path, overwrite: bool) -> str | None:
+    """Why `dest` may not receive `checkpoint`'s export, or None."""
+    from stage2_train.checkpoint import CHECKPOINTS
+
+    source, target = checkpoint.resolve(), dest.expanduser().resolve()
+    if target == source or target in source.parents:
+        holds = "is" if target == source else "holds"
+        return f"--out {dest} {holds} the checkpoint being exported; choose another folder"
+    run = source.parents[1] if source.parent.name == CHECKPOINTS else None
+    if run is not None and run in target.parents:
+        return (
+            f"--out {dest} is inside the stage-2 run {run}, which would then hold files stage 2 "
+            "did not write; choose a folder outside it"
+        )
+    if target.is_file():
+        return f"--out {dest} is a file; give a folder for the model"
+    if not target.is_dir() or not any(target.iterdir()):
+        return None
+    holds = _holds(target)
+    if holds == EARLIER_EXPORT:
+        if overwrite:
+            return None
+        return f"--out {dest} holds an earlier export; choose another folder, or pass --overwrite"
+    return (
+        f"--out {dest} holds {holds}, not an earlier export: export never replaces it, "
+        "--overwrite or not; choose a new or empty folder"
+    )
+
 
 def export_checkpoint(checkpoint: Path, dest: Path, *, overwrite: bool = False) -> Path:
     """Write `checkpoint`'s student to `dest` (published whole, or not at all); ConfigError on a
-    folder that is no complete checkpoint, or on an existing `dest` unless `overwrite`."""
+    folder that is no complete checkpoint, or on a `dest` it may not write (`export_refusal`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -38,8 +103,9 @@ def export_checkpoint(checkpoint: Path, dest: Path, *, overwrite: bool = False) 
             f"{checkpoint} is no complete stage-2 checkpoint (no {MARKER} file): give a folder "
             "OUT/checkpoints/step-N that a run finished writing"
         )
-    if dest.exists() and not overwrite:
-        raise ConfigError(f"{dest} exists; choose another folder, or pass --overwrite")
+    refusal = export_refusal(checkpoint, dest, overwrite)
+    if refusal:
+        raise ConfigError(refusal)
     config = json.loads((checkpoint / "config.json").read_text())
     saved = json.loads((checkpoint / "checkpoint.json").read_text())
     tokenizer = load_tokenizer(
@@ -67,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint", type=Path, help="a complete OUT/checkpoints/step-N folder")
     parser.add_argument("--out", type=Path, required=True, help="the model folder to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier export at --out (only that)"
+    )
     args = parser.parse_args(argv)
     configure()
 

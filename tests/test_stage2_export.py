@@ -59,7 +59,9 @@ def test_an_earlier_checkpoint_is_a_model_of_its_own_that_transformers_loads(run
     assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size
     # an existing folder is not overwritten without a word
     before = (dest / "model.safetensors").read_bytes()
-    with pytest.raises(ConfigError, match="exists; choose another folder, or pass --overwrite"):
+    with pytest.raises(
+        ConfigError, match="holds an earlier export; choose another folder, or pass"
+    ):
         export_checkpoint(step_dir(run, 4), dest)
     assert (dest / "model.safetensors").read_bytes() == before
     assert export([str(step_dir(run, 4)), "--out", str(dest), "--overwrite"]) == 0
@@ -73,3 +75,63 @@ def test_a_folder_that_is_no_complete_checkpoint_is_refused_in_one_line(run, tmp
     assert export([str(partial), "--out", str(tmp_path / "model")]) != 0
     assert f"is no complete stage-2 checkpoint (no {MARKER} file)" in capsys.readouterr().err
     assert not (tmp_path / "model").exists()
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file below `folder` with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "where, holds",
+    [
+        (lambda run, tmp: run, "holds the checkpoint being exported"),
+        (lambda run, tmp: run / "checkpoints", "holds the checkpoint being exported"),
+        (lambda run, tmp: step_dir(run, 4), "is the checkpoint being exported"),
+        (lambda run, tmp: step_dir(run, 2), "is inside the stage-2 run"),
+        (lambda run, tmp: tmp / "checkpoint-copy", "holds a stage-2 checkpoint"),
+        (lambda run, tmp: run / "final", "is inside the stage-2 run"),
+        (lambda run, tmp: run / "exports" / "step-4", "is inside the stage-2 run"),
+        (lambda run, tmp: tmp / "cache", "holds a teacher-loss cache"),
+        (lambda run, tmp: tmp / "other-run", "holds a stage-2 run"),
+        (lambda run, tmp: tmp / "final-copy", "holds a model stage 2 wrote"),
+        (lambda run, tmp: tmp / "notes", "holds files export did not write (a.txt)"),
+    ],
+    ids=[
+        "run",
+        "checkpoints",
+        "source",
+        "checkpoint",
+        "checkpoint-copy",
+        "final",
+        "inside-run",
+        "cache",
+        "another-run",
+        "final-copy",
+        "files",
+    ],
+)
+def test_export_never_writes_over_what_it_did_not_write(run, tmp_path, capsys, where, holds):
+    """--overwrite or not: a run, a checkpoint, a cache, a model or anyone's files stay as they
+    were, and the refusal is one line naming what the folder holds."""
+    shutil.copytree(run, tmp_path / "other-run")
+    shutil.copytree(run / "final", tmp_path / "final-copy")
+    shutil.copytree(step_dir(run, 2), tmp_path / "checkpoint-copy")
+    build_cache(tmp_path / "cache", teacher_tokenizer="qwen2.5", num_documents=2, docs_per_shard=2)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    dest = where(run, tmp_path)
+    before = {"run": tree(run), "tmp": tree(tmp_path)}
+    assert export([str(step_dir(run, 4)), "--out", str(dest), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and holds in err[0], err
+    assert {"run": tree(run), "tmp": tree(tmp_path)} == before
+
+
+def test_a_file_at_out_is_refused_and_an_empty_folder_is_written(run, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert export([str(step_dir(run, 4)), "--out", str(tmp_path / "file")]) == 2
+    assert "is a file; give a folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert export([str(step_dir(run, 4)), "--out", str(tmp_path / "empty")]) == 0
+    assert (tmp_path / "empty" / PROVENANCE_NAME).exists()
