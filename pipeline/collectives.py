@@ -38,6 +38,16 @@ def all_gather(tensor: torch.Tensor, device: torch.device | None = None) -> torc
     return torch.stack(parts).to(tensor.device)
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order ([obj] in a single process)."""
+    world = rank_and_world()[1]
+    if world == 1:
+        return [obj]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def barrier() -> None:
     if rank_and_world()[1] > 1:
         dist.barrier()

@@ -8,7 +8,8 @@ A step folder holds:
   config.json      the run's TrainConfig
   checkpoint.json  step, world size, workers per rank, cache and config fingerprints, and what
                    the device-dependent options resolved to (`resolved_options`)
-  COMPLETE         written last
+  COMPLETE         written last, with every other file's size and digest
+                   (stage2_train.checkpoint_digests: verified before a resume reads any state)
 Everything is written into `.step-N.partial/`, flushed, and renamed: a crash mid-save leaves no
 step-N folder, and the previous checkpoint stays the newest complete one.
 
@@ -41,6 +42,7 @@ from pipeline.errors import CacheError, ConfigError
 from pipeline.io import atomic_write_json, atomic_write_text, fsync_file, publish_folder
 from pipeline.models.layers import resolve_compile
 from stage2_train.attention import resolve_attention
+from stage2_train.checkpoint_digests import MARKER, checkpoint_files, digest_share, marker_text
 from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState
@@ -49,7 +51,6 @@ from stage2_train.forward import resolve_loss_kernel
 from stage2_train.parallel import resolve_fsdp_param_dtype
 from stage2_train.schedule import resolve_adamw_kernel
 
-MARKER = "COMPLETE"
 CHECKPOINTS = "checkpoints"
 
 
@@ -170,12 +171,19 @@ def save_checkpoint(
     _save_synced(
         {"rng": _rng_state(), "data": data_state.to_dict()}, partial / f"rank-{runtime.rank}.pt"
     )
-    runtime.barrier()
     if runtime.is_main:
         _save_synced({"scheduler": scheduler.state_dict()}, partial / "trainer.pt")
         atomic_write_json(partial / "config.json", to_dict(config))
         atomic_write_json(partial / "checkpoint.json", {"step": step, **meta})
-        atomic_write_text(partial / MARKER, f"step {step}\n")  # last: the folder is complete
+    runtime.barrier()
+    # every file is written: each rank hashes its share, rank 0 records them all in the marker
+    names = checkpoint_files(partial)
+    shares = runtime.all_gather_objects(
+        digest_share(partial, names, runtime.rank, runtime.world_size)
+    )
+    if runtime.is_main:
+        digests = {name: d for share in shares for name, d in share.items()}
+        atomic_write_text(partial / MARKER, marker_text(step, digests))  # last: it is complete
         # Replaces an identical step re-saved after a resume from an older one. Rank 0 cannot
         # flush other nodes' files: each rank flushed its own above.
         publish_folder(partial, final, flush_files=False)

@@ -58,6 +58,10 @@ class Runtime:
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return collectives.all_reduce_sum(tensor, self.device)
 
+    def all_gather_objects(self, obj) -> list:
+        """Every rank's picklable `obj`, in rank order."""
+        return collectives.all_gather_objects(obj)
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Stack of every rank's tensor, in rank order (shape [world, ...])."""
         return collectives.all_gather(tensor, self.device)

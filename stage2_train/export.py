@@ -27,6 +27,24 @@ from pipeline.log import configure, get_logger  # noqa: E402
 EARLIER_EXPORT = "an earlier export"
 
 
+def verify_checkpoint(checkpoint: Path) -> None:
+    """CacheError naming the first damaged file; a checkpoint from before digests, a warning."""
+    import warnings
+
+    from pipeline.errors import CacheError
+    from stage2_train.checkpoint_digests import recorded_digests, share_problems
+
+    recorded = recorded_digests(checkpoint)
+    if recorded is None:
+        warnings.warn(f"checkpoint {checkpoint} records no digests: exported unverified",
+                      stacklevel=2)  # fmt: skip
+        return
+    problems = share_problems(checkpoint, recorded, 0, 1)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CacheError(f"checkpoint {checkpoint} is damaged: {problems[0]}{more}")
+
+
 def _holds(folder: Path) -> str:
     """What a non-empty folder holds, as the refusal names it."""
     from pipeline.cache.manifest import MANIFEST_NAME
@@ -106,6 +124,7 @@ def export_checkpoint(checkpoint: Path, dest: Path, *, overwrite: bool = False) 
     refusal = export_refusal(checkpoint, dest, overwrite)
     if refusal:
         raise ConfigError(refusal)
+    verify_checkpoint(checkpoint)
     config = json.loads((checkpoint / "config.json").read_text())
     saved = json.loads((checkpoint / "checkpoint.json").read_text())
     tokenizer = load_tokenizer(

@@ -71,8 +71,12 @@ def student_forward(
             logits = student_logits(model, batch, device)
         return head_outputs(logits, labels, reads)
     captured = []  # the decoder's output, caught on its way to the head
-    hook = unwrapped(model).get_decoder().register_forward_hook(
-        lambda module, args, output: captured.append(output.last_hidden_state)
+    hook = (
+        unwrapped(model)
+        .get_decoder()
+        .register_forward_hook(
+            lambda module, args, output: captured.append(output.last_hidden_state)
+        )
     )
     try:
         with compute:

@@ -21,7 +21,9 @@ def resolve_fsdp_param_dtype(config: TrainConfig, device: torch.device) -> str:
     as they are); an explicit bfloat16 without --fsdp is refused."""
     if not config.fsdp:
         if config.fsdp_param_dtype == "bfloat16":
-            raise ConfigError("--fsdp-param-dtype bfloat16 applies to --fsdp; add --fsdp or drop it")
+            raise ConfigError(
+                "--fsdp-param-dtype bfloat16 applies to --fsdp; add --fsdp or drop it"
+            )
         return "float32"
     return on_device(
         config.fsdp_param_dtype, device, gpu=compute_dtype(device, config.dtype), cpu="float32"

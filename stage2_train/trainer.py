@@ -48,6 +48,7 @@ from stage2_train.checkpoint import (
     resume_from,
     save_checkpoint,
 )
+from stage2_train.checkpoint_trust import trusted_checkpoint
 from stage2_train.config import TrainConfig
 from stage2_train.data.documents import choose_alignment, verify_local_shards
 from stage2_train.data.loader import batches, make_loader
@@ -159,11 +160,12 @@ def _train(
     )
     # Every refusal comes before the lock, which creates OUT: a refused run leaves nothing behind.
     start_step, data_state = 0, DataState.fresh(plan, runtime.rank)
-    checkpoint = resume_from(config)
+    newest = resume_from(config)
+    checkpoint = trusted_checkpoint(config, newest, runtime)
     if checkpoint is not None:
         start_step = check_resumable(checkpoint, config, meta)
     verify_local_shards(plan)
-    output.enter_context(hold_output(config, runtime, checkpoint))
+    output.enter_context(hold_output(config, runtime, newest))
     if checkpoint is not None:
         data_state = load_checkpoint(checkpoint, model, optimizer, scheduler, plan, runtime)
     elif runtime.is_main:

@@ -57,3 +57,18 @@ def train_args(cache: Path, out: Path, *extra: str) -> list[str]:
 def read_metrics(out: Path) -> list[dict]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [{k: json.loads(line)[k] for k in LOSS_FIELDS} for line in lines]
+
+
+def record_digests_again(checkpoint: Path) -> None:
+    """Rewrite a checkpoint's marker for its files as they are now: a checkpoint whose files were
+    replaced together with its marker (what the digests cannot tell from a whole one)."""
+    from stage2_train.checkpoint_digests import (
+        MARKER,
+        checkpoint_files,
+        digest_share,
+        marker_text,
+    )
+
+    step = json.loads((checkpoint / MARKER).read_text())["step"]
+    digests = digest_share(checkpoint, checkpoint_files(checkpoint), 0, 1)
+    (checkpoint / MARKER).write_text(marker_text(step, digests))

@@ -22,7 +22,7 @@ from stage2_train.config import TrainConfig, parse_train_config
 from stage2_train.schedule import lr_at
 from stage2_train.train import main
 from tests.cache_fixtures import build_cache
-from tests.stage2_runs import TRAIN, read_metrics, train_args
+from tests.stage2_runs import TRAIN, read_metrics, record_digests_again, train_args
 from tests.teacher_audit import assert_no_teacher, audited_env, fake_teacher
 
 
@@ -176,6 +176,7 @@ def test_resume_refuses_other_settings_other_cache_and_never(cache, uninterrupte
     saved = out / "checkpoints" / "step-6" / "config.json"
     legacy = {k: v for k, v in json.loads(saved.read_text()).items() if k != "data_consumers"}
     saved.write_text(json.dumps(legacy))  # what a checkpoint from before the option holds
+    record_digests_again(saved.parent)
     with pytest.raises(ConfigError, match="is from before --data-consumers: its data positions"):
         run(train_args(cache, out, *RESUME_ARGS))
     other = tmp_path / "other-cache"
@@ -200,6 +201,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_unloaded(cache, uninterrupt
     shutil.rmtree(out / "final")
     canary = tmp_path / "code-ran"
     torch.save({"rng": _RunsCode(canary)}, out / "checkpoints" / "step-6" / "rank-0.pt")
+    record_digests_again(out / "checkpoints" / "step-6")  # crafted with its marker
     with pytest.raises(CacheError, match="rank-0.pt holds objects other than tensors"):
         run(train_args(cache, out, *RESUME_ARGS))
     assert not canary.exists()
@@ -496,6 +498,7 @@ def test_the_resolved_attention_is_saved_and_a_resume_must_match_it(
     record = json.loads(checkpoint.read_text())
     assert record["resolved_attention"] == "dense"
     checkpoint.write_text(json.dumps({**record, "resolved_attention": "flex"}))
+    record_digests_again(checkpoint.parent)  # as a run with --attention flex would have saved
     assert main(train_args(cache, out, *RESUME_ARGS, "--attention", "dense")) == 2
     assert (
         "was trained with --attention flex, this run would use dense: resume with "

@@ -1,0 +1,151 @@
+"""A checkpoint is trusted only when it is whole: its marker records every file's size and digest,
+a resume checks them first, names what is damaged in one line and goes back to the newest whole
+checkpoint, whose continuation equals the uninterrupted run; export checks the same."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from stage2_train.checkpoint import MARKER, complete_checkpoints, step_dir
+from stage2_train.checkpoint_digests import (
+    checkpoint_files,
+    file_digest,
+    recorded_digests,
+    share_problems,
+)
+from stage2_train.export import main as export
+from stage2_train.train import main as train
+from tests.cache_fixtures import build_cache
+from tests.stage2_runs import read_metrics, train_args
+
+OPTIONS = ("--max-steps", "6", "--save-every", "2", "--num-workers", "0")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cache")
+    build_cache(path, teacher_tokenizer="qwen2.5", num_documents=16, docs_per_shard=8)
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cache, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run") / "out"
+    assert train(train_args(cache, out, *OPTIONS)) == 0
+    return out
+
+
+@pytest.fixture
+def stopped(cache, tmp_path) -> Path:
+    """A run stopped after its step-4 checkpoint (step-2 and step-4 on disk)."""
+    out = tmp_path / "out"
+    assert train(train_args(cache, out, *OPTIONS, "--stop-at-step", "4")) == 0
+    assert [step for step, _ in complete_checkpoints(out)] == [2, 4]
+    return out
+
+
+def state_file(checkpoint: Path) -> Path:
+    return next(p for p in sorted((checkpoint / "state").iterdir()) if p.suffix == ".distcp")
+
+
+def flip_two_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle] ^= 0xFF
+    data[middle + 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_the_marker_records_every_file_of_the_checkpoint(uninterrupted):
+    checkpoint = step_dir(uninterrupted, 6)
+    recorded = recorded_digests(checkpoint)
+    assert sorted(recorded) == checkpoint_files(checkpoint)
+    assert {"state/.metadata", "rank-0.pt", "trainer.pt", "config.json"} <= recorded.keys()
+    for name, digest in recorded.items():
+        assert digest == file_digest(checkpoint / name), name
+    assert json.loads((checkpoint / MARKER).read_text())["step"] == 6
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        (lambda c: flip_two_bytes(state_file(c)), "does not match its recorded digest"),
+        (
+            lambda c: state_file(c).write_bytes(state_file(c).read_bytes()[:1000]),
+            "is truncated: 1,000 bytes",
+        ),
+        (lambda c: (c / "rank-0.pt").write_bytes(b"x" * 100), "is truncated: 100 bytes"),
+        (
+            lambda c: (c / "trainer.pt").write_bytes((c / "trainer.pt").read_bytes() + b"\0"),
+            "bytes, recorded",
+        ),
+        (lambda c: (c / "trainer.pt").unlink(), "trainer.pt is missing"),
+    ],
+    ids=["flipped", "truncated-state", "truncated-rank", "longer", "missing"],
+)
+def test_each_kind_of_damage_is_named_with_its_file(uninterrupted, tmp_path, damage, said):
+    checkpoint = tmp_path / "step-6"
+    shutil.copytree(step_dir(uninterrupted, 6), checkpoint)
+    assert share_problems(checkpoint, recorded_digests(checkpoint), 0, 1) == []
+    damage(checkpoint)
+    problems = share_problems(checkpoint, recorded_digests(checkpoint), 0, 1)
+    assert len(problems) == 1 and said in problems[0] and str(checkpoint) in problems[0]
+    # split over two ranks, the shares together find the same
+    shares = [share_problems(checkpoint, recorded_digests(checkpoint), r, 2) for r in (0, 1)]
+    assert sorted(shares[0] + shares[1]) == problems and all(len(s) <= 1 for s in shares)
+
+
+def test_a_damaged_checkpoint_is_named_and_the_run_goes_back_to_the_newest_whole_one(
+    cache, stopped, uninterrupted, capsys
+):
+    flip_two_bytes(state_file(step_dir(stopped, 4)))  # the marker intact, as on a flaky disk
+    assert train(train_args(cache, stopped, *OPTIONS)) == 0
+    err = capsys.readouterr().err
+    damaged = [line for line in err.splitlines() if "is damaged" in line]
+    assert len(damaged) == 1 and str(step_dir(stopped, 4)) in damaged[0]
+    assert "does not match its recorded digest" in damaged[0]
+    assert f"resuming from {step_dir(stopped, 2)}, the newest whole checkpoint" in err
+    # from step 2 on, exactly what the uninterrupted run did (step 4 trained again)
+    assert read_metrics(stopped) == read_metrics(uninterrupted)
+    assert (stopped / "final" / "model.safetensors").read_bytes() == (
+        uninterrupted / "final" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_no_whole_checkpoint_is_one_line_and_exit_2_with_nothing_deleted(cache, stopped, capsys):
+    for step in (2, 4):
+        flip_two_bytes(state_file(step_dir(stopped, step)))
+    before = sorted(p.relative_to(stopped) for p in stopped.rglob("*"))
+    assert train(train_args(cache, stopped, *OPTIONS)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert sum(line.startswith("stage 2: checkpoint ") for line in err) == 2
+    assert "no checkpoint in" in err[-1] and "nothing was deleted" in err[-1]
+    assert sorted(p.relative_to(stopped) for p in stopped.rglob("*")) == before
+
+
+def test_an_explicit_damaged_checkpoint_is_refused(cache, stopped, capsys):
+    flip_two_bytes(state_file(step_dir(stopped, 4)))
+    args = train_args(cache, stopped, *OPTIONS, "--resume", str(step_dir(stopped, 4)))
+    assert train(args) == 2
+    assert "does not match its recorded digest" in capsys.readouterr().err
+
+
+def test_a_checkpoint_from_before_digests_resumes_with_a_warning(cache, stopped, uninterrupted):
+    (step_dir(stopped, 4) / MARKER).write_text("step 4\n")  # as markers were written before
+    with pytest.warns(UserWarning, match="records no digests"):
+        assert train(train_args(cache, stopped, *OPTIONS)) == 0
+    assert read_metrics(stopped) == read_metrics(uninterrupted)
+
+
+def test_export_refuses_a_damaged_checkpoint(stopped, tmp_path, capsys):
+    checkpoint = tmp_path / "copy"
+    shutil.copytree(step_dir(stopped, 4), checkpoint)
+    flip_two_bytes(state_file(checkpoint))
+    assert export([str(checkpoint), "--out", str(tmp_path / "model")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not match its recorded digest" in err[0]
+    assert not (tmp_path / "model").exists()
