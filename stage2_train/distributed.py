@@ -4,6 +4,7 @@ pipeline.collectives run on its device (no-ops in a single plain process)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -11,6 +12,58 @@ import torch
 import torch.distributed as dist
 
 from pipeline import collectives
+from pipeline.errors import ConfigError
+
+LAUNCH_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT")  # fmt: skip
+FIX = (
+    "run under torchrun, which sets them all, or unset "
+    + ", ".join(LAUNCH_VARIABLES)
+    + " to train as one process"
+)
+
+
+def launch_environment(env: Mapping[str, str]) -> tuple[int, int, int]:
+    """(world size, rank, local rank) from torchrun's variables, checked like a flag: one that is
+    not an integer, out of range, or set without the others is a ConfigError naming it and the
+    fix, before anything is written."""
+
+    def integer(name: str, default: int) -> int:
+        value = env.get(name)
+        if value is None:
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} is not an integer: {FIX}") from None
+
+    world, rank, local_rank = integer("WORLD_SIZE", 1), integer("RANK", 0), integer("LOCAL_RANK", 0)
+    local_world = integer("LOCAL_WORLD_SIZE", world)
+    port = integer("MASTER_PORT", 0)
+    if world < 1:
+        raise ConfigError(f"WORLD_SIZE={env['WORLD_SIZE']!r} must be at least 1: {FIX}")
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} must be in [0, WORLD_SIZE={world}): {FIX}")
+    if not 1 <= local_world <= world:
+        raise ConfigError(
+            f"LOCAL_WORLD_SIZE={local_world} must be in [1, WORLD_SIZE={world}]: {FIX}"
+        )
+    if not 0 <= local_rank < local_world:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} must be in [0, LOCAL_WORLD_SIZE={local_world}): {FIX}"
+        )
+    if "MASTER_PORT" in env and not 0 < port < 65536:
+        raise ConfigError(f"MASTER_PORT={port} is not a port (1 to 65535): {FIX}")
+    if world > 1:
+        missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+        if missing:
+            raise ConfigError(
+                f"WORLD_SIZE={world} is set but {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not: {FIX}"
+            )
+    elif "RANK" in env and "WORLD_SIZE" not in env:
+        raise ConfigError(f"RANK is set but WORLD_SIZE is not: {FIX}")
+    return world, rank, local_rank
 
 
 @dataclass(frozen=True)
@@ -31,9 +84,7 @@ class Runtime:
     @classmethod
     def start(cls) -> Runtime:
         """Join the torchrun job named by the environment (gloo on CPU, nccl on GPU), if any."""
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        world_size, rank, local_rank = launch_environment(os.environ)
         if torch.cuda.is_available():
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
