@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import tomllib
 import types
@@ -110,6 +111,12 @@ def build_parser(cls: type, description: str, section: str) -> argparse.Argument
     return parser
 
 
+# Every table some command reads (each command's SECTION, and the demo's pre-registration);
+# tests/test_config_validation.py holds this list to those constants. A table outside it is
+# refused, so that a misspelled one ([stage_1]) is not ignored without a word.
+MANIFEST_TABLES = ("stage1", "stage2", "eval", "analyze", "demo", "curve", "dose", "preregistered")
+
+
 def load_manifest_section(path: Path, section: str) -> dict[str, Any]:
     """The `[section]` table of a TOML manifest (or the top level if it has no such table)."""
     try:
@@ -118,6 +125,14 @@ def load_manifest_section(path: Path, section: str) -> dict[str, Any]:
         raise ConfigError(f"manifest {path} does not exist") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"manifest {path} is not valid TOML: {exc}") from exc
+    for name, value in data.items():
+        if isinstance(value, dict) and name not in MANIFEST_TABLES:
+            close = difflib.get_close_matches(name, MANIFEST_TABLES, n=1)
+            hint = f"did you mean [{close[0]}]? " if close else ""
+            raise ConfigError(
+                f"manifest {path}: no command reads a [{name}] table; {hint}the tables are "
+                + ", ".join(f"[{table}]" for table in MANIFEST_TABLES)
+            )
     if section in data:
         # A table inside the section is a misplaced value, for the type check to refuse.
         table = data[section]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import types
 import typing
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 
 from apps.analysis.configs import (
     ChunkOverlapConfig,
+    SelectionConfig,
     TrainingCurvesConfig,
     VocabularyOverlapConfig,
 )
@@ -50,6 +52,7 @@ CONFIGS = {
         {"student_tokenizer": "s", "teacher_tokenizer": "t", "input": "i"},
     ),
     TrainingCurvesConfig: ("analyze", {"run_dirs": ["r"]}),
+    SelectionConfig: ("analyze", {"cache": "c", "student": "s"}),
 }
 # Values each `__post_init__` must refuse, by option (ranges, and emptiness of lists).
 OUT_OF_RANGE = {
@@ -72,6 +75,8 @@ OUT_OF_RANGE = {
     VocabularyOverlapConfig: {"teacher_tokenizers": []},
     ChunkOverlapConfig: {"num_docs": 0, "chunks": [0]},
     TrainingCurvesConfig: {"run_dirs": []},
+    SelectionConfig: {"tokens": 0, "seq_len": 0, "micro_batch_size": 0, "min_count": 0,
+                      "top": 0, "max_kept_rate": 1.0},
     PreRegistration: {
         "primary": "loss", "secondary": ["loss"], "comparisons": ["token-nothing"],
         "resamples": 10, "confidence": 1.5,
@@ -88,6 +93,7 @@ RIGHT = {
     (PreRegistration, "comparisons"): ["random-chunk-none"],
     (PreRegistration, "resamples"): 2000,
     (PreRegistration, "confidence"): 0.9,
+    (SelectionConfig, "topk"): 0.5,  # unset by default: stage 2's
 }
 
 
@@ -106,8 +112,8 @@ def _default(field):
 
 def _literal(hint):
     """The Literal inside `hint` (itself, or in `X | None`), or None."""
-    optional = typing.get_origin(_scalar_type(hint)) is typing.Literal
-    for arg in (hint, *(typing.get_args(hint) if optional else ())):
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    for arg in (hint, *(typing.get_args(hint) if union else ())):
         if typing.get_origin(arg) is typing.Literal:
             return arg
     return None
@@ -304,3 +310,38 @@ def test_a_checkpoints_saved_config_is_read_through_the_same_checks(tmp_path):
         ConfigError, match=rf"^{folder / 'config.json'} fsdp: \"false\" is a string"
     ):
         check_resumable(folder, config, meta)
+
+
+def test_the_known_manifest_tables_are_the_commands_sections():
+    """MANIFEST_TABLES lists every table a command reads, and nothing else."""
+    import apps.commands.analyze
+    import apps.demo.config
+    import apps.evaluation.config
+    import experiments.curve.config
+    import experiments.dose.config
+    import stage1_score.config
+    import stage2_train.config
+    from pipeline.config import MANIFEST_TABLES
+
+    modules = (apps.commands.analyze, apps.demo.config, apps.evaluation.config,
+               experiments.curve.config, experiments.dose.config, stage1_score.config,
+               stage2_train.config)  # fmt: skip
+    read = {module.SECTION for module in modules} | {apps.demo.config.PREREGISTERED}
+    assert set(MANIFEST_TABLES) == read
+    sections = re.findall(r'^SECTION = "(\w+)"', "\n".join(
+        p.read_text() for p in Path(__file__).parents[1].glob("[a-z]*/**/*.py")
+        if ".venv" not in p.parts
+    ), re.MULTILINE)  # fmt: skip
+    assert set(sections) <= read  # no command's section is missing from the imports above
+
+
+def test_a_misspelled_manifest_table_is_refused_naming_it(tmp_path, capsys):
+    from stage2_train.train import main as train
+
+    manifest = tmp_path / "m.toml"
+    manifest.write_text("[stage_2]\nmax_steps = 4\n")
+    assert train(["--manifest", str(manifest), "--cache", str(tmp_path), "--student", "x",
+                  "--out", str(tmp_path / "out")]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no command reads a [stage_2] table; did you mean [stage2]?" in err[0]
+    assert not (tmp_path / "out").exists()

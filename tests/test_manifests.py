@@ -10,6 +10,7 @@ import pytest
 from apps.demo.config import DemoConfig, PreRegistration
 from apps.evaluation.config import EvalConfig
 from experiments.curve.config import CurveConfig
+from experiments.dose.config import DoseConfig
 from pipeline.config import from_dict, load_manifest_section
 from stage1_score.config import ScoreConfig
 from stage2_train.config import TrainConfig
@@ -22,6 +23,7 @@ NOT_IN_PAPER = ("warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "gra
 SECTIONS = {
     "demo": DemoConfig,
     "curve": CurveConfig,
+    "dose": DoseConfig,
     "preregistered": PreRegistration,
     "stage1": ScoreConfig,
     "stage2": TrainConfig,
