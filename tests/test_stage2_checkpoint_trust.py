@@ -149,3 +149,14 @@ def test_export_refuses_a_damaged_checkpoint(stopped, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not match its recorded digest" in err[0]
     assert not (tmp_path / "model").exists()
+
+
+def test_a_cut_off_metrics_log_is_repaired_on_resume_with_one_line(cache, stopped, capsys):
+    log = stopped / "metrics.jsonl"
+    data = log.read_bytes()
+    log.write_bytes(data[: data.rindex(b'{"step": 4') + 20])  # cut inside step 4's record
+    assert train(train_args(cache, stopped, *OPTIONS)) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "was cut off" in line]
+    assert len(said) == 1
+    assert "kept the records of steps up to 3; no record of step 4 (trained, not logged)" in said[0]
+    assert [record["step"] for record in read_metrics(stopped)] == [1, 2, 3, 5, 6]
