@@ -39,7 +39,13 @@ from torch import nn
 from pipeline.config import from_dict, to_dict
 from pipeline.differences import setting_differences
 from pipeline.errors import CacheError, ConfigError
-from pipeline.io import atomic_write_json, atomic_write_text, fsync_file, publish_folder
+from pipeline.io import (
+    atomic_write_json,
+    atomic_write_text,
+    fsync_file,
+    publish_folder,
+    space_checked,
+)
 from pipeline.models.layers import resolve_compile
 from stage2_train.attention import resolve_attention
 from stage2_train.checkpoint_digests import MARKER, checkpoint_files, digest_share, marker_text
@@ -152,7 +158,31 @@ def save_checkpoint(
     meta: dict,
     runtime: Runtime,
 ) -> Path:
-    """Write step-N collectively (every rank calls this); returns the folder."""
+    """Write step-N collectively (every rank calls this); returns the folder. A full disk is one
+    line that says the earlier checkpoints are kept."""
+    final = step_dir(config.out, step)
+    earlier = complete_checkpoints(config.out)
+    needed, kept = None, "metrics.jsonl is kept"
+    if earlier:
+        last_step, last = earlier[-1]
+        needed = sum(path.stat().st_size for path in last.rglob("*") if path.is_file())
+        kept = f"the checkpoints up to step {last_step} and metrics.jsonl are kept"
+    with space_checked(final.parent, f"checkpoint step-{step}", kept, needed):
+        return _save_checkpoint(
+            config, step, model, optimizer, scheduler, data_state, meta, runtime
+        )
+
+
+def _save_checkpoint(
+    config: TrainConfig,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    data_state: DataState,
+    meta: dict,
+    runtime: Runtime,
+) -> Path:
     import torch.distributed.checkpoint as dcp
 
     final = step_dir(config.out, step)

@@ -34,7 +34,7 @@ from pipeline.errors import StoppedBySignal
 from pipeline.flops import StepRate, flop_parameters
 from pipeline.guidance import guided_loss, loss_denominator, mapped_tokens
 from pipeline.head_outputs import HeadReads
-from pipeline.io import atomic_write_json
+from pipeline.io import atomic_write_json, space_checked
 from pipeline.metrics import METRICS_NAME
 from pipeline.models.model_folder import write_model_folder
 from pipeline.models.student import build_student, student_tokenizer_spec
@@ -85,7 +85,8 @@ def save_final(
     state = full_state_dict(model)  # collective under FSDP: every rank takes part
     final = config.out / "final"
     if runtime.is_main:
-        write_model_folder(final, unwrapped(model), tokenizer, provenance, state)
+        with space_checked(config.out, "final/", "the checkpoints and metrics.jsonl are kept"):
+            write_model_folder(final, unwrapped(model), tokenizer, provenance, state)
     runtime.barrier()
     return final
 
