@@ -217,3 +217,34 @@ def test_a_stop_signal_saves_a_checkpoint_and_the_resumed_run_is_bit_identical(
     assert int(said[1]) < 8 and complete_checkpoints(out)[-1][0] == int(said[1]), err
     assert main(train_args(cache, out, *SAVE_ARGS)) == 0
     assert_same_run(out, whole)
+
+
+def test_a_killed_data_loader_worker_ends_the_run_in_one_line_that_says_how_to_go_on(
+    cache, whole, tmp_path
+):
+    """A worker SIGKILLed (as the kernel's OOM killer does) mid-run: one line, exit 2, and the
+    rerun it suggests resumes to the uninterrupted run's losses."""
+    out, log = tmp_path / "out", tmp_path / "killed.log"
+    args = (*SAVE_ARGS, "--num-workers", "2")
+    command = [sys.executable, str(TRAIN), *train_args(cache, out, *args)]
+    with log.open("w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        trainer = psutil.Process(process.pid)
+        act_while_stopped(
+            [process.pid],
+            saved_mid_run(out, 8),
+            lambda: trainer.children()[0].send_signal(signal.SIGKILL),
+            "a checkpoint mid-run with its workers running",
+            process,
+            log.read_text,
+            timeout=300,
+        )
+        process.wait(timeout=60)
+    said = log.read_text()
+    assert process.returncode == 2, said
+    errors = [line for line in said.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in said, said
+    assert "a data-loader worker died (" in errors[0]  # torch's reason, or its queue's
+    assert "run the same command to resume from the last one" in errors[0]
+    assert main(train_args(cache, out, *args)) == 0
+    assert read_metrics(out) == read_metrics(whole)  # workers never change the stream

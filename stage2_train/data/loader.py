@@ -57,6 +57,22 @@ def batches(loader: DataLoader) -> Iterator[dict]:
         yield batch
 
 
+def worker_death(exc: BaseException) -> VocagnoError | None:
+    """The one line for a data-loader worker that died (killed, out of memory), or None when
+    `exc` is something else. torch reports it from its SIGCHLD handler wherever the training loop
+    is (`DataLoader worker (pid N) is killed by signal: ...`), or the loop finds the worker's end
+    of the queue closed first (ConnectionResetError, EOFError); call only with workers."""
+    if isinstance(exc, RuntimeError) and not str(exc).startswith("DataLoader worker"):
+        return None
+    if not isinstance(exc, RuntimeError | ConnectionError | EOFError):
+        return None
+    reason = str(exc).splitlines()[0].rstrip(". ") if str(exc) else type(exc).__name__
+    return VocagnoError(
+        f"a data-loader worker died ({reason}): killed, or out of memory; the finished "
+        "checkpoints are kept: run the same command to resume from the last one"
+    )
+
+
 def make_loader(
     plan: DataPlan,
     rank: int,
