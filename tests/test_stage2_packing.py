@@ -280,3 +280,32 @@ def test_a_distillations_extras_sit_beside_their_targets(cache, packing):
         if packing == "documents":  # padding and context slots hold the fill values
             assert (batch["echo_id"][~target] == -1).all()
             assert batch["echo_pair"][~target].isnan().all()
+
+
+def test_each_document_goes_to_the_fullest_row_with_room_best_fit_not_first_fit(tmp_path):
+    """Replaying each micro-batch's placements in stream order (segments are numbered as they are
+    placed): every piece sits in the row with the least free room that fits it (the first on a
+    tie), and some pieces are where first fit would not have put them. Short documents of mixed
+    lengths, so that rows fill unevenly and choices arise."""
+    rng = np.random.default_rng(0)
+    words = ["apple", "seven", "train", "is", "the", "of", "many", "books", "left", "and"]
+    documents = [
+        (f"doc-{i}", " ".join(rng.choice(words, rng.integers(3, 40))) + ".") for i in range(60)
+    ]
+    cache = tmp_path / "short"
+    build_cache(cache, teacher_tokenizer="qwen2.5", documents=documents, docs_per_shard=60)
+    plan = make_plan(cache, seq_len=64)
+    differs = 0
+    for batch in epoch_batches(plan):
+        segments = batch["segment_ids"].numpy()
+        free = [plan.seq_len] * len(segments)
+        for segment in range(1, int(segments.max()) + 1):
+            rows, slots = np.nonzero(segments == segment)
+            row, length = int(rows[0]), len(slots)
+            assert (rows == row).all() and slots.min() == plan.seq_len - free[row]  # appended
+            fitting = [r for r, room in enumerate(free) if room >= length]
+            best = min(fitting, key=lambda r: (free[r], r))
+            assert row == best, (segment, free, length)
+            differs += best != fitting[0]
+            free[row] -= length
+    assert differs > 0  # cases where first fit differs
