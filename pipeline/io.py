@@ -76,6 +76,8 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     On any error the temporary file is removed, so readers only ever see complete files.
     """
     dest = Path(dest)
+    if dest.is_dir():  # named here: the rename below would name its temporary instead
+        raise IsADirectoryError(errno.EISDIR, "is a folder where a file is to be written", str(dest))
     dest.parent.mkdir(parents=True, exist_ok=True)
     prefix, suffix = temporary_affixes(dest.name)
     fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=dest.parent)

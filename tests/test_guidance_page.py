@@ -85,3 +85,14 @@ def test_unknown_document_is_one_clear_error(cache_and_student, tmp_path, capsys
     args = ["cache", "inspect", str(cache), "--student", str(student), "--doc-id", "nope"]
     assert main([*args, "--out", str(tmp_path / "x.html")]) == 2
     assert "'nope' is not in" in capsys.readouterr().err
+
+
+def test_an_out_that_is_a_folder_is_one_line_naming_it(cache_and_student, tmp_path, capsys):
+    cache, student = cache_and_student
+    folder = tmp_path / "existing"
+    folder.mkdir()
+    args = ["cache", "inspect", str(cache), "--student", str(student), "--out", str(folder)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"vocagno cache: error: --out {folder} is a folder; give the HTML file to write"]
+    assert list(folder.iterdir()) == []  # no temporary left behind

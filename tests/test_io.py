@@ -38,3 +38,14 @@ def test_zstd_and_plain_streams_read_the_same(tmp_path):
         with open_counted_stream(tmp_path / name) as (raw, stream):
             assert stream.read() == data
             assert raw.tell() == (tmp_path / name).stat().st_size  # progress reaches the end
+
+
+def test_an_atomic_write_onto_a_folder_names_the_folder_not_its_temporary(tmp_path):
+    from pipeline.io import atomic_write_text
+
+    folder = tmp_path / "page.html"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError) as raised:
+        atomic_write_text(folder, "x")
+    assert raised.value.filename == str(folder)
+    assert list(tmp_path.iterdir()) == [folder] and list(folder.iterdir()) == []

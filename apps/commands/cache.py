@@ -138,6 +138,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     from pipeline.guidance import GuidanceSettings
     from pipeline.tokenizer import load_tokenizer
 
+    if args.out.is_dir():  # before any work: the page's write would fail at the end
+        raise ConfigError(f"--out {args.out} is a folder; give the HTML file to write")
     try:
         settings = GuidanceSettings(mode="token", topk=args.topk, unmapped=args.unmapped)
     except ValueError as exc:
