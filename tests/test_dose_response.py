@@ -14,7 +14,14 @@ import pytest
 
 from apps.demo.config import PreRegistration
 from experiments.dose.config import DoseConfig
-from experiments.dose.report import DOSE_NAME, arm_name, plateau, rung_folder, write_dose_report
+from experiments.dose.report import (
+    DOSE_NAME,
+    arm_name,
+    heldout_path,
+    plateau,
+    rung_folder,
+    write_dose_report,
+)
 from pipeline.io import atomic_write_json
 from tests.stage1_helpers import make_tiny_teacher
 
@@ -162,3 +169,76 @@ max_length = 256
     assert again.returncode == 0, again.stderr[-3000:]
     assert "stage 2 for" not in again.stderr and "Ray cluster up" not in again.stderr
     assert json.loads((out / "timings.json").read_text()) == timings
+
+
+@pytest.mark.slow
+def test_the_gpu_form_runs_at_a_tiny_shape_from_a_carried_cache_with_a_rate_sweep(tmp_path):
+    """manifests/dose-response-gpu.toml's form on the CPU: a cache made elsewhere (no teacher, no
+    Ray), one warm start, every arm at two seeds and two rates, each compared at the rate whose
+    model has the lower held-out loss."""
+    import tomllib
+
+    from tests.cache_fixtures import build_cache
+
+    cache = tmp_path / "cache"
+    build_cache(cache, teacher_tokenizer="smollm2", num_documents=12, docs_per_shard=6,
+                topk=4, space_logprob=True)  # fmt: skip
+    gpu = tomllib.loads((REPO / "manifests" / "dose-response-gpu.toml").read_text())
+    out = tmp_path / "dose"
+    manifest = tmp_path / "dose.toml"
+    manifest.write_text(
+        f"""
+[dose]
+out = "{out}"
+cache = "{cache}"
+student = "llama-tiny"
+warm_start_docs = 8
+warm_start_warmup = 1
+warm_start_ladder = [4]
+heldout_docs = 4
+heldout_every = 2
+arms = {json.dumps(gpu["dose"]["arms"])}
+seeds = [0, 1]
+longest_seeds = [0, 1]
+arm_lrs = {json.dumps(gpu["dose"]["arm_lrs"])}
+selection_tokens = 256
+nproc_per_node = 1
+[preregistered]
+secondary = []
+comparisons = {json.dumps(gpu["preregistered"]["comparisons"])}
+resamples = 200
+[stage2]
+student_tokenizer = "tinyllama"
+seq_len = 64
+micro_batch_size = 2
+global_batch_tokens = 128
+max_steps = 2
+warmup_steps = 1
+save_every = 2
+num_workers = 0
+data_consumers = 2
+[eval]
+num_docs = 0
+answer_problems = 6
+accuracy_problems = 0
+shots = 1
+max_length = 256
+"""
+    )
+    command = [sys.executable, "experiments/dose_response.py", f"--manifest={manifest}"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Ray cluster up" not in result.stderr and not (out / "cache").exists()
+    rung = rung_folder(out, 4)
+    dose = json.loads((out / DOSE_NAME).read_text())
+    assert len(dose["points"]) == 2 * 4  # seeds x comparisons
+    for point in dose["points"]:
+        for run, arm in zip(point["runs"], point["comparison"].split("-"), strict=True):
+            losses = {
+                lr: json.loads(heldout_path(rung, arm_name(arm, point["seed"], lr)).read_text())[
+                    "heldout_loss"
+                ]
+                for lr in gpu["dose"]["arm_lrs"]
+            }
+            assert run == arm_name(arm, point["seed"], min(losses, key=losses.get))
+    assert "(lr " in (out / "report.md").read_text()

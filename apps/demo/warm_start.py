@@ -4,7 +4,8 @@ every token, no teacher) on documents disjoint from the continual-pretraining sl
 It stands in for the paper's already-trained TinyLlama, which was pretrained outside the method,
 so it needs no teacher scores: stage 2 reads a stage-1 cache, and scoring these documents with
 the teacher only to ignore the scores would cost more than the training itself. One process,
-the same AdamW settings and cosine schedule as stage 2; packed sequences of `seq_len` tokens."""
+the same AdamW settings and cosine schedule as stage 2; packed sequences of `seq_len` tokens, on
+the GPU where there is one."""
 
 from __future__ import annotations
 
@@ -40,12 +41,27 @@ def pack(ids: np.ndarray, seq_len: int) -> np.ndarray:
 def mean_loss(model, rows: torch.Tensor, batch_sequences: int) -> float:
     """The mean next-token loss over packed rows (every row's targets weigh alike)."""
     model.eval()
-    total = 0.0
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for first in range(0, len(rows), batch_sequences):
-        batch = rows[first : first + batch_sequences]
-        total += model(input_ids=batch, labels=batch).loss.item() * len(batch)
+        batch = rows[first : first + batch_sequences].to(device)
+        total += model(input_ids=batch, labels=batch).loss.double() * len(batch)
     model.train()
-    return total / len(rows)
+    return total.item() / len(rows)
+
+
+def heldout_loss(folder: Path, texts: list[str], seq_len: int, batch_sequences: int) -> float:
+    """The mean next-token loss of the model saved in `folder` on `texts`, packed as in training
+    (a stage-2 run's final/, whose tokenizer is in the folder)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.tokenizer import load_tokenizer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(folder).to(device)
+    encodings = load_tokenizer(str(folder)).encode_batch(texts, add_eos=True)
+    rows = torch.from_numpy(pack(np.concatenate([e.ids for e in encodings]), seq_len)).long()
+    return mean_loss(model, rows, batch_sequences)
 
 
 def train_warm_start(
@@ -74,7 +90,8 @@ def train_warm_start(
 
     torch.set_num_threads(threads)
     tokenizer = load_tokenizer(tokenizer_spec)
-    model = build_student(student, tokenizer, seed, seq_len).train()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_student(student, tokenizer, seed, seq_len).to(device).train()
     encodings = tokenizer.encode_batch(texts, add_eos=True)
     rows = torch.from_numpy(pack(np.concatenate([e.ids for e in encodings]), seq_len)).long()
     heldout_rows = None
@@ -90,11 +107,11 @@ def train_warm_start(
     )
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(rows), generator=generator)
-    cursor, history, started = 0, [], time.monotonic()
+    cursor, losses, heldout_at, started = 0, [], {}, time.monotonic()
     for step in range(steps):
         if cursor + batch_sequences > len(order):  # next epoch, reshuffled
             order, cursor = torch.randperm(len(rows), generator=generator), 0
-        batch = rows[order[cursor : cursor + batch_sequences]]
+        batch = rows[order[cursor : cursor + batch_sequences]].to(device)
         cursor += batch_sequences
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, warmup_steps, lr, min_lr)
@@ -103,12 +120,17 @@ def train_warm_start(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        history.append({"step": step + 1, "loss": round(loss.item(), 4)})
+        losses.append(loss.detach())  # read on the host every 20 steps, not every step
         if heldout_rows is not None and ((step + 1) % heldout_every == 0 or step + 1 == steps):
-            history[-1]["heldout_loss"] = round(mean_loss(model, heldout_rows, batch_sequences), 4)
+            heldout_at[step + 1] = round(mean_loss(model, heldout_rows, batch_sequences), 4)
         if (step + 1) % 20 == 0 or step + 1 == steps:
             log(f"warm start step {step + 1}/{steps}: loss {loss.item():.3f} "
                 f"({time.monotonic() - started:.0f} s)")  # fmt: skip
+    history = [
+        {"step": step, "loss": round(value, 4)}
+        | ({"heldout_loss": heldout_at[step]} if step in heldout_at else {})
+        for step, value in enumerate(torch.stack(losses).tolist(), start=1)
+    ]
     with staged_folder(folder) as partial:
         model.save_pretrained(partial, safe_serialization=True)
         save_tokenizer(tokenizer, partial)

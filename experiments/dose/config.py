@@ -37,6 +37,16 @@ class DoseConfig(DemoConfig):
     selection_tokens: int = option(
         32_768, help="targets of each warm start's selection diagnostic (vocagno analyze selection)"
     )
+    cache: str | None = option(
+        None,
+        help="a stage-1 cache made elsewhere (on a CPU, say) to train every arm from; unset: "
+        "the teacher scores train_docs here",
+    )
+    arm_lrs: list[float] = option(
+        [],
+        help="peak learning rates each arm is trained at ([stage2] min_lr scaled alike), each arm "
+        "compared at the one whose model has the lowest held-out loss; empty: [stage2] lr alone",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -47,6 +57,8 @@ class DoseConfig(DemoConfig):
             seeds = getattr(self, name)
             if not seeds or len(set(seeds)) != len(seeds):
                 raise ValueError(f"{name} must name at least one seed, each once")
+        if any(lr <= 0 for lr in self.arm_lrs) or len(set(self.arm_lrs)) != len(self.arm_lrs):
+            raise ValueError(f"arm_lrs must be distinct positive rates, not {self.arm_lrs}")
         if self.heldout_docs < 1 or self.heldout_every < 1 or self.selection_tokens < 1:
             raise ValueError("heldout_docs, heldout_every and selection_tokens must be >= 1")
         if WARM_START_OFFSET + self.warm_start_docs + self.heldout_docs > TRAIN_SPLIT_DOCUMENTS:

@@ -25,8 +25,14 @@ def rung_folder(out: Path, steps: int) -> Path:
     return Path(out) / f"warm-{steps:04d}"
 
 
-def arm_name(arm: str, seed: int) -> str:
-    return f"{arm}-seed{seed}"
+def arm_name(arm: str, seed: int, lr: float | None = None) -> str:
+    """An arm's run (and evaluation) at one seed and, in a learning-rate sweep, one peak rate."""
+    return f"{arm}-seed{seed}" if lr is None else f"{arm}-lr{lr:g}-seed{seed}"
+
+
+def heldout_path(rung: Path, name: str) -> Path:
+    """The held-out loss of a swept run's final model, by which its arm's rate is chosen."""
+    return rung / "heldout" / f"{name}.json"
 
 
 def heldout_curve(rung: Path) -> list[tuple[int, float]]:
@@ -53,17 +59,42 @@ def load_results(config: DoseConfig) -> dict[int, dict]:
     results = {}
     for steps in config.warm_start_ladder:
         rung = rung_folder(config.out, steps)
-        names = ["warm-start"] + [
-            arm_name(arm, seed) for seed in config.seeds_at(steps) for arm in config.arms
+        runs = [
+            arm_name(arm, seed, lr)
+            for seed in config.seeds_at(steps)
+            for arm in config.arms
+            for lr in config.arm_lrs or [None]
         ]
         results[steps] = {
             "heldout": heldout_curve(rung),
-            "eval": {n: json.loads((rung / "eval" / f"{n}.json").read_text()) for n in names},
+            "eval": {
+                n: json.loads((rung / "eval" / f"{n}.json").read_text())
+                for n in ["warm-start", *runs]
+            },
+            "best": {
+                (arm, seed): best_run(config, rung, arm, seed)
+                for seed in config.seeds_at(steps)
+                for arm in config.arms
+            },
             "selection": json.loads((rung / "selection" / "selection.json").read_text())[
                 "statistics"
             ],
         }
     return results
+
+
+def best_run(config: DoseConfig, rung: Path, arm: str, seed: int) -> tuple[str, float | None]:
+    """The run an arm is compared by: its only one, or in a sweep the rate whose final model has
+    the lowest held-out loss (never the primary metric: the comparison would then pick on the
+    problems it is measured on). Its name and rate (None: the [stage2] rate)."""
+    if not config.arm_lrs:
+        return arm_name(arm, seed), None
+    losses = {
+        lr: json.loads(heldout_path(rung, arm_name(arm, seed, lr)).read_text())["heldout_loss"]
+        for lr in config.arm_lrs
+    }
+    best = min(losses, key=losses.get)
+    return arm_name(arm, seed, best), best
 
 
 def dose_points(config: DoseConfig, prereg: PreRegistration, results: dict) -> list[dict]:
@@ -72,7 +103,7 @@ def dose_points(config: DoseConfig, prereg: PreRegistration, results: dict) -> l
     points = []
     for steps, rung in results.items():
         for seed in config.seeds_at(steps):
-            arms = {arm: rung["eval"][arm_name(arm, seed)] for arm in config.arms}
+            arms = {arm: rung["eval"][rung["best"][arm, seed][0]] for arm in config.arms}
             for row in compare(arms, primary):
                 d = row.difference
                 points.append({
@@ -80,6 +111,7 @@ def dose_points(config: DoseConfig, prereg: PreRegistration, results: dict) -> l
                     "seed": seed, "comparison": f"{row.a}-{row.b}", "value_a": row.value_a,
                     "value_b": row.value_b, "difference": d.difference, "low": d.low,
                     "high": d.high, "excludes_zero": d.excludes_zero, "problems": d.problems,
+                    "runs": [rung["best"][row.a, seed][0], rung["best"][row.b, seed][0]],
                 })  # fmt: skip
     return points
 
@@ -172,8 +204,12 @@ def rung_rows(config: DoseConfig, prereg: PreRegistration, results: dict, points
         cells = [f"{rung['heldout'][-1][1]:.4f}",
                  metric.fmt.format(value(evals["warm-start"], prereg.primary))]  # fmt: skip
         for arm in config.arms:
-            mean = np.mean([value(evals[arm_name(arm, s)], prereg.primary) for s in seeds])
-            cells.append(metric.fmt.format(mean))
+            best = [rung["best"][arm, s] for s in seeds]
+            mean = metric.fmt.format(
+                np.mean([value(evals[name], prereg.primary) for name, _ in best])
+            )
+            rates = ", ".join(f"{lr:g}" for _, lr in best if lr is not None)
+            cells.append(f"{mean} (lr {rates})" if rates else mean)
         for comparison in prereg.comparisons:
             cells.append("; ".join(
                 f"{p['difference']:+.4f} [{p['low']:+.4f}, {p['high']:+.4f}]"
@@ -211,6 +247,7 @@ def write_dose_report(
         config.out / DOSE_NAME,
         {"points": points, "plateau": flat, "timings": timings,
          "heldout": {steps: r["heldout"] for steps, r in results.items()},
+         "arm_lrs": config.arm_lrs,
          "selection": {steps: r["selection"] for steps, r in results.items()}},
     )  # fmt: skip
     plot_dose(points, prereg.primary, config.out / "dose.png")

@@ -25,7 +25,9 @@ from apps.demo.run import (
     write_corpus_slice,
 )
 from experiments.dose.config import DoseConfig
-from experiments.dose.report import arm_name, rung_folder, write_dose_report
+from experiments.dose.report import arm_name, heldout_path, rung_folder, write_dose_report
+from pipeline.errors import ConfigError
+from pipeline.io import atomic_write_json
 from pipeline.log import get_logger
 from stage2_train.config import TrainConfig
 
@@ -59,16 +61,24 @@ def selection_diagnostic(rung: DoseConfig, stage2: TrainConfig, cache: Path, stu
 
 
 def train_and_evaluate(
-    rung: DoseConfig, settings: dict, manifest: Path, cache: Path, student: Path, arm: str,
-    seed: int,
+    rung: DoseConfig, stage2: TrainConfig, settings: dict, manifest: Path, cache: Path,
+    student: Path, arm: str, seed: int, lr: float | None, heldout: list[str],
 ) -> None:  # fmt: skip
-    """One arm from the rung's warm start for the whole budget, then its evaluation; its
-    checkpoints are removed once the final model is written (disk)."""
-    name = arm_name(arm, seed)
+    """One arm from the rung's warm start for the whole budget (at peak rate `lr`, the [stage2]
+    schedule scaled to it; None: the [stage2] rate), then its evaluation and, in a sweep, its
+    held-out loss; its checkpoints are removed once the final model is written (disk)."""
+    from apps.demo.warm_start import heldout_loss
+
+    name = arm_name(arm, seed, lr)
     out = rung.out / "arms" / name
+    rates = () if lr is None else ("--lr", str(lr), "--min-lr", str(lr * stage2.min_lr / stage2.lr))
     if not (out / "final" / "config.json").exists():
-        run_stage2(rung, manifest, cache, student, arm, out, "--seed", str(seed))
+        run_stage2(rung, manifest, cache, student, arm, out, "--seed", str(seed), *rates)
     evaluate_models(rung, settings, {name: out / "final"})
+    if lr is not None and not heldout_path(rung.out, name).exists():
+        batch = stage2.global_batch_tokens // stage2.seq_len
+        loss = heldout_loss(out / "final", heldout, stage2.seq_len, batch)
+        atomic_write_json(heldout_path(rung.out, name), {"heldout_loss": loss})
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
 
@@ -78,17 +88,26 @@ def run_dose(config: DoseConfig, manifest: Path) -> Path:
     stage2, settings, prereg = check_stage_tables(config, manifest)
     config.out.mkdir(parents=True, exist_ok=True)
     steps = StepTimings(config.out)
-    log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
-    teacher = (
-        Path(config.teacher)
-        if config.teacher
-        else steps.timed("teacher", False, prepare_smollm2_teacher)
-    )
-    corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
-    log(f"stage 1: scoring {config.train_docs:,} documents with the teacher")
-    cache = steps.timed(
-        "stage1", cache_done(config), score_with_ray, config, manifest, teacher, corpus
-    )
+    if config.cache:
+        cache = Path(config.cache)  # made elsewhere: no teacher is needed here
+        if not (cache / "manifest.json").is_file():
+            raise ConfigError(
+                f"cache {cache} has no manifest.json: make it first (the CPU design, "
+                "manifests/dose-response.toml, scores it) or give a finished stage-1 cache"
+            )
+        log(f"training from the cache at {cache}")
+    else:
+        log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
+        teacher = (
+            Path(config.teacher)
+            if config.teacher
+            else steps.timed("teacher", False, prepare_smollm2_teacher)
+        )
+        corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
+        log(f"stage 1: scoring {config.train_docs:,} documents with the teacher")
+        cache = steps.timed(
+            "stage1", cache_done(config), score_with_ray, config, manifest, teacher, corpus
+        )
     heldout_file = write_corpus_slice(
         config.out / "corpus" / "heldout.jsonl", config.heldout_docs, config.heldout_offset
     )
@@ -108,14 +127,20 @@ def run_dose(config: DoseConfig, manifest: Path) -> Path:
             f"eval-warm-start-{length}", eval_path(rung, "warm-start").exists(), evaluate_models,
             rung, settings, {"warm-start": student},
         )  # fmt: skip
-        for seed in config.seeds_at(length):
-            for arm in config.arms:
-                name = arm_name(arm, seed)
-                if eval_path(rung, name).exists():
-                    continue
-                log(f"warm start {length}: {name}, stage 2 for {stage2.max_steps} steps, evaluate")
-                steps.timed(
-                    f"{length}-{name}", False, train_and_evaluate, rung, settings, manifest,
-                    cache, student, arm, seed,
-                )  # fmt: skip
+        runs = [
+            (seed, arm, lr)
+            for seed in config.seeds_at(length)
+            for arm in config.arms
+            for lr in config.arm_lrs or [None]
+        ]
+        for seed, arm, lr in runs:
+            name = arm_name(arm, seed, lr)
+            swept = lr is None or heldout_path(rung.out, name).exists()
+            if eval_path(rung, name).exists() and swept:
+                continue
+            log(f"warm start {length}: {name}, stage 2 for {stage2.max_steps} steps, evaluate")
+            steps.timed(
+                f"{length}-{name}", False, train_and_evaluate, rung, stage2, settings, manifest,
+                cache, student, arm, seed, lr, heldout,
+            )  # fmt: skip
     return write_dose_report(config, manifest, prereg, steps.seconds)
