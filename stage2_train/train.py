@@ -22,9 +22,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(argv: list[str] | None) -> None:
     config = parse_train_config(argv)
+    from stage2_train.data.loader import worker_death
     from stage2_train.trainer import train
 
-    final = train(config)
+    try:
+        final = train(config)
+    except (RuntimeError, ConnectionError, EOFError) as exc:
+        if not (config.num_workers and (died := worker_death(exc))):
+            raise
+        raise died from None
     if final is not None:
         print(f"final student: {final}", file=sys.stderr)
 

@@ -51,7 +51,7 @@ from stage2_train.checkpoint import (
 from stage2_train.checkpoint_trust import trusted_checkpoint
 from stage2_train.config import TrainConfig
 from stage2_train.data.documents import choose_alignment, verify_local_shards
-from stage2_train.data.loader import batches, make_loader, worker_death
+from stage2_train.data.loader import batches, make_loader
 from stage2_train.data.plan import DataPlan, cache_fingerprint
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
@@ -99,11 +99,6 @@ def train(config: TrainConfig) -> Path | None:
         with StopRequest() as stop, contextlib.ExitStack() as output:
             final = _train(config, runtime, stop, output)
         return final if runtime.is_main else None
-    except (RuntimeError, ConnectionError, EOFError) as exc:
-        died = worker_death(exc) if config.num_workers else None
-        if died is None:
-            raise
-        raise died from None
     finally:
         runtime.stop()
 

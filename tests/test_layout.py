@@ -38,7 +38,14 @@ FORBIDDEN = {
     ),
 }
 # A stage's public interface besides its entry point: the typed options it accepts.
-ALLOWED = {"apps": ("stage1_score.config", "stage2_train.config")}
+# `vocagno analyze selection` measures what stage 2 would select, so it reads stage 2's own data
+# path and forward (apps/analysis/selection.py), not a copy of them.
+ALLOWED = {
+    "apps": (
+        "stage1_score.config", "stage2_train.config", "stage2_train.data",
+        "stage2_train.attention",
+    )
+}  # fmt: skip
 LINE_LIMIT = 350
 
 
