@@ -260,12 +260,35 @@ def gone_within(pids: list[int], seconds: float) -> bool:
     return True
 
 
-def wait_until_gone(*titles: bytes, timeout: float = 60.0) -> None:
-    """Ray ends a dead driver's actors (and with them their engines) in its own time."""
+def seen_when(condition, seen: list[int], *titles: bytes):
+    """`condition`, which also records into `seen` the marked processes alive when it held (looked
+    at while the run is stopped: they were alive when the signal landed)."""
+
+    def check() -> bool:
+        if not condition():
+            return False
+        seen[:] = marked_pids(*titles)
+        return True
+
+    return check
+
+
+def none_left(*titles: bytes, timeout: float = 60.0) -> None:
+    """No marked process with these titles is left within `timeout` (Ray ends a dead driver's
+    actors, and with them their engines, in its own time); see wait_until_gone for the form
+    that first saw them alive."""
     deadline = time.monotonic() + timeout
     while marked_pids(*titles) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert marked_pids(*titles) == []
+
+
+def wait_until_gone(seen: list[int], *titles: bytes, timeout: float = 60.0) -> None:
+    """Ray ends a dead driver's actors (and with them their engines) in its own time: the ones
+    `seen` alive at the kill end, and no other with these titles is left."""
+    assert seen, "no marked process was seen alive at the kill: nothing to see gone"
+    assert gone_within(seen, timeout), "the killed run's processes live on"
+    none_left(*titles, timeout=timeout)
 
 
 def finished_units(out: Path) -> list[Path]:
@@ -288,10 +311,11 @@ def test_driver_killed_mid_run_then_rerun_equals_the_uninterrupted_cache(
     out, log = tmp_path / "cache", tmp_path / "killed.log"
     command = args(teacher, corpus, out, ray_address)
     process = start_run(command, log)
+    scorers: list[int] = []
     signal_mid_run(
         process,
         signal.SIGKILL,
-        lambda: mid_run(out, 2),
+        seen_when(lambda: mid_run(out, 2), scorers, SCORER),
         "two finished units",
         log,
         lambda: finished_units(out),
@@ -299,7 +323,7 @@ def test_driver_killed_mid_run_then_rerun_equals_the_uninterrupted_cache(
     process.wait(timeout=30)
     assert process.returncode == -signal.SIGKILL
     # Ray ends the dead driver's actors; the rerun must not race a leftover writer.
-    wait_until_gone(SCORER)
+    wait_until_gone(scorers, SCORER)
     assert not (out / "manifest.json").exists()  # killed mid-run, not after it
     # Every unit the killed run finished, its actor's last writes included.
     kept = finished_shards(out)

@@ -30,6 +30,7 @@ from tests.test_fault_stage1 import (
     SCORER,
     args,
     marked_ray_cluster,
+    seen_when,
     signal_mid_run,
     start_run,
     wait_until_gone,
@@ -107,16 +108,21 @@ def bucket_cache(ray_address, teacher, corpus, bucket, tmp_path_factory) -> str:
     def finished() -> list[str]:
         return store.names("shard-*.json")
 
+    scorers: list[int] = []
     signal_mid_run(
         process,
         signal.SIGKILL,
-        lambda: 2 <= len(finished()) < NUM_DOCS // 3 - UNITS_IN_FLIGHT_PER_WORKER,
+        seen_when(
+            lambda: 2 <= len(finished()) < NUM_DOCS // 3 - UNITS_IN_FLIGHT_PER_WORKER,
+            scorers,
+            SCORER,
+        ),
         "two finished units",
         log,
         finished,
     )
     process.wait(timeout=30)
-    wait_until_gone(SCORER)  # Ray ended the dead driver's actors: no writer is left
+    wait_until_gone(scorers, SCORER)  # Ray ended the dead driver's actors: no writer is left
     assert "manifest.json" not in store.names()  # killed mid-run, not after it
     assert LOCK_NAME in store.names()  # nobody released it
     sidecars = finished()  # a shard without its sidecar is unfinished: the rerun scores it again

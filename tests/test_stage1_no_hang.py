@@ -229,6 +229,7 @@ def test_sigterm_while_ray_starts_ends_the_run_and_leaves_no_folder(teacher, cor
     )
     wait_for(lambda: child_named(process.pid, "gcs_server"), "Ray's GCS process", process, log)
     started = [pid for pid in marked_pids(mark) if pid != process.pid]
+    assert started, "no Ray process of the run was seen: the check below would hold vacuously"
     with frozen(process.pid):  # the signal lands before ray.init has returned
         assert "Ray cluster at" not in log.read_text()
         process.send_signal(signal.SIGTERM)

@@ -48,9 +48,9 @@ from tests.test_fault_stage1 import (
     marked_pids,
     marked_ray_cluster,
     mid_run,
+    none_left,
     signal_mid_run,
     start_run,
-    wait_until_gone,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,7 +215,7 @@ def test_killed_vllm_run_resumes_keeping_its_finished_shards(
     )
     process.wait(timeout=30)
     # Ray ends the dead driver's actors, and with them their engines: nothing may linger.
-    wait_until_gone(SCORER, ENGINE)
+    none_left(SCORER, ENGINE)
     # the processes seen at the kill, however titled
     assert gone_within(seen, 60.0), [pid for pid in seen if psutil.pid_exists(pid)]
     assert not (out / "manifest.json").exists()  # killed mid-run, not after it
@@ -292,4 +292,4 @@ def test_a_window_of_the_whole_context_scores_and_close_ends_the_engine(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     print(done.stdout.strip())
-    wait_until_gone(ENGINE)
+    none_left(ENGINE)
