@@ -29,6 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pipeline.cache.manifest import PRODUCER_NAME
@@ -228,7 +229,8 @@ def test_sigterm_while_ray_starts_ends_the_run_and_leaves_no_folder(teacher, cor
         args(teacher, corpus, out, 3, "--ray-address", "local"), log, **{MARK: mark}
     )
     wait_for(lambda: child_named(process.pid, "gcs_server"), "Ray's GCS process", process, log)
-    started = [pid for pid in marked_pids(mark) if pid != process.pid]
+    # the run's descendants: Ray's processes it started (GCS, raylet, ...), seen before the signal
+    started = [child.pid for child in psutil.Process(process.pid).children(recursive=True)]
     assert started, "no Ray process of the run was seen: the check below would hold vacuously"
     with frozen(process.pid):  # the signal lands before ray.init has returned
         assert "Ray cluster at" not in log.read_text()
