@@ -160,6 +160,8 @@ def save_checkpoint(
 ) -> Path:
     """Write step-N collectively (every rank calls this); returns the folder. A full disk is one
     line that says the earlier checkpoints are kept."""
+    import torch.distributed.checkpoint as dcp
+
     final = step_dir(config.out, step)
     earlier = complete_checkpoints(config.out)
     needed, kept = None, "metrics.jsonl is kept"
@@ -168,57 +170,39 @@ def save_checkpoint(
         needed = sum(path.stat().st_size for path in last.rglob("*") if path.is_file())
         kept = f"the checkpoints up to step {last_step} and metrics.jsonl are kept"
     with space_checked(final.parent, f"checkpoint step-{step}", kept, needed):
-        return _save_checkpoint(
-            config, step, model, optimizer, scheduler, data_state, meta, runtime
+        partial = final.with_name(f".{final.name}.partial")
+        if runtime.is_main:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+            partial.mkdir(parents=True)
+        runtime.barrier()
+        with single_process_is_intended():
+            dcp.save(
+                _model_and_optimizer_state(model, optimizer),
+                checkpoint_id=partial / "state",
+                no_dist=not runtime.distributed,
+            )
+        # dcp.save fsyncs its own files; every file below is flushed by the rank that wrote it.
+        _save_synced(
+            {"rng": _rng_state(), "data": data_state.to_dict()}, partial / f"rank-{runtime.rank}.pt"
         )
-
-
-def _save_checkpoint(
-    config: TrainConfig,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    data_state: DataState,
-    meta: dict,
-    runtime: Runtime,
-) -> Path:
-    import torch.distributed.checkpoint as dcp
-
-    final = step_dir(config.out, step)
-    partial = final.with_name(f".{final.name}.partial")
-    if runtime.is_main:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
-        partial.mkdir(parents=True)
-    runtime.barrier()
-    with single_process_is_intended():
-        dcp.save(
-            _model_and_optimizer_state(model, optimizer),
-            checkpoint_id=partial / "state",
-            no_dist=not runtime.distributed,
+        if runtime.is_main:
+            _save_synced({"scheduler": scheduler.state_dict()}, partial / "trainer.pt")
+            atomic_write_json(partial / "config.json", to_dict(config))
+            atomic_write_json(partial / "checkpoint.json", {"step": step, **meta})
+        runtime.barrier()
+        # every file is written: each rank hashes its share, rank 0 records them all in the marker
+        names = checkpoint_files(partial)
+        shares = runtime.all_gather_objects(
+            digest_share(partial, names, runtime.rank, runtime.world_size)
         )
-    # dcp.save fsyncs its own files; every file below is flushed by the rank that wrote it.
-    _save_synced(
-        {"rng": _rng_state(), "data": data_state.to_dict()}, partial / f"rank-{runtime.rank}.pt"
-    )
-    if runtime.is_main:
-        _save_synced({"scheduler": scheduler.state_dict()}, partial / "trainer.pt")
-        atomic_write_json(partial / "config.json", to_dict(config))
-        atomic_write_json(partial / "checkpoint.json", {"step": step, **meta})
-    runtime.barrier()
-    # every file is written: each rank hashes its share, rank 0 records them all in the marker
-    names = checkpoint_files(partial)
-    shares = runtime.all_gather_objects(
-        digest_share(partial, names, runtime.rank, runtime.world_size)
-    )
-    if runtime.is_main:
-        digests = {name: d for share in shares for name, d in share.items()}
-        atomic_write_text(partial / MARKER, marker_text(step, digests))  # last: it is complete
-        # Replaces an identical step re-saved after a resume from an older one. Rank 0 cannot
-        # flush other nodes' files: each rank flushed its own above.
-        publish_folder(partial, final, flush_files=False)
-    runtime.barrier()
-    return final
+        if runtime.is_main:
+            digests = {name: d for share in shares for name, d in share.items()}
+            atomic_write_text(partial / MARKER, marker_text(step, digests))  # last: it is complete
+            # Replaces an identical step re-saved after a resume from an older one. Rank 0 cannot
+            # flush other nodes' files: each rank flushed its own above.
+            publish_folder(partial, final, flush_files=False)
+        runtime.barrier()
+        return final
 
 
 # What a run saved before these options existed did: it divided by the kept count and packed the

@@ -85,3 +85,9 @@ def share_problems(folder: Path, recorded: dict[str, dict], rank: int, world: in
         except OSError as exc:
             problems.append(f"{path} cannot be read ({exc.strerror or exc})")
     return problems
+
+
+def damage_summary(problems: list[str]) -> str:
+    """The first problem, and how many more there are."""
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return problems[0] + more

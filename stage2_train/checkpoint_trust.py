@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeline.errors import CacheError
 from stage2_train.checkpoint import checkpoints_dir, complete_checkpoints
-from stage2_train.checkpoint_digests import recorded_digests, share_problems
+from stage2_train.checkpoint_digests import damage_summary, recorded_digests, share_problems
 from stage2_train.config import TrainConfig
 from stage2_train.distributed import Runtime
 
@@ -41,11 +41,11 @@ def trusted_checkpoint(config: TrainConfig, newest: Path | None, runtime: Runtim
                 print(f"stage 2: resuming from {folder}, the newest whole checkpoint",
                       file=sys.stderr)  # fmt: skip
             return folder
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        said = damage_summary(problems)
         if config.resume != "auto":
-            raise CacheError(f"--resume {folder}: {problems[0]}{more}; choose a whole checkpoint")
+            raise CacheError(f"--resume {folder}: {said}; choose a whole checkpoint")
         if runtime.is_main:
-            print(f"stage 2: checkpoint {folder} is damaged: {problems[0]}{more}", file=sys.stderr)
+            print(f"stage 2: checkpoint {folder} is damaged: {said}", file=sys.stderr)
     raise CacheError(
         f"no checkpoint in {checkpoints_dir(config.out)} is whole (each is damaged, said above); "
         "nothing was deleted: restore their files, or start a new --out"

@@ -32,7 +32,7 @@ def verify_checkpoint(checkpoint: Path) -> None:
     import warnings
 
     from pipeline.errors import CacheError
-    from stage2_train.checkpoint_digests import recorded_digests, share_problems
+    from stage2_train.checkpoint_digests import damage_summary, recorded_digests, share_problems
 
     recorded = recorded_digests(checkpoint)
     if recorded is None:
@@ -41,8 +41,7 @@ def verify_checkpoint(checkpoint: Path) -> None:
         return
     problems = share_problems(checkpoint, recorded, 0, 1)
     if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CacheError(f"checkpoint {checkpoint} is damaged: {problems[0]}{more}")
+        raise CacheError(f"checkpoint {checkpoint} is damaged: {damage_summary(problems)}")
 
 
 def _holds(folder: Path) -> str:
