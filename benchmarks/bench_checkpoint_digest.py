@@ -25,10 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from timing import Elapsed, measure, print_header, print_load_average  # noqa: E402
 
+from pipeline.file_digests import share_problems  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from stage2_train.checkpoint import load_checkpoint, save_checkpoint, step_dir  # noqa: E402
-from stage2_train.checkpoint_digests import recorded_digests, share_problems  # noqa: E402
+from stage2_train.checkpoint_digests import recorded_digests  # noqa: E402
 from stage2_train.config import TrainConfig  # noqa: E402
 from stage2_train.data.plan import DataPlan  # noqa: E402
 from stage2_train.data.position import DataState  # noqa: E402

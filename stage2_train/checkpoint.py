@@ -39,6 +39,7 @@ from torch import nn
 from pipeline.config import from_dict, to_dict
 from pipeline.differences import setting_differences
 from pipeline.errors import CacheError, ConfigError
+from pipeline.file_digests import digest_share
 from pipeline.io import (
     atomic_write_json,
     atomic_write_text,
@@ -48,7 +49,7 @@ from pipeline.io import (
 )
 from pipeline.models.layers import resolve_compile
 from stage2_train.attention import resolve_attention
-from stage2_train.checkpoint_digests import MARKER, checkpoint_files, digest_share, marker_text
+from stage2_train.checkpoint_digests import MARKER, checkpoint_files, marker_text
 from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState

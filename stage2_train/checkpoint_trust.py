@@ -8,8 +8,9 @@ import warnings
 from pathlib import Path
 
 from pipeline.errors import CacheError
+from pipeline.file_digests import damage_summary, share_problems
 from stage2_train.checkpoint import checkpoints_dir, complete_checkpoints
-from stage2_train.checkpoint_digests import damage_summary, recorded_digests, share_problems
+from stage2_train.checkpoint_digests import recorded_digests
 from stage2_train.config import TrainConfig
 from stage2_train.distributed import Runtime
 

@@ -32,7 +32,8 @@ def verify_checkpoint(checkpoint: Path) -> None:
     import warnings
 
     from pipeline.errors import CacheError
-    from stage2_train.checkpoint_digests import damage_summary, recorded_digests, share_problems
+    from pipeline.file_digests import damage_summary, share_problems
+    from stage2_train.checkpoint_digests import recorded_digests
 
     recorded = recorded_digests(checkpoint)
     if recorded is None:

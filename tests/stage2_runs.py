@@ -62,12 +62,8 @@ def read_metrics(out: Path) -> list[dict]:
 def record_digests_again(checkpoint: Path) -> None:
     """Rewrite a checkpoint's marker for its files as they are now: a checkpoint whose files were
     replaced together with its marker (what the digests cannot tell from a whole one)."""
-    from stage2_train.checkpoint_digests import (
-        MARKER,
-        checkpoint_files,
-        digest_share,
-        marker_text,
-    )
+    from pipeline.file_digests import digest_share
+    from stage2_train.checkpoint_digests import MARKER, checkpoint_files, marker_text
 
     step = json.loads((checkpoint / MARKER).read_text())["step"]
     digests = digest_share(checkpoint, checkpoint_files(checkpoint), 0, 1)

@@ -10,13 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.file_digests import file_digest, share_problems
 from stage2_train.checkpoint import MARKER, complete_checkpoints, step_dir
-from stage2_train.checkpoint_digests import (
-    checkpoint_files,
-    file_digest,
-    recorded_digests,
-    share_problems,
-)
+from stage2_train.checkpoint_digests import checkpoint_files, recorded_digests
 from stage2_train.export import main as export
 from stage2_train.train import main as train
 from tests.cache_fixtures import build_cache
@@ -149,6 +145,37 @@ def test_export_refuses_a_damaged_checkpoint(stopped, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not match its recorded digest" in err[0]
     assert not (tmp_path / "model").exists()
+
+
+def test_a_model_folder_records_its_files_and_eval_refuses_one_damaged_since(
+    uninterrupted, tmp_path, capsys
+):
+    """final/ (and an export, written by the same code) records every file's digest in its
+    vocagno.json; `vocagno eval` (any load of a model folder: a teacher, a student's --init)
+    checks them first. Before: a flipped byte in final/ evaluated without a word."""
+    from apps.cli import main as vocagno
+    from pipeline.file_digests import folder_files
+    from pipeline.models.model_folder import PROVENANCE_NAME
+
+    model = tmp_path / "final"
+    shutil.copytree(uninterrupted / "final", model)
+    provenance = json.loads((model / PROVENANCE_NAME).read_text())
+    assert sorted(provenance["files"]) == folder_files(model, leave_out=PROVENANCE_NAME)
+    assert "model.safetensors" in provenance["files"]
+    evaluate = ["eval", "--model", str(model), "--num-docs", "2", "--answer-problems", "0",
+                "--accuracy-problems", "0"]  # fmt: skip
+    assert vocagno(evaluate) == 0
+    capsys.readouterr()
+    flip_two_bytes(model / "model.safetensors")
+    assert vocagno(evaluate) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1, err
+    assert f"the folder is damaged: {model / 'model.safetensors'} does not match its recorded" in err[0]
+    del provenance["files"]  # a folder written before digests: loaded, with one warning
+    (model / PROVENANCE_NAME).write_text(json.dumps(provenance))
+    shutil.copy(uninterrupted / "final" / "model.safetensors", model / "model.safetensors")
+    assert vocagno(evaluate) == 0
+    assert f"its {PROVENANCE_NAME} records no digests: loaded unverified" in capsys.readouterr().err
 
 
 def test_a_cut_off_metrics_log_is_repaired_on_resume_with_one_line(cache, stopped, capsys):

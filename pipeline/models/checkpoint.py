@@ -22,7 +22,9 @@ import re
 from pathlib import Path
 
 from pipeline.errors import VocagnoError
+from pipeline.file_digests import damage_summary
 from pipeline.log import get_logger
+from pipeline.models.model_folder import PROVENANCE_NAME, model_folder_problems
 
 # The files transformers loads from a folder, in its order of preference.
 WEIGHT_FILES = (
@@ -97,7 +99,13 @@ def _tensor_names(path: Path) -> set[str]:
 def check_checkpoint(model, folder: Path, what: str) -> None:
     """ModelError naming the first few of the weights `model` (check_causal_lm's) needs that the
     checkpoint in `folder` lacks; a warning naming the tensors it holds that the model does not
-    use."""
+    use. A folder vocagno wrote is first checked against the digests its vocagno.json records:
+    one damaged since it was saved is refused naming the file."""
+    problems = model_folder_problems(folder)
+    if problems:
+        raise ModelError(f"cannot load {what}: the folder is damaged: {damage_summary(problems)}")
+    if problems is None and (folder / PROVENANCE_NAME).exists():
+        log.warning(f"{what}: its {PROVENANCE_NAME} records no digests: loaded unverified")
     try:
         names = checkpoint_tensor_names(folder)
     except Exception as exc:

@@ -1,11 +1,14 @@
 """A trained model as a folder transformers and `vocagno eval` read: its weights by save_pretrained
-(safetensors), its tokenizer, and vocagno.json saying what produced it. Stage 2 writes OUT/final
-so, and stage2_train/export.py a checkpoint."""
+(safetensors), its tokenizer, and vocagno.json saying what produced it and recording every other
+file's size and digest (pipeline.file_digests), checked before the folder is loaded again. Stage 2
+writes OUT/final so, and stage2_train/export.py a checkpoint."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from pipeline.file_digests import DIGEST, digest_share, folder_files, share_problems
 from pipeline.io import atomic_write_json, staged_folder
 from pipeline.models.hf_tokenizer import save_tokenizer
 
@@ -20,5 +23,18 @@ def write_model_folder(
     with staged_folder(dest) as partial:
         model.save_pretrained(partial, state_dict=state_dict, safe_serialization=True)
         save_tokenizer(tokenizer, partial)
-        atomic_write_json(partial / PROVENANCE_NAME, provenance)
+        files = digest_share(partial, folder_files(partial, leave_out=PROVENANCE_NAME), 0, 1)
+        atomic_write_json(partial / PROVENANCE_NAME, {**provenance, "digest": DIGEST, "files": files})
     return dest
+
+
+def model_folder_problems(folder: Path) -> list[str] | None:
+    """What is wrong with the files a model folder's vocagno.json records (empty: whole); None
+    where it records none (a folder vocagno did not write, or wrote before digests)."""
+    try:
+        provenance = json.loads((folder / PROVENANCE_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(provenance, dict) or not isinstance(provenance.get("files"), dict):
+        return None
+    return share_problems(folder, provenance["files"], 0, 1)
