@@ -19,7 +19,7 @@ import signal
 import socket
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +35,7 @@ JOB_CONFIG_VARIABLE = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 # How long a Ray address may take to accept a TCP connection: a closed port refuses at once, so
 # only an address that drops packets (a host gone, a firewall) waits this long.
 PROBE_SECONDS = 10.0
+LAST_STARTED = "the Ray cluster last started on this machine"  # where ray.init finds an address
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,15 @@ def ray_target(address: str | None) -> RayTarget:
     except (ValueError, ConnectionError) as exc:
         raise ConfigError(f"{source} {given}: {exc}") from None
     if target is not None and not given:
-        given, source = target, "the Ray cluster last started on this machine"
+        given, source = target, LAST_STARTED
     return RayTarget(target, given, source)
 
 
-def check_ray_reachable(address: str | None) -> None:
-    """Refuse, in one line naming it, a Ray address where nothing accepts a connection.
+def reachable_ray_address(address: str | None, log: Callable[[str], None]) -> str | None:
+    """The address the run joins Ray with: `address`, or "local" (a new local Ray) where it is
+    unset and the cluster last started on this machine no longer answers, said in one `log` line,
+    as --help promises. A Ray address the user gave where nothing accepts a connection is refused
+    in one line naming it.
 
     ray.init would retry it for many minutes, printing only warnings, in attempts of about 40 s
     that Ctrl-C and SIGTERM cannot cut short. Ray's own knobs do not bound this:
@@ -92,10 +96,10 @@ def check_ray_reachable(address: str | None) -> None:
     import ray
 
     if ray.is_initialized():
-        return
+        return address
     target = ray_target(address)
     if target.host_port is None:  # ray.init starts a local Ray of its own
-        return
+        return address
     host, _, port = target.host_port.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_SECONDS).close()
@@ -103,10 +107,17 @@ def check_ray_reachable(address: str | None) -> None:
         timed_out = isinstance(exc, TimeoutError)
         reason = f"no answer in {PROBE_SECONDS:.0f} s" if timed_out else exc.strerror or exc
         reached = "" if target.host_port == target.given else f", tried as {target.host_port}"
+        if target.source == LAST_STARTED:  # `ray start` left its address; its processes died
+            log(
+                f"{LAST_STARTED} ({target.given}) no longer answers ({reason}): starting a new "
+                "local Ray for this run (`ray stop` clears the old address)"
+            )
+            return "local"
         raise ConfigError(
             f"no Ray cluster answers at {target.given} ({target.source}{reached}: {reason}); "
             "start one (ray start --head) or give the address of a running one"
         ) from None
+    return address
 
 
 def cluster_gpus(address: str | None) -> int:

@@ -41,9 +41,9 @@ from pipeline.space_mask import space_mask
 from pipeline.storage import Store, as_location
 from stage1_score.cluster import (
     check_output_outside,
-    check_ray_reachable,
     cluster_gpus,
     corpus_kept_from_shipped,
+    reachable_ray_address,
     relative_to_shipped,
     shipped_working_dir,
 )
@@ -192,7 +192,7 @@ def run(config: ScoreConfig) -> CacheManifest:
     """Score the corpus into `config.out`; returns the manifest written there."""
     # Ray is joined only once a unit needs scoring; an address where nobody answers is refused
     # first, in seconds, before the output folder is touched.
-    check_ray_reachable(config.ray_address)
+    config = replace(config, ray_address=reachable_ray_address(config.ray_address, log.warning))
     job = plan(config)
     log.info(
         f"teacher {config.teacher} ({config.backend}, {job.dtype}), windows of "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -145,7 +146,7 @@ def _our_files(store: Store) -> list[str]:
     return sorted({name for pattern in patterns for name in store.names(pattern)})
 
 
-def _existing_identity(store: Store) -> dict | None:
+def _existing_identity(store: Store, overwrite: bool) -> dict | None:
     if store.size(PRODUCER_NAME) is not None:
         try:
             return store.read_json(PRODUCER_NAME)
@@ -155,8 +156,29 @@ def _existing_identity(store: Store) -> dict | None:
                 "pass --overwrite to start over"
             ) from exc
     if store.size(MANIFEST_NAME) is not None:
-        return load_manifest(store.location).producer
+        try:
+            return load_manifest(store.location).producer
+        except CacheError as exc:
+            if _cache_manifest_like(store):  # a damaged cache: --overwrite replaces it
+                if overwrite:
+                    return {"damaged manifest": str(exc)}
+                raise CacheError(f"{exc}; pass --overwrite to replace the cache") from None
+            raise CacheError(
+                f"--out {store.location} holds a {MANIFEST_NAME} that is no stage-1 cache's ({exc}); "
+                "stage 1 writes its own there and never replaces a file it did not write, "
+                "--overwrite included: choose another --out"
+            ) from None
     return None
+
+
+def _cache_manifest_like(store: Store) -> bool:
+    """Whether the folder's manifest reads as a cache's, damaged or from another version: a JSON
+    object with the cache's schema_version and producer fingerprint."""
+    try:
+        data = json.loads(store.read_bytes(MANIFEST_NAME).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and {"schema_version", "producer_fingerprint"} <= data.keys()
 
 
 def prepare_output(folder: str | Path, identity: dict, overwrite: bool, log=print) -> str:
@@ -166,7 +188,7 @@ def prepare_output(folder: str | Path, identity: dict, overwrite: bool, log=prin
     (and nothing else). Temporary files of an interrupted write are removed.
     """
     store = Store(folder)
-    existing = _existing_identity(store)
+    existing = _existing_identity(store, overwrite)
     leftovers = store.names("shard-*")
     has_manifest = store.size(MANIFEST_NAME) is not None
     if existing not in (None, identity) and not leftovers and not has_manifest:

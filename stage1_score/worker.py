@@ -23,13 +23,14 @@ from pipeline.cache.schema import (
     write_shard,
 )
 from pipeline.cache.writer import build_unit_table
+from pipeline.io import space_checked
 from pipeline.log import configure, get_logger
 from pipeline.profiling import traced
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.teacher import TeacherSource, load_teacher_tokenizer
 from pipeline.space_mask import space_mask
 from pipeline.storage import Store
-from pipeline.storage.store import child
+from pipeline.storage.store import as_location, child
 from pipeline.versions import software_versions
 from stage1_score.output import Sidecar, write_sidecar
 from stage1_score.units import WorkUnit
@@ -239,11 +240,20 @@ def write_unit(
         "content_sha256": unit.content_sha256,
         "schema_version": SCHEMA_VERSION,
     }
-    size, digest = write_shard(child(spec.out, name), table, footer)
     total = sum(len(e) for e in encodings)
-    record = ShardRecord(unit.index, name, len(unit), total, size, digest)
-    sidecar = Sidecar(record, spec.run_fingerprint, unit.content_sha256, software)
-    write_sidecar(spec.out, sidecar)
+    out = as_location(spec.out)
+    # A full local disk is one line naming it (Ray would relay a remote traceback); an object
+    # store's own errors name their bucket.
+    writing = (
+        space_checked(out, f"unit {unit.index}'s shard", "the finished units are kept")
+        if isinstance(out, Path)
+        else contextlib.nullcontext()
+    )
+    with writing:
+        size, digest = write_shard(child(out, name), table, footer)
+        record = ShardRecord(unit.index, name, len(unit), total, size, digest)
+        sidecar = Sidecar(record, spec.run_fingerprint, unit.content_sha256, software)
+        write_sidecar(out, sidecar)
     return sidecar
 
 

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -138,6 +140,55 @@ def test_a_ray_address_where_nothing_listens_is_one_line_naming_it(
     assert "Failed to connect" not in log.read_text()  # no Ray retry ran
     assert not out.exists()
     print(f"refused in {seconds:.1f} s: {line}")
+
+
+def leftover_address(monkeypatch, tmp_path) -> str:
+    """What `ray start --head` leaves in RAY_TMPDIR/ray/ray_current_cluster, for a cluster whose
+    processes have since died (no `ray stop`): an address where nothing listens."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")
+    from stage1_score.cluster import ray_target
+
+    return ray_target(None).host_port  # as ray.init(None) would try it: this machine's address
+
+
+def test_a_dead_local_clusters_leftover_address_is_passed_over_for_a_new_local_ray(
+    monkeypatch, tmp_path
+):
+    """Before: refused (`no Ray cluster answers at ... (the Ray cluster last started on this
+    machine: Connection refused)`), though --help promises a new local Ray where none runs. An
+    address the user gives is still refused (the tests above)."""
+    from stage1_score.cluster import ray_target, reachable_ray_address
+
+    address = leftover_address(monkeypatch, tmp_path)
+    assert address.endswith(":1")
+    said = []
+    assert reachable_ray_address(None, said.append) == "local"
+    assert ray_target("local").host_port is None  # ray.init("local") starts a new Ray
+    assert len(said) == 1 and said[0].startswith(
+        f"the Ray cluster last started on this machine ({address}) no longer answers "
+        "(Connection refused): starting a new local Ray for this run"
+    ), said
+
+
+@pytest.mark.slow
+def test_a_run_beside_a_dead_local_clusters_address_scores_on_a_new_local_ray(
+    teacher, corpus, tmp_path, monkeypatch
+):
+    folder = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
+    try:
+        address = leftover_address(monkeypatch, folder)
+        out, log = tmp_path / "cache", tmp_path / "run.log"
+        process = start_run(args(teacher, corpus, out, 6), log, **{MARK: uuid.uuid4().hex})
+        ended_within(process, 240, log)
+        output = log.read_text()
+        assert process.returncode == 0, output[-3000:]
+        assert f"({address}) no longer answers (Connection refused)" in output
+        assert verify_cache(out)[1] == []
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

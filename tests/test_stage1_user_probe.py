@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from apps.cli import main as vocagno
+from pipeline.cache.manifest import load_manifest
 from pipeline.config import parse_config
 from pipeline.log import configure
 from pipeline.models.checkpoint import ModelError
@@ -171,6 +172,34 @@ def test_a_corpus_folder_skips_a_cache_in_it_and_names_the_files_it_ignores(
     assert len(lines) == 1
     assert f"{len(cache_files)} files of a stage-1 cache in old-cache/" in lines[0]
     assert "1 file not of a corpus type" in lines[0] and lines[0].endswith(": notes.csv")
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_an_out_holding_a_users_manifest_json_is_refused_naming_it(
+    teacher, corpus, tmp_path, capsys
+):
+    """Before: `malformed manifest ('schema_version')`, as if it were a damaged cache, and
+    --overwrite could not get past it. A damaged cache's own manifest still asks for --overwrite."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "manifest.json").write_text('{"name": "my dataset", "files": 3}')
+    for extra in ((), ("--overwrite",)):
+        assert main(command(teacher, corpus, mine, *extra)) == 2
+        error = refusal(capsys)
+        assert f"--out {mine} holds a manifest.json that is no stage-1 cache's" in error, error
+        assert "never replaces a file it did not write, --overwrite included" in error
+        assert "choose another --out" in error
+        assert sorted(p.name for p in mine.iterdir()) == ["manifest.json"]
+    cache = tmp_path / "cache"
+    build_cache(cache, num_documents=2, docs_per_shard=2)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["shards"] = "damaged"
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert main(command(teacher, corpus, cache)) == 2
+    error = refusal(capsys)
+    assert "malformed manifest" in error and error.endswith("pass --overwrite to replace the cache")
+    assert main(command(teacher, corpus, cache, "--overwrite")) == 0
+    assert load_manifest(cache).total_rows == 4
 
 
 def test_a_refused_run_leaves_no_files_behind(teacher, tmp_path, capsys):
