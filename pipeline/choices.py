@@ -2,16 +2,13 @@
 
 A config field typed with one of these gets its flag's `choices`, its `--help` and its manifest
 check from that declaration (pipeline.config); code that checks a value at run time uses the
-tuple derived from it. It imports only the mode registry (itself import-free), so any config
-module may use it cheaply.
+tuple derived from it. It imports nothing of the package, so any module may use it cheaply. The
+guidance modes are declared with what each needs in pipeline/guidance_modes.py, their Literal
+beside them.
 """
 
 from typing import Literal, get_args
 
-from pipeline.guidance_modes import GUIDANCE_MODES as MODE_NAMES
-
-# The modes are declared with what each needs, once, in pipeline/guidance_modes.py.
-GuidanceMode = Literal[MODE_NAMES]
 UnmappedStrategy = Literal["include", "exclude", "mean"]
 SelectionScope = Literal["microbatch", "global"]
 LossNormalization = Literal["all", "kept"]  # eq. 3: over all target tokens, or the kept ones
@@ -50,7 +47,6 @@ AlmMode = Literal[
     "merge_by_space_prob+append_space", "merge_by_space_prob", "append_space", "naive"
 ]
 
-GUIDANCE_MODES: tuple[str, ...] = get_args(GuidanceMode)
 UNMAPPED_STRATEGIES: tuple[str, ...] = get_args(UnmappedStrategy)
 SELECTION_SCOPES: tuple[str, ...] = get_args(SelectionScope)
 LOSS_NORMALIZATIONS: tuple[str, ...] = get_args(LossNormalization)

@@ -61,14 +61,13 @@ import torch
 
 from pipeline.choices import (
     CHUNK_STUDENT_AGGREGATES,
-    GUIDANCE_MODES,
     LOSS_NORMALIZATIONS,
     SELECTION_SCOPES,
     UNMAPPED_STRATEGIES,
 )
 from pipeline.chunk_selection import chunk_ids, reduce_to_chunks
 from pipeline.collectives import all_gather, rank_and_world
-from pipeline.guidance_modes import MODES, ModeDeclaration
+from pipeline.guidance_modes import GUIDANCE_MODES, MODES, ModeDeclaration
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,4 @@
-"""The guidance modes, each declared once (STYLE.md, "A family of losses that keeps growing"):
-what it ranks by, what unit it selects, which alignment the data path must give it, and where
+"""The guidance modes, each declared once: what it ranks by, what unit it selects, which alignment the data path must give it, and where
 the paper defines it. The CLI's choices and help, the demo's arms, stage 2's choice of alignment
 and the selection (pipeline.guidance) all read `MODES`; adding a mode is one line here.
 """
@@ -34,7 +33,7 @@ class ModeDeclaration:
         return self.unit == "chunk"
 
 
-def _uld(config: Any) -> Any:  # imported when a run asks for it: this module stays import-free
+def _uld(config: Any) -> Any:  # imported when a run asks for it: torch and the cache schema
     from pipeline.distillation.uld import UniversalLogitDistillation
 
     return UniversalLogitDistillation(weight=config.uld_lambda)
@@ -96,4 +95,5 @@ MODES: dict[str, ModeDeclaration] = {
         ),
     )
 }  # fmt: skip
-GUIDANCE_MODES = tuple(MODES)
+GUIDANCE_MODES: tuple[str, ...] = tuple(MODES)
+GuidanceMode = Literal[GUIDANCE_MODES]  # a config field's type: its flag's choices and help

@@ -15,7 +15,6 @@ from pipeline.choices import (
     CompileLayers,
     ComputeDtype,
     FsdpParamDtype,
-    GuidanceMode,
     LossKernel,
     LossNormalization,
     Packing,
@@ -26,7 +25,7 @@ from pipeline.config import option, parse_config, to_dict
 from pipeline.distillation import Distillation
 from pipeline.errors import ConfigError
 from pipeline.guidance import DEFAULT_GUIDANCE, GuidanceSettings
-from pipeline.guidance_modes import MODES
+from pipeline.guidance_modes import MODES, GuidanceMode
 from pipeline.io import fingerprint
 from pipeline.storage import as_location, is_uri
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pipeline.choices import GUIDANCE_MODES, GuidanceMode
 from pipeline.config import option
+from pipeline.guidance_modes import GUIDANCE_MODES, GuidanceMode
 
 SECTION = "demo"
 # What `vocagno eval` reports per problem or document, so the report can bootstrap over them.

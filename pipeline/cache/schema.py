@@ -1,4 +1,5 @@
-"""The cache contract: one Parquet shard per work unit, one row per document (see DESIGN.md).
+"""The cache contract: one Parquet shard per work unit, one row per document (the columns, for
+readers outside this tool: docs/cache-columns.md).
 
 Column names are what outside tools rely on; more columns may be added, never renamed.
 """
