@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import tomllib
 import types
@@ -25,12 +26,21 @@ from pipeline.errors import ConfigError
 T = TypeVar("T")
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "") -> Any:
-    """A dataclass field with its --help text; its type hint gives type and choices."""
-    metadata = {"help": help}
+HELP_CHARACTERS = 300  # an option's --help text at most: a sentence or two, the detail in docs/
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", group: str | None = None) -> Any:
+    """A dataclass field with its --help text and the `group` of options it is listed under (the
+    component that reads it); its type hint gives type and choices."""
+    metadata = {"help": help, "group": group}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: default.copy(), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def options_of(group: str) -> Any:
+    """`option` for one group's options: `DATA = options_of("data")`, then `x: int = DATA(...)`."""
+    return functools.partial(option, group=group)
 
 
 def _scalar_type(hint: Any) -> Any:
@@ -73,9 +83,14 @@ def build_parser(cls: type, description: str, section: str) -> argparse.Argument
         "(options on the command line win)",
     )
     hints = typing.get_type_hints(cls)
+    groups: dict[str | None, Any] = {None: parser}
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
+        group = f.metadata.get("group")
+        if group not in groups:  # listed in the order the dataclass first names them
+            groups[group] = parser.add_argument_group(f"{group} options")
+        add_argument = groups[group].add_argument
         hint = hints[f.name]
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
@@ -87,12 +102,12 @@ def build_parser(cls: type, description: str, section: str) -> argparse.Argument
             help_text += " (required)"
         kind = _scalar_type(hint)
         if kind is bool:
-            parser.add_argument(
+            add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
             )
         elif typing.get_origin(kind) is list:
             item = typing.get_args(kind)[0]
-            parser.add_argument(
+            add_argument(
                 flag,
                 type=_scalar_type(item),
                 choices=_choices(item),
@@ -101,7 +116,7 @@ def build_parser(cls: type, description: str, section: str) -> argparse.Argument
                 help=help_text,
             )
         else:
-            parser.add_argument(
+            add_argument(
                 flag,
                 type=kind,
                 choices=_choices(hint),
@@ -226,10 +241,12 @@ def _checked(hint: Any, value: Any) -> Any:
 def check_options(
     cls: type, values: dict[str, Any], where: str, flags: bool = False
 ) -> dict[str, Any]:
-    """`values` with each checked against its field of `cls`: the first misfit is a ConfigError
-    naming `where`, the key (as `--flag` if `flags`), the value and what is allowed."""
+    """`values` (with any group sub-tables merged in) with each checked against its field of
+    `cls`: the first misfit is a ConfigError naming `where`, the key (as `--flag` if `flags`),
+    the value and what is allowed."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
+    values = grouped_table(cls, values, where)
     unknown = sorted(set(values) - names)
     if unknown:
         raise ConfigError(f"{where}: unknown option(s) {unknown}; known: {sorted(names)}")
@@ -241,6 +258,34 @@ def check_options(
             name = "--" + key.replace("_", "-") if flags else key
             raise ConfigError(f"{where} {name}: {exc}") from None
     return checked
+
+
+def option_groups(cls: type) -> dict[str, str]:
+    """Each option of `cls` -> the group it is listed under (--help, a manifest's sub-tables)."""
+    return {f.name: f.metadata.get("group") for f in dataclasses.fields(cls) if f.init}
+
+
+def grouped_table(cls: type, table: dict[str, Any], where: str) -> dict[str, Any]:
+    """A manifest table with its group sub-tables (`[stage1.corpus]`) merged in: a sub-table may
+    hold only its group's options, and a flat option (the older spelling) still counts."""
+    groups = option_groups(cls)
+    flat = {key: value for key, value in table.items() if not isinstance(value, dict)}
+    for name, sub in table.items():
+        if not isinstance(sub, dict):
+            continue
+        if name not in groups.values():
+            known = ", ".join(sorted({g for g in groups.values() if g}))
+            raise ConfigError(f"{where}: no option group [{name}]; the groups are {known}")
+        for key, value in sub.items():
+            key = key.replace("-", "_")
+            if groups.get(key, name) != name:
+                raise ConfigError(
+                    f"{where}.{name}: {key} is a [{groups[key]}] option, not a [{name}] one"
+                )
+            if key in flat:
+                raise ConfigError(f"{where}: {key} is set twice (flat and in [{name}])")
+            flat[key] = value
+    return flat
 
 
 def _build(cls: type[T], values: dict[str, Any], where: str) -> T:

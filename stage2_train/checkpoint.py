@@ -7,7 +7,7 @@ A step folder holds:
   trainer.pt       the learning-rate scheduler
   config.json      the run's TrainConfig
   checkpoint.json  step, world size, workers per rank, cache and config fingerprints, and what
-                   the device-dependent options resolved to (`resolved_options`)
+                   the device-dependent options resolved to (stage2_train.kernels)
   COMPLETE         written last, with every other file's size and digest
                    (stage2_train.checkpoint_digests: verified before a resume reads any state)
 Everything is written into `.step-N.partial/`, flushed, and renamed: a crash mid-save leaves no
@@ -47,16 +47,12 @@ from pipeline.io import (
     publish_folder,
     space_checked,
 )
-from pipeline.models.layers import resolve_compile
-from stage2_train.attention import resolve_attention
 from stage2_train.checkpoint_digests import MARKER, checkpoint_files, marker_text
 from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
-from stage2_train.forward import resolve_loss_kernel
-from stage2_train.parallel import resolve_fsdp_param_dtype
-from stage2_train.schedule import resolve_adamw_kernel
+from stage2_train.kernels import ResolvedKernels
 
 CHECKPOINTS = "checkpoints"
 
@@ -215,28 +211,6 @@ LEGACY_SETTINGS = {
     "packing_context": 0.5,
 }
 
-# Options whose `auto` depends on the device (and the student), and what every run used before
-# the option existed. What they resolve to is saved with the run and must not change on resume.
-RESOLVED_BEFORE = {
-    "attention": "dense",
-    "adamw_kernel": "plain",
-    "compile": "off",
-    "loss_kernel": "plain",
-    "fsdp_param_dtype": "float32",
-}
-
-
-def resolved_options(config: TrainConfig, student: nn.Module, device: torch.device) -> dict:
-    """{"resolved_attention": "flex", ...}: each of RESOLVED_BEFORE as this run uses it."""
-    return {
-        "resolved_attention": resolve_attention(config.attention, device),
-        "resolved_adamw_kernel": resolve_adamw_kernel(config.adamw_kernel, device),
-        "resolved_compile": resolve_compile(config.compile, device),
-        "resolved_loss_kernel": resolve_loss_kernel(config, student, device),
-        "resolved_fsdp_param_dtype": resolve_fsdp_param_dtype(config, device),
-    }
-
-
 def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
     """Refuse a checkpoint this run cannot continue exactly; returns its step."""
     saved = json.loads((folder / "checkpoint.json").read_text())
@@ -246,14 +220,14 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
             f"{config.cache} is cache {meta['cache_fingerprint']}: resume with the same cache "
             "or start a new --out"
         )
-    for option, before in RESOLVED_BEFORE.items():
-        used = saved.get(f"resolved_{option}", before)
-        if used != meta[f"resolved_{option}"]:
-            flag = f"--{option.replace('_', '-')}"
-            raise ConfigError(
-                f"checkpoint {folder} was trained with {flag} {used}, this run would use "
-                f"{meta[f'resolved_{option}']}: resume with {flag} {used}"
-            )
+    differs = ResolvedKernels.from_saved(saved).first_difference(ResolvedKernels.from_saved(meta))
+    if differs is not None:
+        option, used, ours = differs
+        flag = f"--{option.replace('_', '-')}"
+        raise ConfigError(
+            f"checkpoint {folder} was trained with {flag} {used}, this run would use {ours}: "
+            f"resume with {flag} {used}"
+        )
     threads = saved.get("torch_threads")
     if threads is not None and threads != meta["torch_threads"]:
         # CPU kernels split reductions by thread: the run continues correctly, not bit for bit.

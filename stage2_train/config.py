@@ -21,7 +21,7 @@ from pipeline.choices import (
     SelectionScope,
     UnmappedStrategy,
 )
-from pipeline.config import option, parse_config, to_dict
+from pipeline.config import options_of, parse_config, to_dict
 from pipeline.distillation import Distillation
 from pipeline.errors import ConfigError
 from pipeline.guidance import DEFAULT_GUIDANCE, GuidanceSettings
@@ -61,184 +61,193 @@ RESUMABLE_CHANGES = frozenset(
 )
 
 
+# Each option is listed under the component that reads it: --help's groups, [stage2.<group>] tables.
+DATA, GUIDANCE, MODEL, OPTIMIZER, KERNELS, CHECKPOINTING, LOGGING = (
+    options_of(group)
+    for group in ("data", "guidance", "model", "optimizer", "kernels", "checkpointing", "logging")
+)
+
+
 @dataclass
 class TrainConfig:
-    cache: str = option(
+    cache: str = DATA(
         help="stage 1 cache folder (with manifest.json): a local path or a URI (s3://bucket/prefix, "
         "gs://…; credentials and endpoint from the environment)"
     )
-    student: str = option(
+    student: str = MODEL(
         help="the student: a hub id, a local Hugging Face folder (with weights, or only a "
         "config.json to train from scratch), a config.json file, or a preset "
         "(llama-tiny, llama-small, tinyllama-1.1b) for training from scratch"
     )
-    out: Path = option(help="output folder: checkpoints, metrics.jsonl, TensorBoard, final model")
-    max_steps: int = option(help="optimizer steps in the schedule (the cosine decays over these)")
-    student_tokenizer: str | None = option(
+    out: Path = CHECKPOINTING(help="output folder: checkpoints, metrics.jsonl, TensorBoard, final model")
+    max_steps: int = OPTIMIZER(help="optimizer steps in the schedule (the cosine decays over these)")
+    student_tokenizer: str | None = MODEL(
         None,
         help="student tokenizer spec (shipped name, tokenizer.json, folder, hub id); default: "
         "the student's own (required for a config or preset student)",
     )
-    guidance: GuidanceMode = option(
+    guidance: GuidanceMode = GUIDANCE(
         DEFAULT_GUIDANCE.mode,
-        help="; ".join(f"{m.name}: {m.summary} (paper: {m.paper})" for m in MODES.values()),
+        help="the selection (or distillation term) beside the cross-entropy, one of "
+        + ", ".join(MODES)
+        + " (token: the paper's method); docs/guidance.md says what each is and where the paper "
+        "defines it",
     )
-    uld_lambda: float = option(
+    uld_lambda: float = GUIDANCE(
         0.5,
         help="--guidance uld: weight of the Wasserstein term beside the cross-entropy (paper "
         "appendix B, eq. 6: lambda = 0.5 of 0.3, 0.5, 1.0, 1.5)",
     )
-    num_chunks: int = option(
+    num_chunks: int = GUIDANCE(
         32,
         help="equal chunks per document for --guidance chunk and random-chunk (paper Table 2: "
         "8, 16, 32, 64)",
     )
-    chunk_student_aggregate: ChunkStudentAggregate = option(
+    chunk_student_aggregate: ChunkStudentAggregate = GUIDANCE(
         DEFAULT_GUIDANCE.chunk_student_aggregate,
         help="how a chunk's student token losses combine into the chunk's student loss for "
         "--guidance chunk (the paper does not say; its teacher side uses --aggregate)",
     )
-    loss_normalization: LossNormalization = option(
+    loss_normalization: LossNormalization = GUIDANCE(
         DEFAULT_GUIDANCE.normalization,
         help="all: the kept tokens' summed loss over all N target tokens of the step (paper "
-        "eq. 3, an expectation over i in [1, N]); kept: over the number of kept tokens (a mean "
-        "over kept tokens, not the paper's: ~2.4x larger gradients at top-k 40%%, so another "
-        "effective learning rate; not available for chunk modes)",
+        "eq. 3); kept: over the kept tokens only (not the paper's: ~2.4x larger gradients at "
+        "top-k 40%%; not for chunk modes)",
     )
-    topk: float = option(
+    topk: float = GUIDANCE(
         DEFAULT_GUIDANCE.topk, help="fraction of candidate tokens kept (ceil(topk * n))"
     )
-    unmapped: UnmappedStrategy = option(
+    unmapped: UnmappedStrategy = GUIDANCE(
         DEFAULT_GUIDANCE.unmapped,
         help="student tokens with no teacher loss: include (always kept), exclude (never "
         "kept), mean (get the mean teacher loss and compete in the top-k)",
     )
-    aggregate: Aggregation = option(
+    aggregate: Aggregation = GUIDANCE(
         DEFAULT_AGGREGATION,
         help="how the losses of the teacher tokens covering one student token combine",
     )
-    selection_scope: SelectionScope = option(
+    selection_scope: SelectionScope = GUIDANCE(
         DEFAULT_GUIDANCE.scope,
         help="rank tokens per micro-batch on each rank, or across all ranks' micro-batches at "
         "once (one threshold, all_gather)",
     )
-    alm_weight: float = option(
+    alm_weight: float = GUIDANCE(
         1.0,
         help="--guidance alm: the ALM term's weight beside the cross-entropy (tokenkit's "
         "large-to-small example sums sft and alm_unconstrained with equal weights)",
     )
-    alm_temperature: float = option(
+    alm_temperature: float = GUIDANCE(
         100.0, help="--guidance alm: binary_ce's binarization temperature (tokenkit: 100)"
     )
-    alm_merge_threshold: float = option(
+    alm_merge_threshold: float = GUIDANCE(
         0.1,
         help="--guidance alm: merge a chunk into the next while the teacher's space "
         "probability after it is at most this (tokenkit's tokenizer_pair_bias_threshold: 0.1)",
     )
-    alm_mode: AlmMode = option(
+    alm_mode: AlmMode = GUIDANCE(
         "merge_by_space_prob+append_space",
         help="--guidance alm: tokenkit's alm_mode (the default is its default); naive: chunk "
         "log-probabilities only, no merging or space term, and no --space-logprob column needed",
     )
-    seq_len: int = option(2048, help="tokens per training sequence (documents are packed)")
-    packing: Packing = option(
+    seq_len: int = DATA(2048, help="tokens per training sequence (documents are packed)")
+    packing: Packing = DATA(
         "documents",
         help="documents: whole documents packed best-fit, attention masked at document "
         "boundaries, positions restarting per document (as stage 1 scored them); stream: "
         "documents concatenated and cut into windows, no mask (see docs/packing.md)",
     )
-    loss_kernel: LossKernel = option(
+    loss_kernel: LossKernel = KERNELS(
         "auto",
         help="chunked: the per-token loss from the last hidden states and the head's weight in "
         "row chunks, never the whole micro-batch's logits (Llama, Mistral, Qwen2/3 students, "
         "not with --fsdp); plain: the model's logits, then the loss; "
         "auto: chunked on a GPU where it applies (docs/gpu-path.md)",
     )
-    compile: CompileLayers = option(
+    compile: CompileLayers = KERNELS(
         "auto",
         help="layers: torch.compile each decoder layer of the student (norms, RoPE, MLP fused; "
         "tens of seconds of compiling at the first step); off: eager; auto: layers on a GPU, "
         "off on a CPU (docs/gpu-path.md)",
     )
-    attention: Attention = option(
+    attention: Attention = KERNELS(
         "auto",
         help="how attention takes --packing documents' mask: flex: PyTorch flex_attention with "
         "a block mask (no T x T mask; trains on a GPU only); dense: a [B, 1, T, T] boolean mask "
         "through SDPA; auto: flex on a GPU, dense on a CPU (see docs/packing.md)",
     )
-    packing_context: float = option(
+    packing_context: float = DATA(
         0.5,
         help="--packing documents: the continuation of a document longer than a window "
         "re-reads this fraction of a window before it as context, without loss",
     )
-    stop_at_step: int | None = option(
+    stop_at_step: int | None = CHECKPOINTING(
         None,
         help="stop cleanly after this step with a checkpoint, as a cluster time limit would; "
         "--resume auto continues the same schedule",
     )
-    save_every: int = option(500, help="save a checkpoint every N steps")
-    resume: str = option(
+    save_every: int = CHECKPOINTING(500, help="save a checkpoint every N steps")
+    resume: str = CHECKPOINTING(
         "auto",
         help="auto: continue from the newest complete checkpoint in OUT if any; never: start "
         "fresh (refused if OUT already has checkpoints); or a path to a step-N folder",
     )
-    seed: int = option(0, help="seed for model init, data order, and random selection")
-    global_batch_tokens: int = option(
+    seed: int = OPTIMIZER(0, help="seed for model init, data order, and random selection")
+    global_batch_tokens: int = OPTIMIZER(
         2**21, help="tokens per optimizer step over all ranks (gradient accumulation fills it)"
     )
-    micro_batch_size: int = option(4, help="sequences per forward pass on each rank")
-    lr: float = option(8e-5, help="peak learning rate (after warmup)")
-    min_lr: float = option(8e-6, help="learning rate at the end of the cosine decay")
-    warmup_steps: int = option(100, help="linear warmup steps from 0 to --lr")
-    weight_decay: float = option(0.1, help="AdamW weight decay (not applied to norms and biases)")
-    adam_beta1: float = option(0.9, help="AdamW beta1")
-    adam_beta2: float = option(0.95, help="AdamW beta2")
-    adamw_kernel: AdamwKernel = option(
+    micro_batch_size: int = OPTIMIZER(4, help="sequences per forward pass on each rank")
+    lr: float = OPTIMIZER(8e-5, help="peak learning rate (after warmup)")
+    min_lr: float = OPTIMIZER(8e-6, help="learning rate at the end of the cosine decay")
+    warmup_steps: int = OPTIMIZER(100, help="linear warmup steps from 0 to --lr")
+    weight_decay: float = OPTIMIZER(0.1, help="AdamW weight decay (not applied to norms and biases)")
+    adam_beta1: float = OPTIMIZER(0.9, help="AdamW beta1")
+    adam_beta2: float = OPTIMIZER(0.95, help="AdamW beta2")
+    adamw_kernel: AdamwKernel = KERNELS(
         "auto",
         help="torch's AdamW implementation: fused (one kernel updates every parameter), plain "
         "(torch's default: foreach on a GPU, a loop over parameters on a CPU), auto: fused on "
         "a GPU, plain on a CPU; the same update up to float rounding (docs/gpu-path.md)",
     )
-    grad_clip: float = option(1.0, help="clip the global gradient norm to this (0: no clipping)")
-    num_workers: int = option(
+    grad_clip: float = OPTIMIZER(1.0, help="clip the global gradient norm to this (0: no clipping)")
+    num_workers: int = DATA(
         2,
         help="data-loader worker processes per rank (0: in the main process); fewer are started "
         "where they would not split the rank's data consumers evenly",
     )
-    data_consumers: int = option(
+    data_consumers: int = DATA(
         16,
         help="the data stream's consumers: the cache is split into this many independent streams, "
         "dealt to the ranks, so a checkpoint resumes on any world size that divides it (16: 1, "
         "2, 4, 8 or 16 ranks); each step's documents depend on it and the global batch only",
     )
-    fsdp: bool = option(
+    fsdp: bool = MODEL(
         False, help="shard the student with FSDP (for students too big for one device)"
     )
-    dtype: ComputeDtype = option(
+    dtype: ComputeDtype = MODEL(
         "auto",
         help="compute dtype: bfloat16 autocast needs a GPU; auto is bfloat16 on GPU, float32 "
         "on CPU "
         "(weights and optimizer state stay float32)",
     )
-    fsdp_param_dtype: FsdpParamDtype = option(
+    fsdp_param_dtype: FsdpParamDtype = MODEL(
         "auto",
         help="--fsdp: the dtype FSDP2 gathers the parameters in and the forward and backward "
         "passes run in (MixedPrecisionPolicy); gradients are reduced in float32 and the "
         "optimizer keeps float32 weights either way; auto: bfloat16 where the compute dtype is "
         "bfloat16 (a GPU), float32 elsewhere (docs/gpu-path.md)",
     )
-    shard_cache: str = option(
+    shard_cache: str = DATA(
         "",
         help="--cache in object storage: local folder for the verified copies of shards being "
         "read (default: the system's temporary folder)",
     )
-    shard_cache_gib: float = option(
+    shard_cache_gib: float = DATA(
         8.0, help="--cache in object storage: GiB of shard copies a rank keeps at most"
     )
-    read_ahead: int = option(
+    read_ahead: int = DATA(
         2, help="--cache in object storage: shards fetched ahead of the one being read"
     )
-    record_documents: bool = option(
+    record_documents: bool = LOGGING(
         False, help="write OUT/documents/rank-R.jsonl: the documents each step began training on"
     )
 

@@ -44,7 +44,6 @@ from stage2_train.attention import use_attention
 from stage2_train.checkpoint import (
     check_resumable,
     load_checkpoint,
-    resolved_options,
     resume_from,
     save_checkpoint,
 )
@@ -56,6 +55,7 @@ from stage2_train.data.plan import DataPlan, cache_fingerprint
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
 from stage2_train.forward import extras_of, student_forward
+from stage2_train.kernels import ResolvedKernels
 from stage2_train.output import check_output_is_a_run, hold_output
 from stage2_train.parallel import autocast, full_state_dict, gradient_sync, unwrapped, wrap
 from stage2_train.preflight import (
@@ -149,13 +149,14 @@ def _train(
         "torch_threads": torch.get_num_threads(),
     }
     student = build_student(config.student, tokenizer, config.seed, config.seq_len)
-    meta |= resolved_options(config, student, runtime.device)
-    use_attention(student, meta["resolved_attention"])
+    kernels = ResolvedKernels.on(config, student, runtime.device)
+    meta |= kernels.saved()
+    use_attention(student, kernels.attention)
     check_student_fits(config, student.config, runtime.device)
     model = wrap(
-        student, runtime, config.fsdp, meta["resolved_compile"], meta["resolved_fsdp_param_dtype"]
+        student, runtime, config.fsdp, kernels.compile, kernels.fsdp_param_dtype
     )
-    optimizer = make_optimizer(model, config, meta["resolved_adamw_kernel"])
+    optimizer = make_optimizer(model, config, kernels.adamw_kernel)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda index: lr_at(index + 1, config) / config.lr
     )
@@ -241,9 +242,9 @@ def _train(
                 extras = extras_of(batch, distillation, runtime.device)
                 reads = distillation.reads(extras, subset)
             with gradient_sync(model, micro == accumulation - 1):
-                kernel = meta["resolved_loss_kernel"]
                 student = student_forward(
-                    model, batch, labels, reads or HeadReads(), compute, kernel, runtime.device
+                    model, batch, labels, reads or HeadReads(), compute, kernels.loss_kernel,
+                    runtime.device,
                 )
                 result = guided_loss(
                     student.loss,

@@ -278,7 +278,8 @@ def test_every_choice_set_reaches_flags_and_help_from_its_literal():
 
 
 def test_every_configuration_dataclass_is_walked():
-    """A new config class (any dataclass built from `option(...)` fields) joins CONFIGS."""
+    """A new config class (any dataclass built from `option(...)` fields, or a group's
+    `options_of` factory's, spelled in capitals) joins CONFIGS."""
     folders = ("pipeline", "apps", "stage1_score", "stage2_train", "scripts")
     sources = [path for folder in folders for path in REPO.glob(f"{folder}/**/*.py")]
     found = set()
@@ -287,18 +288,19 @@ def test_every_configuration_dataclass_is_walked():
         for match in re.finditer(
             r"@dataclass[^\n]*\nclass (\w+)[^\n]*:\n(.*?)(?=\n\S|\Z)", text, re.S
         ):
-            if "= option(" in match.group(2):
+            if re.search(r"= (option|[A-Z]+)\(", match.group(2)):
                 found.add(match.group(1))
     assert found == {cls.__name__ for cls in CONFIGS}
 
 
 def test_a_checkpoints_saved_config_is_read_through_the_same_checks(tmp_path):
-    from stage2_train.checkpoint import RESOLVED_BEFORE, check_resumable
+    from stage2_train.checkpoint import check_resumable
+    from stage2_train.kernels import BEFORE
 
     config = from_dict(TrainConfig, {"cache": "c", "student": "s", "out": "o", "max_steps": 10,
                                      "warmup_steps": 1})  # fmt: skip
     meta = {"cache_fingerprint": "f", "world_size": 1, "workers_per_rank": 0, "torch_threads": 1,
-            **{f"resolved_{name}": value for name, value in RESOLVED_BEFORE.items()}}  # fmt: skip
+            **{f"resolved_{name}": value for name, value in BEFORE.items()}}  # fmt: skip
     folder = tmp_path / "step-3"
     folder.mkdir()
     (folder / "checkpoint.json").write_text(json.dumps({"step": 3, **meta}))
@@ -345,3 +347,52 @@ def test_a_misspelled_manifest_table_is_refused_naming_it(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no command reads a [stage_2] table; did you mean [stage2]?" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+STAGES = (ScoreConfig, TrainConfig)
+
+
+@pytest.mark.parametrize("cls", STAGES, ids=lambda cls: cls.__name__)
+def test_each_stage_option_is_in_a_group_with_a_short_help(cls):
+    """--help lists a stage's options by the component that reads them, each in a sentence or
+    two (the detail is in docs/)."""
+    from pipeline.config import HELP_CHARACTERS, option_groups
+
+    ungrouped = [name for name, group in option_groups(cls).items() if group is None]
+    assert not ungrouped
+    long = {
+        f.name: len(f.metadata["help"])
+        for f in dataclasses.fields(cls)
+        if f.init and len(f.metadata["help"]) > HELP_CHARACTERS
+    }
+    assert not long, long
+    shown = build_parser(cls, "", "x").format_help()
+    for group in set(option_groups(cls).values()):
+        assert f"\n{group} options:\n" in shown
+
+
+def test_a_manifest_may_group_a_stages_options_in_sub_tables(tmp_path):
+    """[stage1.corpus] holds the corpus options; the flat spelling still works, the same config;
+    an option in the wrong sub-table or an unknown sub-table is one line naming it."""
+    flat = tmp_path / "flat.toml"
+    flat.write_text('[stage1]\nteacher = "t"\ncorpus = "c"\nout = "o"\ntext_column = "body"\n'
+                    "batch_tokens = 4096\n")  # fmt: skip
+    grouped = tmp_path / "grouped.toml"
+    grouped.write_text('[stage1]\nteacher = "t"\n[stage1.corpus]\ncorpus = "c"\n'
+                       'text_column = "body"\n[stage1.output]\nout = "o"\n'
+                       "[stage1.batching]\nbatch_tokens = 4096\n")  # fmt: skip
+    configs = [parse_config(ScoreConfig, ["--manifest", str(p)], "", "stage1") for p in (flat, grouped)]
+    assert configs[0] == configs[1] and configs[1].text_column == "body"
+    cases = {
+        '[stage1.corpus]\nbatch_tokens = 4096\n': "batch_tokens is a [batching] option, not a "
+        "[corpus] one",
+        '[stage1.corpora]\ncorpus = "c"\n': "no option group [corpora]; the groups are batching, "
+        "corpus,",
+        '[stage1]\ntext_column = "a"\n[stage1.corpus]\ntext_column = "b"\n': "text_column is "
+        "set twice (flat and in [corpus])",
+    }
+    for text, message in cases.items():
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_config(ScoreConfig, ["--manifest", str(bad)], "", "stage1")

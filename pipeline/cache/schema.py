@@ -35,6 +35,7 @@ LOSS_DTYPES = {name: pa.type_for_alias(name) for name in LOSS_DTYPE_NAMES}
 TOPK_PROBS = "topk_probs"  # list<fixed_size_list<float16>[K]>, null where unscored
 TOPK_IDS = "topk_ids"  # list<fixed_size_list<uint16 or int32>[K]>, null where unscored
 TOPK_REST = "topk_rest"  # list<float16>: 1 - sum(topk_probs), NaN where unscored
+MAX_TOPK = 128  # the most top-k entries a position holds
 SPACE_LOGPROB = "space_logprob"  # list<float16>: log P(next token in the space mask), NaN unscored
 OPTIONAL_COLUMNS = (TOPK_PROBS, TOPK_IDS, TOPK_REST, SPACE_LOGPROB)
 # The stage-1 option that adds each (stage1_score/config.py), for a refusal that says what to run.

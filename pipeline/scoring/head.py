@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, TOPK_REST
+from pipeline.cache.schema import MAX_TOPK, SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, TOPK_REST
 from pipeline.choices import TRITON_HEAD_WITHOUT_TOPK, compiles_on, on_device
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
@@ -25,7 +25,6 @@ from pipeline.scoring.head_kernels import (
     topk_columns,
 )
 
-MAX_TOPK = 128
 # The Triton kernel's check at load, on batches of these many positions: Triton compiles a kernel
 # again for an integer argument of 1 and for a multiple of 16, so each kind of count a unit can
 # give is compiled (and checked) here, not inside a unit; 67 is not a whole block either.
