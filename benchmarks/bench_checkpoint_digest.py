@@ -58,6 +58,7 @@ def main() -> None:
             input_ids=torch.ones(1, 8, dtype=torch.long), labels=torch.ones(1, 8, dtype=torch.long)
         ).loss.backward()  # noqa: E501
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # the gradients are no part of a checkpoint
         runtime = Runtime(0, 0, 1, torch.device("cpu"))
         plan = DataPlan.from_cache(root / "cache", student_tokenizer=tokenizer.spec, seq_len=64,
                                    micro_batch_size=1)  # fmt: skip

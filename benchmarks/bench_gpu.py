@@ -40,7 +40,8 @@ What each row measures:
   documents, whose last, partly empty rows made 2.3% more slots than all documents at once).
 - stage 1 again: the same job run again, later (after the floors), as a ratio to stage 1: the
   noise between two runs of one job, and what being the first job on a fresh machine costs (its
-  compile caches cold; run 9's first job measured 0.97 of its later ones, docs/stage1-gpu-path.md).
+  compile caches cold; run 9's first job measured 0.97 of its later ones,
+  benchmarks/results/2026-11-27-h200/README.md).
   Its stored losses equal stage 1's exactly (a rerun gives the same cache).
 - stage 1 +space: the same job with `--space-logprob` (ALM's column, docs/cache-columns.md), for
   the first teacher, as a ratio to stage 1 without it. A switch row measured after `again` also

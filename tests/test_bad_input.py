@@ -1,5 +1,5 @@
 """Bad and awkward input in both stages, where no other test covers it (the full table, with the
-tests that cover the rest, is in docs/fault-tolerance.md):
+tests that cover the rest, is in docs/bad-input.md):
 
 - texts a tokenizer normalizes (ligatures, full-width digits, combining marks) and control
   characters (NUL, ESC, zero-width space): stage 1 scores them with offsets inside the original

@@ -2,7 +2,7 @@
 
 Minixhofer, Vulić and Ponti, "Universal Cross-Tokenizer Distillation via Approximate Likelihood
 Matching" (arXiv:2503.20083); reference implementation bminixhofer/tokenkit
-(`tokenkit/training/losses.py: compute_alm_loss`, defaults of `scripts/cross_tokenizer_distill.py`:
+(`tokenkit/training/losses.py: compute_alm_loss`, defaults of `tokenkit/scripts/cross_tokenizer_distill.py`:
 `alm_mode = merge_by_space_prob+append_space`, `tokenizer_pair_bias_threshold = 0.1`,
 `alm_diff_fn = binary_ce`, `binarization_temp = 100`, ε = 1e-6, the main path averaged over
 chunks, trained as `losses = [sft, alm_unconstrained]`: cross-entropy + weight x ALM).

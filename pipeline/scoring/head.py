@@ -177,8 +177,9 @@ def head_columns(
 ) -> HeadColumns:
     """The columns of a teacher's `head` (`vocab_size` outputs; `plain_head`: its logits are the
     head applied to the body's output) by `--head-kernel` `asked`. auto: on a GPU onepass (the
-    fastest, run 7: docs/stage1-gpu-path.md), or fused with one warning where its Triton kernel
-    does not run or fails its check at load; on a CPU plain, whose caches are those of before."""
+    fastest, run 7: benchmarks/results/2026-11-27-h200/README.md), or fused with one warning
+    where its Triton kernel does not run or fails its check at load; on a CPU plain, whose caches
+    are those of before."""
     kernel = on_device(asked, device, gpu="onepass", cpu="plain")
     try:
         columns = HeadColumns(extras, vocab_size, device, kernel)

@@ -29,8 +29,8 @@ dtype), reduced by one Triton program per row that reads each logit once: the sa
 (`logit_row_sums`), the space mask's share of Z included, each exponential in base 2 (one FMA and
 one MUFU.EX2 a logit: `LOG2_E`), where the fused pass's compiled reductions read each row once for
 the max and Z and again for the space mask's sum (runs 3-6's fused pass read it twice for the loss
-alone: docs/stage1-gpu-path.md). Its columns are fused's up to fp32 rounding, and a space column
-below about -72 nats, which its flushed terms may take to the floor.
+alone: benchmarks/results/2026-11-27-h200/README.md). Its columns are fused's up to fp32
+rounding, and a space column below about -72 nats, which its flushed terms may take to the floor.
 """
 
 from __future__ import annotations
