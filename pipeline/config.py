@@ -275,7 +275,8 @@ def grouped_table(cls: type, table: dict[str, Any], where: str) -> dict[str, Any
             continue
         if name not in groups.values():
             known = ", ".join(sorted({g for g in groups.values() if g}))
-            raise ConfigError(f"{where}: no option group [{name}]; the groups are {known}")
+            said = f"the groups are {known}" if known else "its options are not grouped"
+            raise ConfigError(f"{where}: no option group [{name}]; {said}")
         for key, value in sub.items():
             key = key.replace("-", "_")
             if groups.get(key, name) != name:

@@ -396,3 +396,6 @@ def test_a_manifest_may_group_a_stages_options_in_sub_tables(tmp_path):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_config(ScoreConfig, ["--manifest", str(bad)], "", "stage1")
+    bad.write_text('[eval]\nmodel = "m"\n[eval.data]\nnum_docs = 2\n')
+    with pytest.raises(ConfigError, match=r"no option group \[data\]; its options are not grouped"):
+        parse_config(EvalConfig, ["--manifest", str(bad)], "", "eval")
