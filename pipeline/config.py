@@ -260,7 +260,7 @@ def check_options(
     return checked
 
 
-def option_groups(cls: type) -> dict[str, str]:
+def option_groups(cls: type) -> dict[str, str | None]:
     """Each option of `cls` -> the group it is listed under (--help, a manifest's sub-tables)."""
     return {f.name: f.metadata.get("group") for f in dataclasses.fields(cls) if f.init}
 

@@ -30,7 +30,7 @@ from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.teacher import TeacherSource, load_teacher_tokenizer
 from pipeline.space_mask import space_mask
 from pipeline.storage import Store
-from pipeline.storage.store import as_location, child
+from pipeline.storage.store import child
 from pipeline.versions import software_versions
 from stage1_score.output import Sidecar, write_sidecar
 from stage1_score.units import WorkUnit
@@ -241,19 +241,18 @@ def write_unit(
         "schema_version": SCHEMA_VERSION,
     }
     total = sum(len(e) for e in encodings)
-    out = as_location(spec.out)
     # A full local disk is one line naming it (Ray would relay a remote traceback); an object
     # store's own errors name their bucket.
     writing = (
-        space_checked(out, f"unit {unit.index}'s shard", "the finished units are kept")
-        if isinstance(out, Path)
+        space_checked(spec.out, f"unit {unit.index}'s shard", "the finished units are kept")
+        if isinstance(spec.out, Path)
         else contextlib.nullcontext()
     )
     with writing:
-        size, digest = write_shard(child(out, name), table, footer)
+        size, digest = write_shard(child(spec.out, name), table, footer)
         record = ShardRecord(unit.index, name, len(unit), total, size, digest)
         sidecar = Sidecar(record, spec.run_fingerprint, unit.content_sha256, software)
-        write_sidecar(out, sidecar)
+        write_sidecar(spec.out, sidecar)
     return sidecar
 
 
