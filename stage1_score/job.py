@@ -25,6 +25,7 @@ from pipeline.corpus import Corpus
 from pipeline.errors import ConfigError, CorpusError
 from pipeline.io import sha256_text
 from pipeline.log import counted, get_logger
+from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import (
     TeacherSource,
     check_model_weights,
@@ -228,12 +229,7 @@ def run(config: ScoreConfig) -> CacheManifest:
                 max_length=job.max_length,
                 stride=job.stride,
                 batch_tokens=config.batch_tokens,
-                head_kernel=config.head_kernel,
-                head_chunks=config.head_chunks,
-                row_packing=config.row_packing,
-                attention=config.attention,
-                batch_overlap=config.batch_overlap,
-                compile=config.compile,
+                switches=HeadSwitches.asked_by(config),
                 loss_dtype=config.loss_dtype,
                 settings=job.identity["settings"],
                 out=out if isinstance(out, str) else out.resolve(),
@@ -335,5 +331,6 @@ def _score_corpus(job: Plan, pool: WorkerPool, run_fingerprint: str) -> CacheMan
         corpus=corpus,
         shards=[shards[i].shard for i in range(len(shards))],
         skipped=skipped,
-        software=scored_by(shards, log.warning),
+        software=scored_by(shards, "software", log.warning),
+        switches=scored_by(shards, "switches", log.warning),
     )

@@ -27,7 +27,7 @@ import contextlib
 import fnmatch
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.cache.manifest import (
@@ -73,6 +73,8 @@ class Sidecar:
     # the scoring worker's software (pipeline.versions): not in the run's identity, as a rerun
     # under another torch or Triton resumes the cache (the backend's version is in it)
     software: dict[str, str]
+    # the scorer's switches as resolved on its worker (pipeline.scoring.switches; {}: vLLM's)
+    switches: dict[str, str | None] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -84,6 +86,7 @@ class Sidecar:
             data["run_fingerprint"],
             data["content_sha256"],
             data.get("software", {}),  # {} from a sidecar written before it was recorded
+            data.get("switches", {}),
         )
 
 
@@ -246,18 +249,18 @@ def finished_shard(
     return sidecar
 
 
-def scored_by(sidecars: dict[int, Sidecar], log=print) -> dict:
-    """The manifest's software record from the units' sidecars (pipeline.cache.manifest:
-    cache_software), said in one line where different software scored its shards."""
-    software = cache_software({index: sidecar.software for index, sidecar in sidecars.items()})
+def scored_by(sidecars: dict[int, Sidecar], what: str, log=print) -> dict:
+    """The manifest's `what` record ("software" or "switches") from the units' sidecars
+    (pipeline.cache.manifest: cache_software), said in one line where the shards' differ."""
+    record = cache_software({index: getattr(sidecar, what) for index, sidecar in sidecars.items()})
     mixed = [
-        f"{package} " + ", ".join(f"{v} ({counted(len(s), 'shard')})" for v, s in versions.items())
-        for package, versions in software.items()
-        if isinstance(versions, dict)
+        f"{name} " + ", ".join(f"{v} ({counted(len(s), 'shard')})" for v, s in values.items())
+        for name, values in record.items()
+        if isinstance(values, dict)
     ]
     if mixed:
         log(
-            f"the cache's shards were scored by different software: {'; '.join(mixed)}; "
-            f"{MANIFEST_NAME} names each version's shards (software)"
+            f"the cache's shards were scored with different {what}: {'; '.join(mixed)}; "
+            f"{MANIFEST_NAME} names each value's shards ({what})"
         )
-    return software
+    return record

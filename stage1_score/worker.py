@@ -27,6 +27,7 @@ from pipeline.io import space_checked
 from pipeline.log import configure, get_logger
 from pipeline.profiling import traced
 from pipeline.scoring.head import HeadExtras
+from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import TeacherSource, load_teacher_tokenizer
 from pipeline.space_mask import space_mask
 from pipeline.storage import Store
@@ -57,12 +58,7 @@ class WorkerSpec:
     vllm_cpu_kvcache_gib: int = 1
     vllm_enforce_eager: bool = False
     settings: dict | None = None  # the cache's result settings: which optional columns to compute
-    head_kernel: str = "auto"  # hf backend (pipeline.scoring.head)
-    head_chunks: str = "auto"
-    row_packing: str = "auto"
-    attention: str = "auto"
-    batch_overlap: str = "auto"
-    compile: str = "auto"
+    switches: HeadSwitches = HeadSwitches()  # hf backend, as asked (pipeline.scoring.switches)
     profile_unit: int | None = None  # the unit whose scoring is traced (--profile-unit)
 
 
@@ -135,12 +131,7 @@ def load_scorer(spec: WorkerSpec, extras: HeadExtras | None = None):
         stride=spec.stride,
         batch_tokens=spec.batch_tokens,
         extras=extras,
-        head_kernel=spec.head_kernel,
-        head_chunks=spec.head_chunks,
-        row_packing=spec.row_packing,
-        attention=spec.attention,
-        batch_overlap=spec.batch_overlap,
-        compile=spec.compile,
+        switches=spec.switches,
     )
 
 
@@ -172,6 +163,7 @@ class UnitScorer:
         self._scorer = load_scorer(self.spec, self._extras)
         # once the teacher is loaded, so that each package it imported names its build
         self._software = software_versions()
+        self._switches = {} if self._scorer.switches is None else self._scorer.switches.saved()
 
     def describe(self) -> dict:
         self._load()
@@ -212,17 +204,19 @@ class UnitScorer:
         if trace.data is not None:
             Store(self.spec.out).write_bytes(profile_name(unit.index), trace.data)
         with phase(phases, "write"):
-            sidecar = write_unit(self.spec, unit, encodings, losses, columns, self._software)
+            sidecar = write_unit(
+                self.spec, unit, encodings, losses, columns, self._software, self._switches
+            )
         unscored = [doc for doc, n in zip(unit.doc_ids, lengths, strict=True) if n < 2]
         seconds = time.monotonic() - started
         return UnitResult(sidecar, seconds, self.worker, phases, device, unscored)
 
 
 def write_unit(
-    spec: WorkerSpec, unit: WorkUnit, encodings, losses, columns, software: dict
+    spec: WorkerSpec, unit: WorkUnit, encodings, losses, columns, software: dict, switches: dict
 ) -> Sidecar:
-    """The unit's shard (atomically), then its sidecar, which names the `software` that scored it:
-    the worker's host work after scoring."""
+    """The unit's shard (atomically), then its sidecar, which names the `software` and the
+    resolved `switches` that scored it: the worker's host work after scoring."""
     table = build_unit_table(
         unit.doc_ids,
         unit.texts,
@@ -251,7 +245,7 @@ def write_unit(
     with writing:
         size, digest = write_shard(child(spec.out, name), table, footer)
         record = ShardRecord(unit.index, name, len(unit), total, size, digest)
-        sidecar = Sidecar(record, spec.run_fingerprint, unit.content_sha256, software)
+        sidecar = Sidecar(record, spec.run_fingerprint, unit.content_sha256, software, switches)
         write_sidecar(spec.out, sidecar)
     return sidecar
 

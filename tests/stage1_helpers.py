@@ -16,6 +16,7 @@ from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.io import read_bytes
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.shipped import shipped_corpus, shipped_tokenizer_file
 from pipeline.space_mask import space_mask
@@ -140,7 +141,7 @@ def columns_of(
     extras = HeadExtras(topk=topk, space_mask=space_mask(tokenizer, tokenizer.vocab_size)[0])
     scorer = HFScorer(
         resolve_teacher(str(folder)), dtype="float32", max_length=MAX_LENGTH, stride=STRIDE,
-        batch_tokens=64, device="cpu", extras=extras, **switches,
+        batch_tokens=64, device="cpu", extras=extras, switches=HeadSwitches(**switches),
     )  # fmt: skip
     columns = scorer.score_columns(ids)
     return scorer, joined_columns(columns)

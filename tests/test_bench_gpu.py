@@ -22,6 +22,7 @@ VLLM_IMPORTS = importlib.util.find_spec("vllm") is not None  # `make test` insta
 
 from pipeline.scoring.head import HeadColumns  # noqa: E402
 from pipeline.scoring.hf import HFScorer  # noqa: E402
+from pipeline.scoring.switches import HeadSwitches  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.scoring.windows import plan_document_windows  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
@@ -38,7 +39,7 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
     folder = bench_gpu.build_teacher(tmp_path / "teacher", shape, cpu, torch.float32)
     scorer = HFScorer(
         resolve_teacher(str(folder)), dtype="float32", max_length=32, stride=16, batch_tokens=64,
-        device="cpu", head_kernel="fused",
+        device="cpu", switches=HeadSwitches(head_kernel="fused"),
     )  # fmt: skip
     model = scorer.model
     assert model.config.vocab_size == shape["vocab_size"] >= load_tokenizer("qwen2.5").vocab_size

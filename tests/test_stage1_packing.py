@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ from pipeline.errors import ConfigError
 from pipeline.scoring import device, head, head_kernels, hf
 from pipeline.scoring.batching import pack_rows, packed_layouts, padded_layouts
 from pipeline.scoring.head import HeadExtras
+from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.scoring.windows import plan_document_windows
 from pipeline.space_mask import space_mask
@@ -168,15 +170,16 @@ def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
 
     settings = dict(
         dtype="float32", max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=64, device="cpu",
-        head_kernel="fused", row_packing=packing,
-        attention="flex" if packing == "packed" else "auto",
     )  # fmt: skip
+    switches = HeadSwitches(
+        head_kernel="fused", row_packing=packing, attention="flex" if packing == "packed" else "auto"
+    )
     teacher = resolve_teacher(str(teachers["smollm2"]))
     tokenizer = load_tokenizer(str(teachers["smollm2"]))
     if columns == "all":
         mask = space_mask(tokenizer, tokenizer.vocab_size)[0]
         settings["extras"] = HeadExtras(topk=8, space_mask=mask)
-    scorer = hf.HFScorer(teacher, compile="layers", **settings)
+    scorer = hf.HFScorer(teacher, switches=replace(switches, compile="layers"), **settings)
     compiled = counters["stats"]["unique_graphs"]
     assert (scorer.describe()["head_kernel"], scorer.describe()["compile"]) == ("fused", "layers")
     text = " ".join(["seven apples and six pears"] * 2)
@@ -191,9 +194,9 @@ def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     assert counters["stats"]["unique_graphs"] == compiled
     packed = packing == "packed"
     assert scorer.describe()["attention"] == ("flex" if packed else None)
-    settings["attention"] = "dense" if packed else "auto"
+    switches = replace(switches, attention="dense" if packed else "auto")
     compiled_as_on_a_gpu()  # the reference: eager, as on a CPU
-    eager = hf.HFScorer(teacher, compile="off", **settings)
+    eager = hf.HFScorer(teacher, switches=replace(switches, compile="off"), **settings)
     assert scorer.columns.compute is not eager.columns.compute is head_kernels.fused_columns
     assert (eager.describe()["compile"], eager.describe()["attention"]) == (
         "off", "dense" if packed else None
@@ -226,9 +229,9 @@ def test_a_teacher_without_decoder_layers_is_refused_compiling_or_runs_eagerly(
     teacher = resolve_teacher(str(folder))
     with pytest.raises(ConfigError, match=r"^--compile layers: the teacher has no decoder layers "
                        r"at model.layers; use --compile off$"):  # fmt: skip
-        hf.HFScorer(teacher, compile="layers", **settings)
+        hf.HFScorer(teacher, switches=HeadSwitches(compile="layers"), **settings)
     monkeypatch.setattr(hf, "resolve_compile", lambda choice, device: "layers")  # auto on a GPU
-    assert hf.HFScorer(teacher, compile="auto", **settings).describe()["compile"] == "off"
+    assert hf.HFScorer(teacher, switches=HeadSwitches(compile="auto"), **settings).describe()["compile"] == "off"
 
 
 def test_layers_that_fail_to_compile_are_refused_or_run_eagerly_under_auto(
@@ -253,16 +256,16 @@ def test_layers_that_fail_to_compile_are_refused_or_run_eagerly_under_auto(
     settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
     with pytest.raises(ConfigError, match=r"^--compile layers: compiling the teacher's layers "
                        r"failed \(RuntimeError: no kernel for this layer\); use --compile off$"):  # fmt: skip
-        hf.HFScorer(teacher, compile="layers", **settings)
+        hf.HFScorer(teacher, switches=HeadSwitches(compile="layers"), **settings)
     monkeypatch.setattr(hf, "resolve_compile", lambda choice, device: "layers"
                         if choice == "auto" else choice)  # auto as on a GPU  # fmt: skip
     configure()
-    scorer = hf.HFScorer(teacher, compile="auto", **settings)
+    scorer = hf.HFScorer(teacher, switches=HeadSwitches(compile="auto"), **settings)
     assert scorer.describe()["compile"] == "off"
     said = capsys.readouterr().err
     assert said.count("[scoring] --compile auto: compiling the teacher's layers failed") == 1, said
     ids = [e.ids for e in load_tokenizer(str(teachers["smollm2"])).encode_batch(TEXTS)]
-    eager = hf.HFScorer(teacher, compile="off", **settings)
+    eager = hf.HFScorer(teacher, switches=HeadSwitches(compile="off"), **settings)
     for ours, theirs in zip(scorer.score(ids), eager.score(ids), strict=True):
         np.testing.assert_array_equal(ours, theirs)
 
@@ -279,16 +282,16 @@ def test_a_teacher_that_does_not_honour_the_mask_is_refused_or_kept_padded(teach
     monkeypatch.setattr(hf.HFScorer, "_packed_inputs", mask_ignored)
     with pytest.raises(ConfigError, match=r"^--row-packing packed: this teacher's forward pass "
                        r"gives a packed window other hidden states .* use --row-packing padded$"):  # fmt: skip
-        hf.HFScorer(teacher, row_packing="packed", attention="dense", **settings)
+        hf.HFScorer(teacher, switches=HeadSwitches(row_packing="packed", attention="dense"), **settings)
     # auto packs on a GPU; a teacher that cannot be packed stays padded there
     monkeypatch.setattr(hf, "on_device", lambda choice, device, gpu, cpu: gpu
                         if choice == "auto" else choice)  # fmt: skip
-    scorer = hf.HFScorer(teacher, row_packing="auto", attention="dense", **settings)
+    scorer = hf.HFScorer(teacher, switches=HeadSwitches(row_packing="auto", attention="dense"), **settings)
     assert (scorer.describe()["row_packing"], scorer.describe()["attention"]) == ("padded", None)
     monkeypatch.undo()
     monkeypatch.setattr(hf, "on_device", lambda choice, device, gpu, cpu: gpu
                         if choice == "auto" else choice)  # fmt: skip
-    scorer = hf.HFScorer(teacher, row_packing="auto", attention="dense", **settings)
+    scorer = hf.HFScorer(teacher, switches=HeadSwitches(row_packing="auto", attention="dense"), **settings)
     assert scorer.describe()["row_packing"] == "packed"
 
 
@@ -304,8 +307,8 @@ def test_overlapped_batches_cache_what_serial_batches_do(teachers, packing):
     for overlap in ("off", "on"):
         scorer = hf.HFScorer(
             resolve_teacher(str(teachers["tinyllama"])), dtype="float32", max_length=MAX_LENGTH,
-            stride=STRIDE, batch_tokens=64, device="cpu", extras=extras, row_packing=packing,
-            attention="dense", batch_overlap=overlap,
+            stride=STRIDE, batch_tokens=64, device="cpu", extras=extras,
+            switches=HeadSwitches(row_packing=packing, attention="dense", batch_overlap=overlap),
         )  # fmt: skip
         assert scorer.describe()["batch_overlap"] == overlap
         progress: list[int] = []
@@ -351,8 +354,8 @@ def test_each_batch_is_timed_from_its_first_input_copy_to_its_columns_copies(
     ids = [e.ids for e in tokenizer.encode_batch(TEXTS)]
     scorer = hf.HFScorer(
         resolve_teacher(str(teachers["tinyllama"])), dtype="float32", max_length=MAX_LENGTH,
-        stride=STRIDE, batch_tokens=64, device="cpu", row_packing="padded",
-        batch_overlap=overlap,
+        stride=STRIDE, batch_tokens=64, device="cpu",
+        switches=HeadSwitches(row_packing="padded", batch_overlap=overlap),
     )  # fmt: skip
     monkeypatch.setattr(device, "time", SimpleNamespace(monotonic=lambda: launches[0]))
     monkeypatch.setattr(hf, "to_device", counting(hf.to_device))
@@ -416,8 +419,10 @@ def test_a_packed_batch_is_queued_without_waiting_for_the_device(teachers):
     extras = HeadExtras(topk=8, space_mask=space_mask(tokenizer, tokenizer.vocab_size)[0])
     scorer = hf.HFScorer(
         resolve_teacher(str(teachers["tinyllama"])), dtype="float32", max_length=MAX_LENGTH,
-        stride=STRIDE, batch_tokens=64, device="cpu", extras=extras, row_packing="packed",
-        attention="dense", head_kernel="fused", batch_overlap="on",
+        stride=STRIDE, batch_tokens=64, device="cpu", extras=extras,
+        switches=HeadSwitches(
+            row_packing="packed", attention="dense", head_kernel="fused", batch_overlap="on"
+        ),
     )  # fmt: skip
     with DeviceReads() as audit:
         columns = scorer.score_columns(ids)

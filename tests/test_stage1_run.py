@@ -254,8 +254,37 @@ def test_the_manifest_names_the_software_of_the_workers_that_scored_each_shard(
     assert software == {p: v for p, v in workers.items() if p != "torch"}
     assert json.loads((out / "shard-000002.json").read_text())["software"] == workers
     assert (
-        f"shards were scored by different software: torch {workers['torch']} (3 shards), "
-        "2.0.0+elsewhere (1 shard); manifest.json names each version's shards (software)"
+        f"shards were scored with different software: torch {workers['torch']} (3 shards), "
+        "2.0.0+elsewhere (1 shard); manifest.json names each value's shards (software)"
+    ) in capsys.readouterr().err
+
+
+def test_each_shard_records_the_switches_its_worker_resolved(built, tmp_path, capsys):
+    """Each unit's sidecar carries the hf backend's switches as its worker resolved them (on a CPU
+    every auto is the plain path), the manifest gathers them as it gathers the software, and a
+    cache resumed under other switches (planted: unit 1 as a GPU worker's onepass head scored
+    it) says which shards each value scored, in the manifest and in one line."""
+    built_out, command, _ = built
+    out = tmp_path / "cache"
+    shutil.copytree(built_out, out)
+    command = [str(out) if arg == str(built_out) else arg for arg in command]
+    on_a_cpu = {
+        "head_kernel": "plain", "head_chunks": "fixed", "row_packing": "padded",
+        "attention": None, "batch_overlap": "off", "compile": "off",
+    }  # fmt: skip
+    assert json.loads((out / "shard-000000.json").read_text())["switches"] == on_a_cpu
+    assert load_manifest(out).switches == on_a_cpu
+    sidecar = json.loads((out / "shard-000001.json").read_text())
+    sidecar["switches"]["head_kernel"] = "onepass"
+    (out / "shard-000001.json").write_text(json.dumps(sidecar))
+    (out / "shard-000002.parquet").unlink()  # unit 2 scored again by this run's worker
+    assert main(command) == 0
+    switches = load_manifest(out).switches
+    assert switches.pop("head_kernel") == {"plain": [0, 2, 3], "onepass": [1]}
+    assert switches == {name: v for name, v in on_a_cpu.items() if name != "head_kernel"}
+    assert (
+        "shards were scored with different switches: head_kernel plain (3 shards), onepass "
+        "(1 shard); manifest.json names each value's shards (switches)"
     ) in capsys.readouterr().err
 
 
@@ -311,13 +340,15 @@ def test_overlapped_units_cache_the_same_bytes_with_writing_beside_scoring(built
 
 def loaded_worker(teacher: Path, out: Path):
     """An in-process worker of the tiny teacher (--batch-overlap on, a GPU's default), loaded."""
+    from pipeline.scoring.switches import HeadSwitches
     from pipeline.scoring.teacher import resolve_teacher
     from stage1_score.worker import UnitScorer, WorkerSpec
 
     spec = WorkerSpec(
         teacher=resolve_teacher(str(teacher)), tokenizer=None, backend="hf", dtype="float32",
         max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=128, loss_dtype="float32",
-        out=out, run_fingerprint="test", threads=1, progress_seconds=1e9, batch_overlap="on",
+        out=out, run_fingerprint="test", threads=1, progress_seconds=1e9,
+        switches=HeadSwitches(batch_overlap="on"),
     )  # fmt: skip
     worker = UnitScorer(spec)
     worker.describe()  # loads the teacher

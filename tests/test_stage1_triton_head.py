@@ -17,6 +17,7 @@ import torch
 
 from pipeline.errors import ConfigError
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import resolve_teacher
 from tests.stage1_helpers import make_tiny_teacher
 
@@ -47,7 +48,7 @@ def test_without_cuda_or_the_interpreter_triton_is_refused_in_one_line(tmp_path,
     with pytest.raises(ConfigError, match=rf"^--head-kernel {kernel}: Triton compiles for CUDA "
                        r"devices, not cpu; .*TRITON_INTERPRET=1 .*; use --head-kernel fused$"):  # fmt: skip
         HFScorer(teacher, dtype="float32", max_length=16, stride=6, batch_tokens=64,
-                 device="cpu", head_kernel=kernel)  # fmt: skip
+                 device="cpu", switches=HeadSwitches(head_kernel=kernel))  # fmt: skip
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter is on")
@@ -65,13 +66,13 @@ def test_auto_takes_fused_with_one_warning_where_onepass_cannot_run(tmp_path, mo
     teacher = resolve_teacher(str(make_tiny_teacher(tmp_path / "t", "smollm2")))
     settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
     configure()
-    scorer = HFScorer(teacher, head_kernel="auto", **settings)
-    assert scorer.head_kernel == "fused" and scorer.describe()["head_kernel"] == "fused"
+    scorer = HFScorer(teacher, switches=HeadSwitches(head_kernel="auto"), **settings)
+    assert scorer.switches.head_kernel == "fused" and scorer.describe()["head_kernel"] == "fused"
     said = capsys.readouterr().err
     assert said.count("[scoring] --head-kernel auto takes fused: --head-kernel onepass: Triton "
                       "compiles for CUDA devices, not cpu") == 1, said  # fmt: skip
     with pytest.raises(ConfigError, match="^--head-kernel onepass: "):  # asked for: refused
-        HFScorer(teacher, head_kernel="onepass", **settings)
+        HFScorer(teacher, switches=HeadSwitches(head_kernel="onepass"), **settings)
 
 
 def test_the_kernel_compiles_for_hopper_and_ampere_pipelined_without_spills():

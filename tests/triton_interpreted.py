@@ -26,6 +26,7 @@ from pipeline.errors import ConfigError
 from pipeline.scoring import hf, triton_head
 from pipeline.scoring.head import exact_columns, head_kernel_function
 from pipeline.scoring.head_kernels import TINY, TOPK_BLOCK
+from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.scoring.triton_head import triton_head_columns
 from stage1_score.run import main
@@ -228,7 +229,7 @@ def test_triton_is_refused_in_one_line_where_its_columns_would_not_be_the_teache
     capped = resolve_teacher(str(make_tiny_teacher(tmp_path / "gemma2", "smollm2", arch="gemma2")))
     with pytest.raises(ConfigError, match=r"^--head-kernel triton: this teacher's logits are not "
                        r"its head applied .*; use --head-kernel fused$"):  # fmt: skip
-        hf.HFScorer(capped, head_kernel="triton", **settings)
+        hf.HFScorer(capped, switches=HeadSwitches(head_kernel="triton"), **settings)
     # the load probe catches a kernel whose columns are wrong (planted: one nat off) ...
     columns = triton_head.triton_head_columns
     monkeypatch.setattr(
@@ -238,7 +239,7 @@ def test_triton_is_refused_in_one_line_where_its_columns_would_not_be_the_teache
     teacher = resolve_teacher(str(teachers["smollm2"]))
     with pytest.raises(ConfigError, match=r"^--head-kernel triton: on a probe its columns differ "
                        r"from an fp32 product's by 1 \(more than 0.01\); use --head-kernel fused$"):  # fmt: skip
-        hf.HFScorer(teacher, head_kernel="triton", **settings)
+        hf.HFScorer(teacher, switches=HeadSwitches(head_kernel="triton"), **settings)
 
     # ... or NaN for one kind of batch only (planted: the one-position launch, compiled apart)
     monkeypatch.setattr(
@@ -248,7 +249,7 @@ def test_triton_is_refused_in_one_line_where_its_columns_would_not_be_the_teache
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"^--head-kernel triton: on a probe its columns differ "
                        r"from an fp32 product's by nan "):  # fmt: skip
-        hf.HFScorer(teacher, head_kernel="triton", **settings)
+        hf.HFScorer(teacher, switches=HeadSwitches(head_kernel="triton"), **settings)
 
     # ... and one that fails to build or run (planted: a compiler's error)
     def failing(*args):
@@ -257,7 +258,7 @@ def test_triton_is_refused_in_one_line_where_its_columns_would_not_be_the_teache
     monkeypatch.setattr(triton_head, "triton_head_columns", failing)
     with pytest.raises(ConfigError, match=r"^--head-kernel triton: the kernel failed on a probe "
                        r"\(RuntimeError: PassManager::run failed\); use --head-kernel fused$"):  # fmt: skip
-        hf.HFScorer(teacher, head_kernel="triton", **settings)
+        hf.HFScorer(teacher, switches=HeadSwitches(head_kernel="triton"), **settings)
 
 
 def test_onepass_is_checked_at_load_against_the_plain_kernel(teachers, tmp_path, monkeypatch):
@@ -281,14 +282,14 @@ def test_onepass_is_checked_at_load_against_the_plain_kernel(teachers, tmp_path,
     with pytest.raises(ConfigError, match=r"^--head-kernel onepass: on a probe its columns "
                        r"differ from the plain kernel's by 1 \(more than 0.01\); use "
                        r"--head-kernel fused$"):  # fmt: skip
-        hf.HFScorer(teacher, head_kernel="onepass", **settings)
+        hf.HFScorer(teacher, switches=HeadSwitches(head_kernel="onepass"), **settings)
 
     def failing(*args):
         raise RuntimeError("PassManager::run failed")
 
     monkeypatch.setattr(triton_head, "logit_row_sums", failing)
     with pytest.raises(ConfigError, match=r"^--head-kernel onepass: the kernel failed on a probe"):
-        hf.HFScorer(teacher, head_kernel="onepass", **settings)
+        hf.HFScorer(teacher, switches=HeadSwitches(head_kernel="onepass"), **settings)
 
 
 # slow: a Ray job whose workers load and check the kernels in the interpreter (68 s for onepass's

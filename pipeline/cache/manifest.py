@@ -81,6 +81,10 @@ class CacheManifest:
     skipped: list[SkippedDocument] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
     software: dict = field(default_factory=dict)
+    # the hf backend's switches as the workers resolved them (pipeline.scoring.switches), in the
+    # software's shape: not in the identity either, as each switch gives the same columns up to
+    # rounding (docs/stage1-gpu-path.md)
+    switches: dict = field(default_factory=dict)
 
     @property
     def producer(self) -> dict:
@@ -132,6 +136,7 @@ class CacheManifest:
                 skipped=[SkippedDocument(**s) for s in data["skipped"]],
                 schema_version=version,
                 software=data.get("software", {}),
+                switches=data.get("switches", {}),
             )
             for shard in manifest.shards:
                 _check_shard_record(shard)
@@ -172,7 +177,7 @@ UNRECORDED = "unrecorded"  # a shard whose sidecar predates the software record
 
 def cache_software(by_shard: Mapping[int, Mapping[str, str]]) -> dict:
     """The manifest's `software`: the versions of the workers that scored the shards (never the
-    driver's, which computes nothing stored). Where the shards' records differ (a run resumed
+    driver's, which computes nothing stored); its `switches` take the same shape. Where the shards' records differ (a run resumed
     under another torch or Triton: the run's identity names only the backend's version), each
     package that differs maps its versions to the shards they scored, "not installed" and
     UNRECORDED among them."""

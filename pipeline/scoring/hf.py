@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ from pipeline.scoring.batching import (
 )
 from pipeline.scoring.device import DeviceTime, QueuedBatch, QueuedColumns, free_memory, to_device
 from pipeline.scoring.head import HeadExtras, empty_columns, head_chunk_rows, head_columns
+from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
 
@@ -57,6 +59,7 @@ WARM_UP_TOKENS = 64
 # to a neighbouring window or taking its positions changes (a sizeable share of the norm). Half
 # precision weights get 50 times more (bf16 rounds at 4e-3).
 PACKING_TOLERANCE = 1e-3
+ASKED_BY_DEFAULT = HeadSwitches()  # every switch auto
 
 
 class HFScorer:
@@ -74,12 +77,7 @@ class HFScorer:
         batch_tokens: int,
         device: str | None = None,
         extras: HeadExtras | None = None,
-        head_kernel: str = "auto",
-        head_chunks: str = "auto",
-        row_packing: str = "auto",
-        attention: str = "auto",
-        batch_overlap: str = "auto",
-        compile: str = "auto",
+        switches: HeadSwitches = ASKED_BY_DEFAULT,
     ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_teacher_model(teacher, dtype, str(self.device))
@@ -90,19 +88,26 @@ class HFScorer:
         self.plain_head = self._head_reproduces_logits()
         self.extras = extras or HeadExtras()
         self.columns = head_columns(
-            head_kernel, self.extras, self.vocab_size, self.device, self.head, self.plain_head
+            switches.head_kernel, self.extras, self.vocab_size, self.device, self.head,
+            self.plain_head,
+        )  # fmt: skip
+        row_packing, attention = self._resolve_packing(switches.row_packing, switches.attention)
+        compile = resolve_compile(switches.compile, self.device)
+        if switches.compile == "auto" and not decoder_layers(self.model):
+            compile = "off"  # a teacher of another shape runs eagerly; asked for, refused
+        # what this scorer steps with, each switch resolved for this device and teacher
+        self.switches = HeadSwitches(
+            head_kernel=self.columns.kernel,
+            head_chunks=on_device(switches.head_chunks, self.device, gpu="sized", cpu="fixed"),
+            row_packing=row_packing,
+            attention=attention,
+            batch_overlap=on_device(switches.batch_overlap, self.device, gpu="on", cpu="off"),
+            compile=compile,
         )
-        self.head_kernel = self.columns.kernel
-        self.head_chunks = on_device(head_chunks, self.device, gpu="sized", cpu="fixed")
-        self.row_packing, self.attention = self._resolve_packing(row_packing, attention)
-        self.batch_overlap = on_device(batch_overlap, self.device, gpu="on", cpu="off")
-        self.compile = resolve_compile(compile, self.device)
-        if compile == "auto" and not decoder_layers(self.model):
-            self.compile = "off"  # a teacher of another shape runs eagerly; asked for, refused
-        compile_layers(self.model, self.compile, "the teacher")
+        compile_layers(self.model, compile, "the teacher")
         self._head_rows: int | None = None  # rows per head chunk, from the first scoring call
         self._last_done = None  # the event behind the last batch queued (DeviceTime)
-        self._warm_up(compile)
+        self._warm_up(switches.compile)
 
     def _warm_up(self, asked: str) -> None:
         """Score `_warm_up_units`, so that what compiles on first use (the layers, the head's
@@ -115,7 +120,7 @@ class HFScorer:
                 self.score_columns(documents)
             self._last_done = None  # a unit's edge is timed from the previous unit, not load
         except Exception as exc:  # torch.compile's failures share no base class
-            if self.compile == "off":
+            if self.switches.compile == "off":
                 raise
             # the compiler's own error, which torch._dynamo's BackendCompilerFailed wraps
             cause = getattr(exc, "inner_exception", None) or exc
@@ -125,7 +130,7 @@ class HFScorer:
                 raise ConfigError(f"--compile layers: {problem}; use --compile off") from exc
             get_logger("scoring").warning(f"--compile auto: {problem}; they run eagerly")
             eager_layers(self.model)
-            self.compile = "off"
+            self.switches = replace(self.switches, compile="off")
             self._warm_up(asked)
 
     def _warm_up_units(self) -> list[list[np.ndarray]]:
@@ -142,7 +147,7 @@ class HFScorer:
 
         one_position = [document(2)]
         per_batch = max(1, self.batch_tokens // self.max_length)
-        if self.row_packing == "packed" and per_batch > 1:
+        if self.switches.row_packing == "packed" and per_batch > 1:
             alone = document(self.max_length // 2 + 1)  # two never share a row
             rows = sorted({per_batch, min(2, per_batch)}, reverse=True)
             return [[alone] * count for count in rows] + [one_position]
@@ -158,13 +163,7 @@ class HFScorer:
             "backend_version": transformers.__version__,
             "model_dtype": str(self.model.dtype).removeprefix("torch."),
             "head": "chunked" if self.plain_head else "model forward",
-            "head_kernel": self.head_kernel,
-            "head_chunks": self.head_chunks,
-            "row_packing": self.row_packing,
-            "attention": self.attention,
-            "batch_overlap": self.batch_overlap,
-            "compile": self.compile,
-        }
+        } | self.switches.saved()
 
     @torch.inference_mode()
     def _head_reproduces_logits(self) -> bool:
@@ -272,8 +271,8 @@ class HFScorer:
             # Sized chunks take the free memory once, at the first call (the warm-up's, whose
             # full batch proves the size fits): whether CUDA's query waits for queued work (the
             # previous unit's last batch, or this one's) is not documented.
-            free = free_memory(self.device) if self.head_chunks == "sized" else None
-            self._head_rows = head_chunk_rows(self.vocab_size, self.head_chunks, free)
+            free = free_memory(self.device) if self.switches.head_chunks == "sized" else None
+            self._head_rows = head_chunk_rows(self.vocab_size, self.switches.head_chunks, free)
         rows, device_time = self._head_rows, DeviceTime()
 
         def place(layout: BatchLayout, batch: QueuedBatch) -> None:
@@ -292,13 +291,13 @@ class HFScorer:
         in_flight: deque[tuple[BatchLayout, QueuedBatch]] = deque()
         for layout in plan.layouts:
             in_flight.append((layout, self._score_batch(token_ids, windows, layout, rows)))
-            while len(in_flight) > (self.batch_overlap == "on"):
+            while len(in_flight) > (self.switches.batch_overlap == "on"):
                 place(*in_flight.popleft())
         return QueuedColumns(columns, in_flight, place, device_time)
 
     def layouts(self, windows: WindowTable) -> list[BatchLayout]:
         """The batches `windows` are scored in, under `--row-packing`."""
-        if self.row_packing == "packed":
+        if self.switches.row_packing == "packed":
             return packed_layouts(windows.length, self.max_length, self.batch_tokens)
         return padded_layouts(windows.length, self.batch_tokens)
 
@@ -312,7 +311,7 @@ class HFScorer:
     def _inputs_on_device(self, arrays: tuple, scored: tuple) -> tuple[dict, torch.Tensor, ...]:
         input_ids, segment_ids, position_ids = arrays
         ids = to_device(input_ids, self.device)
-        if self.row_packing == "packed":
+        if self.switches.row_packing == "packed":
             inputs = self._packed_inputs(
                 ids, to_device(segment_ids, self.device), to_device(position_ids, self.device)
             )

@@ -114,6 +114,7 @@ class VLLMScorer:
     """
 
     name = "vllm"
+    switches = None  # the engine chooses its own kernels; the hf backend's switches are not its
 
     def __init__(
         self,

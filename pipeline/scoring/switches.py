@@ -1,0 +1,43 @@
+"""The hf backend's device switches as one frozen record, in two states: as asked (any may be
+`auto`: stage 1's `--head-kernel`, `--head-chunks`, `--row-packing`, `--attention`,
+`--batch-overlap`, `--compile`), and as a scorer resolved them for its device and its teacher
+(pipeline.scoring.hf: HFScorer.switches), which is what the scorer steps with, what
+`describe()` reports and what stage1-run.json saves for each run.
+
+Each switch keeps its own resolution beside the component that reads it (the head's columns in
+pipeline.scoring.head, packing and compile in pipeline.scoring.hf); this record only carries
+the answers, so no switch is copied field by field between the config, the worker and the scorer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pipeline.choices import (
+    Attention,
+    BatchOverlap,
+    CompileLayers,
+    HeadChunks,
+    HeadKernel,
+    RowPacking,
+)
+
+
+@dataclass(frozen=True)
+class HeadSwitches:
+    head_kernel: HeadKernel = "auto"
+    head_chunks: HeadChunks = "auto"
+    row_packing: RowPacking = "auto"
+    attention: Attention | None = "auto"  # resolved: None where rows are padded (no mask)
+    batch_overlap: BatchOverlap = "auto"
+    compile: CompileLayers = "auto"
+
+    @classmethod
+    def asked_by(cls, config) -> HeadSwitches:
+        """The switches a config asks for: any object with these attributes (stage 1's
+        ScoreConfig declares each as a flag under its --help group)."""
+        return cls(**{field.name: getattr(config, field.name) for field in dataclasses.fields(cls)})
+
+    def saved(self) -> dict[str, str | None]:
+        return dataclasses.asdict(self)
