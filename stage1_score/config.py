@@ -27,6 +27,7 @@ from pipeline.choices import (
 )
 from pipeline.config import options_of
 from pipeline.corpus import CorpusOptions
+from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.windows import default_stride, validate_window
 
 SECTION = "stage1"
@@ -120,37 +121,37 @@ class ScoreConfig:
         "or rows x max-length when packed)",
     )
     head_kernel: HeadKernel = HEAD(
-        "auto",
+        HeadSwitches.head_kernel,
         help="hf backend: how the loss and columns come from the head's logits: onepass (one "
         "Triton read of each logit), fused (compiled reductions), plain (fp32 log-softmax), "
         "triton (product and reductions in one kernel; no top-k); auto: onepass on a GPU, plain "
         "on a CPU (docs/stage1-gpu-path.md)",
     )
     head_chunks: HeadChunks = HEAD(
-        "auto",
+        HeadSwitches.head_chunks,
         help="hf backend: rows of logits per head chunk: fixed: 2^24 logits (110 rows at a 152k "
         "vocabulary); sized: from the device's free memory at the warm-up, at load; auto: sized "
         "on a GPU, fixed on a CPU",
     )
     row_packing: RowPacking = BATCHING(
-        "auto",
+        HeadSwitches.row_packing,
         help="hf backend: packed: windows share rows of max-length tokens, each attending to "
         "itself only (no padding); padded: a window per row, right-padded; auto: packed on a GPU "
         "where the teacher honours a document mask (checked at load), padded on a CPU",
     )
     attention: Attention = HEAD(
-        "auto",
+        HeadSwitches.attention,
         help="hf backend, packed rows: how the document mask reaches attention: flex "
         "(flex_attention's block mask), dense (a [B, 1, T, T] mask); auto: flex on a GPU",
     )
     batch_overlap: BatchOverlap = BATCHING(
-        "auto",
+        HeadSwitches.batch_overlap,
         help="hf backend: on: a batch's results are read back only once the next batch is "
         "queued, so the host prepares it while the device computes; off: each batch is read "
         "back before the next is built; auto: on on a GPU, off on a CPU; the same columns",
     )
     compile: CompileLayers = HEAD(
-        "auto",
+        HeadSwitches.compile,
         help="hf backend: layers: torch.compile each decoder layer of the teacher (norms, RoPE, "
         "MLP fused; compiled at load, for every batch shape); off: eager; auto: layers on a GPU "
         "where the teacher has decoder layers at model.layers, off on a CPU; the same columns "
