@@ -23,6 +23,7 @@ from pipeline.choices import (
     ScoringBackend,
     TeacherDtype,
     TextSplit,
+    TopkEncoding,
     UnitOverlap,
 )
 from pipeline.config import options_of
@@ -106,6 +107,12 @@ class ScoreConfig:
         help="store, at every scored teacher token, the K largest next-token probabilities "
         "(float16, descending), their ids and the mass outside them (1..128; 0: off; "
         "see docs/cache-columns.md)",
+    )
+    topk_encoding: TopkEncoding = OUTPUT(
+        "compact",
+        help="with --topk-probs: compact: log-probabilities in 1/16-nat steps and ids by their "
+        "rank in the shard, about 1.9 bytes an entry; float16: probabilities and ids as they are, "
+        "about 3.3 (docs/cache-columns.md)",
     )
     topk_ids: bool = OUTPUT(
         True, help="with --topk-probs, also store the top-k token ids (--no-topk-ids: only probs)"
@@ -281,6 +288,8 @@ def result_settings(
     }
     if config.topk_probs:
         settings |= {TOPK_PROBS: config.topk_probs, TOPK_IDS: config.topk_ids}
+        if config.topk_encoding != "float16":  # a float16 cache's settings are those of before
+            settings["topk_encoding"] = config.topk_encoding
         if config.topk_ids:
             if head_size is None:
                 raise ValueError("the teacher's head size is needed for top-k ids")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from pipeline.cache.manifest import CacheManifest
-from pipeline.cache.schema import COLUMN_OPTIONS, extra_fields
+from pipeline.cache.schema import COLUMN_OPTIONS, LOGICAL, extra_fields
 from pipeline.distillation import Distillation
 from pipeline.errors import CacheError, ConfigError
 from pipeline.guidance_modes import MODES
@@ -72,7 +72,7 @@ def check_distillation_cache(
     it), and a same-vocabulary mode (KLD) has the cache's own tokenizer on the student side."""
     if distillation is None:
         return
-    present = {field.name for field in extra_fields(manifest.settings)}
+    present = {LOGICAL.get(field.name, field.name) for field in extra_fields(manifest.settings)}
     missing = [name for name in distillation.cache_columns if name not in present]
     if missing:
         options = " and ".join(dict.fromkeys(COLUMN_OPTIONS[name] for name in missing))

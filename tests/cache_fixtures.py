@@ -74,10 +74,12 @@ def build_cache(
     teacher: dict | None = None,
     space_logprob: bool = False,
     topk: int = 0,
+    topk_encoding: str = "float16",
 ) -> CacheManifest:
     """Write shards and manifest.json into `dest`; returns the manifest. `space_logprob`: with
     that column (seeded random log-probabilities, NaN where the loss is); `topk` > 0 adds the
-    top-k columns (random distributions, as `--topk-probs topk` would store real ones)."""
+    top-k columns (random distributions, as `--topk-probs topk` would store real ones), stored
+    as `topk_encoding` (pipeline.cache.topk_codec) says."""
     dest = Path(dest)
     documents = documents if documents is not None else corpus_documents(num_documents)
     tokenizer = load_tokenizer(teacher_tokenizer)
@@ -91,6 +93,8 @@ def build_cache(
             TOPK_IDS: True,
             "topk_id_dtype": topk_id_dtype(tokenizer.vocab_size),
         }
+        if topk_encoding != "float16":
+            settings["topk_encoding"] = topk_encoding
     shards = []
     for index, first in enumerate(range(0, len(documents), docs_per_shard)):
         part = documents[first : first + docs_per_shard]

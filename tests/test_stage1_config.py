@@ -78,8 +78,16 @@ def test_optional_columns_join_the_identity_only_when_asked_for():
     asked = parse_config(ScoreConfig, [*REQUIRED, "--topk-probs", "8", "--space-logprob"], "", SECTION)
     settings = result_settings(asked, 64, 32, 49152, {"sha256": "x"})
     assert settings == plain | {
-        "topk_probs": 8, "topk_ids": True, "topk_id_dtype": "uint16", "space_logprob": {"sha256": "x"}
+        "topk_probs": 8, "topk_ids": True, "topk_id_dtype": "uint16", "space_logprob": {"sha256": "x"},
+        "topk_encoding": "compact",
     }  # fmt: skip
     assert result_settings(asked, 64, 32, 151936, {})["topk_id_dtype"] == "int32"
     no_ids = parse_config(ScoreConfig, [*REQUIRED, "--topk-probs", "8", "--no-topk-ids"], "", SECTION)
-    assert result_settings(no_ids, 64, 32, 151936) == plain | {"topk_probs": 8, "topk_ids": False}
+    assert result_settings(no_ids, 64, 32, 151936) == plain | {
+        "topk_probs": 8, "topk_ids": False, "topk_encoding": "compact"
+    }  # fmt: skip
+    # float16, the encoding of every top-k cache before the compact one: their settings as then
+    half = [*REQUIRED, "--topk-probs", "8", "--topk-encoding", "float16"]
+    assert result_settings(parse_config(ScoreConfig, half, "", SECTION), 64, 32, 49152) == plain | {
+        "topk_probs": 8, "topk_ids": True, "topk_id_dtype": "uint16"
+    }  # fmt: skip

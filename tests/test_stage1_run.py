@@ -22,7 +22,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.cache import topk_codec
 from pipeline.cache.manifest import SkippedDocument, load_manifest, profile_name
+from pipeline.cache.rows import token_values
 from pipeline.cache.verify import verify_cache
 from pipeline.config import parse_config
 from pipeline.corpus import Corpus, CorpusOptions
@@ -169,21 +171,25 @@ def test_topk_probs_8_and_space_logprob_are_cached_by_the_fused_head_and_equal_t
     mask, identity = space_mask(tokenizer, tokenizer.vocab_size)
     assert manifest.settings["topk_probs"] == 8 and manifest.settings["topk_id_dtype"] == "uint16"
     assert manifest.settings["space_logprob"] == identity
+    assert manifest.settings["topk_encoding"] == "compact"  # the default
     per_column = cache_stats(out).column_bytes_per_token
-    assert {"topk_probs", "topk_ids", "topk_rest", "space_logprob"} <= set(per_column)
+    assert {"topk_codes", "topk_id_ranks", "topk_rest", "space_logprob"} <= set(per_column)
     model = load_model(teacher)
+    stored = topk_codec.RELATIVE_ERROR + 2e-3  # the compact codes, and the fused head's rounding
     for shard in manifest.shards:
-        for row in pq.read_table(out / shard.file).to_pylist():
+        batch = pq.read_table(out / shard.file).combine_chunks().to_batches()[0]
+        cuts = np.cumsum(batch.column("token_ids").value_lengths().to_numpy())[:-1]
+        topk = [np.split(token_values(batch, name), cuts) for name in ("topk_probs", "topk_ids")]
+        for row, probs, top in zip(batch.to_pylist(), *topk, strict=True):
             ids = np.array(row["token_ids"])
             reference = windowed_direct_logprobs(model, ids, MAX_LENGTH, STRIDE)[1:]
-            assert row["topk_probs"][0] is None and row["topk_ids"][0] is None
+            assert np.isnan(probs[0]).all() and (top[0] == -1).all()  # token 0: a null entry
             assert np.isnan(row["topk_rest"][0]) and np.isnan(row["space_logprob"][0])
-            probs = np.array(row["topk_probs"][1:], dtype=np.float32)
-            top = np.array(row["topk_ids"][1:], dtype=np.int64)
+            probs, top = probs[1:], top[1:]
             expected = -np.sort(-np.exp(reference), axis=1)[:, :8]
-            np.testing.assert_allclose(probs, expected, rtol=2e-3, atol=1e-4)  # float16
+            np.testing.assert_allclose(probs, expected, rtol=stored, atol=1e-6)
             picked = np.exp(np.take_along_axis(reference, top, axis=1))  # ties may reorder ids
-            np.testing.assert_allclose(picked, probs, rtol=2e-3, atol=1e-4)
+            np.testing.assert_allclose(picked, probs, rtol=stored, atol=1e-6)
             space = np.logaddexp.reduce(reference[:, mask], axis=1)
             np.testing.assert_allclose(row["space_logprob"][1:], space, atol=2e-3, rtol=0)
             rest = np.array(row["topk_rest"][1:], dtype=np.float32)

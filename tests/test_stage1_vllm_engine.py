@@ -31,6 +31,9 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.cache import topk_codec
+from pipeline.cache.rows import token_values
+from pipeline.cache.schema import iter_shard_batches
 from pipeline.cache.verify import verify_cache
 from stage1_score.run import main
 from tests.stage1_helpers import (
@@ -96,12 +99,18 @@ def ray_address():
         yield address
 
 
-def args(teacher: Path, corpus: Path, out: Path, address: str, backend: str) -> list[str]:
+def args(
+    teacher: Path, corpus: Path, out: Path, address: str, backend: str, encoding: str = "float16"
+) -> list[str]:
+    """The run's options; the top-k in float16 unless `encoding` says otherwise, so that the two
+    backends are compared at the precision they compute (the compact encoding rounds each
+    probability by up to 3.2%: test_vllm_writes_the_compact_encoding)."""
     return [
         "--teacher", str(teacher), "--corpus", str(corpus), "--out", str(out),
         "--id-column", "id", "--docs-per-shard", str(DOCS_PER_SHARD),
         "--max-length", str(MAX_LENGTH), "--stride", str(STRIDE), "--loss-dtype", "float32",
-        "--topk-probs", str(TOPK), "--backend", backend, "--vllm-enforce-eager", "--num-workers", "1",
+        "--topk-probs", str(TOPK), "--topk-encoding", encoding, "--backend", backend,
+        "--vllm-enforce-eager", "--num-workers", "1",
         "--progress-seconds", "1", "--ray-address", address,
     ]  # fmt: skip
 
@@ -161,6 +170,25 @@ def test_vllm_cache_equals_the_hf_cache(caches):
     assert record["platform"] == "cpu" and record["cpu_kvcache_gib"] == 1
     assert record["enforce_eager"] is True and "gpu_memory_utilization" not in record
     assert record["prompt_logprobs"] == TOPK and record["enable_prefix_caching"] is False
+
+
+@pytest.mark.slow  # one more engine start
+def test_vllm_writes_the_compact_encoding(ray_address, teacher, corpus, caches, tmp_path):
+    """The default encoding under vLLM: the float16 run's ids exactly, each probability within
+    the codec's relative error (and float16's rounding), a cache `vocagno cache verify` passes."""
+    out = tmp_path / "compact"
+    assert main(args(teacher, corpus, out, ray_address, "vllm", "compact")) == 0
+    manifest, problems = verify_cache(out)
+    assert problems == [] and manifest.settings["topk_encoding"] == "compact"
+    for record in manifest.shards:
+        ours = next(iter_shard_batches(out / record.file, list(TOPK_COLUMNS), 1 << 20))
+        theirs = next(iter_shard_batches(caches["vllm"] / record.file, list(TOPK_COLUMNS), 1 << 20))
+        assert "topk_codes" in ours.schema.names and "topk_probs" not in ours.schema.names
+        np.testing.assert_array_equal(*(token_values(b, "topk_ids") for b in (ours, theirs)))
+        probs = [token_values(b, "topk_probs").astype(np.float64) for b in (ours, theirs)]
+        scored = ~np.isnan(probs[1][:, 0])
+        relative = np.abs(probs[0][scored] / probs[1][scored] - 1)
+        assert relative.max() <= topk_codec.RELATIVE_ERROR + 2.0**-10
 
 
 def cluster_pids(*titles: bytes) -> list[int]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeline.cache import topk_codec
 from pipeline.cross_entropy import IGNORE_INDEX
 from pipeline.distillation.topk import IDS, PROBS, REST
 from stage2_train import forward as student_forward
@@ -27,8 +28,13 @@ def caches(tmp_path_factory) -> dict[str, Path]:
     """Top-8 caches scored with the student's own tokenizer (KLD's case) and with another one."""
     root = tmp_path_factory.mktemp("caches")
     paths = {name: root / name for name in ("same", "other", "plain")}
-    build_cache(paths["same"], teacher_tokenizer="tinyllama", num_documents=16, topk=8)
-    build_cache(paths["other"], teacher_tokenizer="qwen2.5", num_documents=16, topk=8)
+    for encoding in ("float16", "compact"):  # the same distributions, stored each way
+        suffix = "" if encoding == "float16" else "-compact"
+        paths["same" + suffix], paths["other" + suffix] = root / f"same{suffix}", root / f"other{suffix}"
+        build_cache(paths["same" + suffix], teacher_tokenizer="tinyllama", num_documents=16,
+                    topk=8, topk_encoding=encoding)  # fmt: skip
+        build_cache(paths["other" + suffix], teacher_tokenizer="qwen2.5", num_documents=16,
+                    topk=8, topk_encoding=encoding)  # fmt: skip
     build_cache(paths["plain"], teacher_tokenizer="qwen2.5", num_documents=16)
     return paths
 
@@ -134,6 +140,31 @@ def runs(caches, tmp_path_factory) -> dict[tuple[str, str], Run]:
             train_args(caches[cache], out, *ARGS, "--guidance", mode)
         )
     return runs
+
+
+@pytest.mark.parametrize(("mode", "cache"), CASES)
+def test_a_compact_cache_trains_on_what_the_float16_one_holds_within_its_error(
+    mode, cache, caches, runs, tmp_path
+):
+    """The compact encoding (the default of new caches) gives the trainer the same ids and each
+    probability within the codec's relative error of the float16 cache's (both float16 in the
+    micro-batch), so the first step's term moves by at most what that error allows: ULD by its
+    weight times the error (the term is Lipschitz in each probability), KLD by half a step of
+    log-probability."""
+    compact = train_watching_step_1(
+        train_args(caches[cache + "-compact"], tmp_path / "out", *ARGS, "--guidance", mode)
+    )
+    plain = runs[mode, cache]
+    ours, theirs = compact.batch[PROBS].float(), plain.batch[PROBS].float()
+    assert (ours.isnan() == theirs.isnan()).all()
+    scored = ~theirs.isnan()
+    tolerance = topk_codec.RELATIVE_ERROR + 2 * 2.0**-11  # and a float16 rounding each side
+    assert ((ours[scored] / theirs[scored] - 1).abs() <= tolerance).all()
+    if mode == "kld":
+        assert torch.equal(compact.batch[IDS], plain.batch[IDS])
+    first, reference = distill_losses(compact.out)[0], distill_losses(plain.out)[0]
+    bound = WEIGHTS[mode] * tolerance if mode == "uld" else topk_codec.STEP
+    assert 0 < abs(first - reference) <= bound, (first, reference)
 
 
 @pytest.mark.parametrize(("mode", "cache"), CASES)

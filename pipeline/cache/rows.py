@@ -12,16 +12,21 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import zstandard
 
+from pipeline.cache import topk_codec
 from pipeline.cache.schema import (
+    LOGICAL,
     LOSS,
     OPTIONAL_COLUMNS,
     SPACE_LOGPROB,
+    STORED_AS,
     TEXT,
     TEXT_SHA256,
     TOKEN_END,
     TOKEN_IDS,
     TOKEN_START,
+    TOPK_CODES,
     TOPK_IDS,
     TOPK_PROBS,
     TOPK_REST,
@@ -101,7 +106,12 @@ def rows_index(lengths: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 def _entries(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """A list<fixed_size_list<...>[K]> column as ((tokens, K) values, per-token null flags)."""
+    """A list<fixed_size_list<...>[K]> column as ((tokens, K) values, per-token null flags); the
+    top-k probabilities and ids decoded from the compact columns where a shard stores those
+    (pipeline.cache.topk_codec)."""
+    stored = STORED_AS.get(name)
+    if name not in batch.schema.names and stored in batch.schema.names:
+        return _compact_entries(batch, name, stored)
     items = batch.column(name).flatten()  # one fixed-size entry per token, nulls kept
     k = items.type.list_size
     values = items.values.slice(items.offset * k, len(items) * k)
@@ -109,11 +119,28 @@ def _entries(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
     return values, items.is_null().to_numpy(zero_copy_only=False)
 
 
+def _compact_entries(
+    batch: pa.RecordBatch, name: str, stored: str
+) -> tuple[np.ndarray, np.ndarray]:
+    items = batch.column(stored).flatten()  # list<fixed_size_binary[W]>: one entry per token
+    width = items.type.byte_width
+    raw = np.frombuffer(items.buffers()[1], dtype=np.uint8)
+    raw = raw[items.offset * width : (items.offset + len(items)) * width].reshape(-1, width)
+    null = items.is_null().to_numpy(zero_copy_only=False)
+    if name == TOPK_PROBS:
+        return topk_codec.decode_probs(raw), null
+    try:
+        order, id_width = topk_codec.order_from(batch.schema.field(stored))
+        return topk_codec.decode_ids(raw, order, id_width), null
+    except (KeyError, ValueError, IndexError, zstandard.ZstdError) as exc:
+        raise CacheError(f"{stored} does not decode ({type(exc).__name__}: {exc})") from None
+
+
 def token_values(batch: pa.RecordBatch, name: str) -> np.ndarray:
     """A per-token column's values for every token of the batch, rows concatenated: shape
     (tokens,) for list<scalar>, (tokens, K) for list<fixed_size_list[K]> with an unscored token's
     null entry read as NaN (floats) or -1 (integers)."""
-    if pa.types.is_fixed_size_list(batch.column(name).type.value_type):
+    if name in STORED_AS or pa.types.is_fixed_size_list(batch.column(name).type.value_type):
         values, null = _entries(batch, name)
         # a writable copy: Arrow's float16 values come zero-copy, read-only
         values = values.astype(values.dtype if values.dtype.kind == "f" else np.int64)
@@ -134,7 +161,7 @@ def check_extra_columns(
     """CacheError unless the optional columns present hold what docs/cache-columns.md says:
     unscored (NaN loss) exactly where they are null or NaN, top-k probabilities in [0, 1] and
     descending, distinct non-negative ids, top-k mass plus rest near 1, space log-probs <= 0."""
-    names = set(batch.schema.names)
+    names = {LOGICAL.get(name, name) for name in batch.schema.names}
     unscored = np.isnan(list_column(batch, LOSS, np.float32)[0])
     if TOPK_PROBS in names:
         probs, null = _entries(batch, TOPK_PROBS)
@@ -146,7 +173,9 @@ def check_extra_columns(
         rest = list_column(batch, TOPK_REST, np.float32)[0]
         _check(path, rows, lengths, np.isnan(rest) != unscored, f"{TOPK_REST} NaN where scored")
         mass = p.sum(1) + rest[~null]
-        bad = ~((rest[~null] >= 0) & (np.abs(mass - 1) <= MASS_TOLERANCE))
+        compact = TOPK_CODES in batch.schema.names  # each probability within a relative error
+        tolerance = MASS_TOLERANCE + (topk_codec.RELATIVE_ERROR if compact else 0.0)
+        bad = ~((rest[~null] >= 0) & (np.abs(mass - 1) <= tolerance))
         _check(path, rows, lengths, _at(~null, bad), f"top-k mass + {TOPK_REST} is not 1")
     if TOPK_IDS in names:
         ids, null = _entries(batch, TOPK_IDS)

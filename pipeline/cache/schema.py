@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.cache.topk_codec import id_width
 from pipeline.choices import LOSS_DTYPE_NAMES
 from pipeline.errors import CacheError
 from pipeline.io import atomic_path, sha256_bytes, sha256_file
@@ -36,8 +37,14 @@ TOPK_PROBS = "topk_probs"  # list<fixed_size_list<float16>[K]>, null where unsco
 TOPK_IDS = "topk_ids"  # list<fixed_size_list<uint16 or int32>[K]>, null where unscored
 TOPK_REST = "topk_rest"  # list<float16>: 1 - sum(topk_probs), NaN where unscored
 MAX_TOPK = 128  # the most top-k entries a position holds
+# The compact encoding's columns (pipeline.cache.topk_codec), which stand for TOPK_PROBS and
+# TOPK_IDS: readers ask for those, and pipeline.cache.rows decodes whichever a shard stores.
+TOPK_CODES = "topk_codes"  # list<fixed_size_binary[K + 1]>, null where unscored
+TOPK_ID_RANKS = "topk_id_ranks"  # list<fixed_size_binary[K * W]>, the id order in its metadata
+STORED_AS = {TOPK_PROBS: TOPK_CODES, TOPK_IDS: TOPK_ID_RANKS}
+LOGICAL = {stored: logical for logical, stored in STORED_AS.items()}
 SPACE_LOGPROB = "space_logprob"  # list<float16>: log P(next token in the space mask), NaN unscored
-OPTIONAL_COLUMNS = (TOPK_PROBS, TOPK_IDS, TOPK_REST, SPACE_LOGPROB)
+OPTIONAL_COLUMNS = (TOPK_PROBS, TOPK_IDS, TOPK_CODES, TOPK_ID_RANKS, TOPK_REST, SPACE_LOGPROB)
 # The stage-1 option that adds each (stage1_score/config.py), for a refusal that says what to run.
 COLUMN_OPTIONS = {
     TOPK_PROBS: "--topk-probs K",
@@ -52,15 +59,26 @@ def topk_id_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "int32"
 
 
+def topk_compact(settings: dict) -> bool:
+    """Whether a cache with these result settings stores its top-k compactly (topk_codec)."""
+    return settings.get("topk_encoding", "float16") == "compact"
+
+
 def extra_fields(settings: dict) -> list[pa.Field]:
     """The optional columns a cache made with these result settings holds, in column order."""
     fields = []
     k = settings.get(TOPK_PROBS, 0)
-    if k:
+    if k and topk_compact(settings):
+        fields.append(pa.field(TOPK_CODES, pa.list_(pa.binary(k + 1)), nullable=False))
+        if settings.get(TOPK_IDS, True):
+            width = id_width(settings["topk_id_dtype"])
+            fields.append(pa.field(TOPK_ID_RANKS, pa.list_(pa.binary(k * width)), nullable=False))
+    elif k:
         fields.append(pa.field(TOPK_PROBS, pa.list_(pa.list_(pa.float16(), k)), nullable=False))
         if settings.get(TOPK_IDS, True):
             ids = pa.type_for_alias(settings["topk_id_dtype"])
             fields.append(pa.field(TOPK_IDS, pa.list_(pa.list_(ids, k)), nullable=False))
+    if k:
         fields.append(pa.field(TOPK_REST, pa.list_(pa.float16()), nullable=False))
     if settings.get(SPACE_LOGPROB):
         fields.append(pa.field(SPACE_LOGPROB, pa.list_(pa.float16()), nullable=False))
@@ -170,7 +188,13 @@ def iter_shard_batches(
     one core: Arrow's thread pool would only add hand-offs)."""
     try:
         parquet = open_parquet(path)
-        missing = set(columns or COLUMNS) - set(parquet.schema_arrow.names)
+        stored = parquet.schema_arrow.names
+        if columns is not None:  # a logical top-k column is read in the encoding stored
+            columns = [
+                STORED_AS[c] if c not in stored and STORED_AS.get(c) in stored else c
+                for c in columns
+            ]
+        missing = set(columns or COLUMNS) - set(stored)
         if missing:
             raise CacheError(f"shard {path} lacks columns {sorted(missing)}")
         yield from parquet.iter_batches(

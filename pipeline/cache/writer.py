@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from pipeline.cache import topk_codec
 from pipeline.cache.schema import (
     DOC_ID,
     LOSS,
@@ -13,7 +14,12 @@ from pipeline.cache.schema import (
     TOKEN_END,
     TOKEN_IDS,
     TOKEN_START,
+    TOPK_CODES,
+    TOPK_ID_RANKS,
+    TOPK_IDS,
+    TOPK_PROBS,
     cache_schema,
+    topk_compact,
 )
 from pipeline.tokenizer import Encoding
 
@@ -37,18 +43,56 @@ def _nested_column(
     )
 
 
+def _binary_column(
+    rows: np.ndarray, field: pa.Field, offsets: pa.Array, unscored: np.ndarray
+) -> pa.ListArray:
+    """list<fixed_size_binary[W]> from (tokens, W) uint8 rows; unscored entries are null."""
+    item = field.type.value_type
+    validity = pa.array(~unscored).buffers()[1] if unscored.any() else None
+    data = pa.py_buffer(np.ascontiguousarray(rows, dtype=np.uint8).tobytes())
+    values = pa.Array.from_buffers(item, len(rows), [validity, data], int(unscored.sum()))
+    return pa.ListArray.from_arrays(offsets, values)
+
+
+def _compact_topk(
+    schema: pa.Schema, extras: dict[str, list[np.ndarray]], offsets, unscored, settings: dict
+) -> tuple[pa.Schema, dict[str, pa.Array]]:
+    """The compact columns (pipeline.cache.topk_codec) that stand for the top-k probabilities and
+    ids in `extras`, which loses them; the schema gains the shard's id order."""
+    columns = {}
+    probs = np.concatenate(extras.pop(TOPK_PROBS)).reshape(len(unscored), -1)
+    probs[unscored] = 1.0  # a null entry's bytes: any finite code
+    columns[TOPK_CODES] = _binary_column(
+        topk_codec.encode_probs(probs), schema.field(TOPK_CODES), offsets, unscored
+    )
+    if TOPK_IDS in extras:
+        ids = np.concatenate(extras.pop(TOPK_IDS)).reshape(len(unscored), -1).astype(np.int64)
+        ids[unscored] = -1
+        width = topk_codec.id_width(settings["topk_id_dtype"])
+        order = topk_codec.id_order(ids)
+        index = schema.get_field_index(TOPK_ID_RANKS)
+        field = schema.field(index).with_metadata(topk_codec.order_metadata(order, width))
+        schema = schema.set(index, field)
+        ranks = topk_codec.encode_ids(ids, order, width)
+        columns[TOPK_ID_RANKS] = _binary_column(ranks, field, offsets, unscored)
+    return schema, columns
+
+
 def _extra_columns(
-    schema: pa.Schema, extras: dict[str, list[np.ndarray]], losses, offsets
-) -> dict[str, pa.Array]:
+    schema: pa.Schema, extras: dict[str, list[np.ndarray]], losses, offsets, settings: dict
+) -> tuple[pa.Schema, dict[str, pa.Array]]:
     unscored = np.isnan(np.concatenate(losses)) if losses else np.empty(0, dtype=bool)
     columns = {}
+    if TOPK_PROBS in extras and topk_compact(settings):
+        extras = dict(extras)
+        schema, columns = _compact_topk(schema, extras, offsets, unscored, settings)
     for name, parts in extras.items():
         field = schema.field(name)
         if pa.types.is_fixed_size_list(field.type.value_type):
             columns[name] = _nested_column(parts, field, offsets, unscored)
         else:
             columns[name] = _list_column(parts, field.type.value_type.to_pandas_dtype(), offsets)
-    return columns
+    return schema, columns
 
 
 def build_unit_table(
@@ -77,7 +121,8 @@ def build_unit_table(
         TOKEN_END: _list_column([e.end for e in encodings], np.int32, offsets),
         LOSS: _list_column(losses, np.dtype(loss_dtype), offsets),
     }
-    columns |= _extra_columns(schema, extras or {}, losses, offsets)
+    schema, extra = _extra_columns(schema, extras or {}, losses, offsets, settings or {})
+    columns |= extra
     missing = set(schema.names) - set(columns)
     if missing:
         raise ValueError(f"the settings declare columns {sorted(missing)} that were not computed")
