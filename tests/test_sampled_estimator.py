@@ -1,0 +1,119 @@
+"""The sampled estimator (pipeline/distillation/sampled.py): over many seeds, its KLD and ULD
+estimates average to the full-vocabulary terms computed from a teacher's whole softmax on real
+text, within their standard error; the top-k cache's terms (the functions stage 2 trains with)
+miss them by many standard errors, and the test reports both."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.distillation import sampled
+from pipeline.distillation.kld import topk_kl
+from pipeline.distillation.uld import uld_distance
+from pipeline.tokenizer import load_tokenizer
+from tests.stage1_helpers import SHIPPED_CORPUS, load_model, make_tiny_teacher
+
+K, SEEDS = 32, 300
+
+
+def next_token_logits(folder, texts: list[str]) -> torch.Tensor:
+    """Every position's logits [positions, V] (float64) of a plain forward pass over `texts`."""
+    model, tokenizer = load_model(folder), load_tokenizer(str(folder))
+    with torch.no_grad():
+        return torch.cat([
+            model(input_ids=torch.tensor(e.ids[:64])[None]).logits[0].double()
+            for e in tokenizer.encode_batch(texts)
+        ])  # fmt: skip
+
+
+def near(teacher: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """A student near the teacher, as one being distilled is: the teacher's logits softened and
+    moved by another model's (log-probabilities)."""
+    return torch.log_softmax(0.8 * teacher + other, -1)
+
+
+def shipped_texts(n: int) -> list[str]:
+    from pipeline.corpus import Corpus, CorpusOptions
+
+    documents = iter(Corpus(SHIPPED_CORPUS, CorpusOptions()))
+    return [next(documents).text for _ in range(n)]
+
+
+def estimates(teacher: torch.Tensor, student: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Per term: the exact mean over positions, the sampled estimate's mean and standard error
+    over SEEDS seeds, and the top-k term's mean."""
+    t, s = teacher.float(), student.float()
+    exact = {"kld": sampled.full_kl(s, t).mean(), "uld": sampled.full_uld(s.exp(), t.exp()).mean()}
+    student_sorted = torch.sort(s.exp(), dim=-1, descending=True).values
+    cdf, rank = sampled.cumulative(teacher), sampled.ranks(t)
+    runs = {"kld": [], "uld": [], "kld unweighted": [], "uld unweighted": []}
+    for seed in range(SEEDS):
+        generator = torch.Generator().manual_seed(seed)
+        ids = sampled.draw_ids(cdf, torch.rand(len(t), K, generator=generator, dtype=torch.float64))
+        at_t, at_s = t.gather(-1, ids), s.gather(-1, ids)
+        runs["kld"].append(sampled.sampled_kl(at_s, at_t).mean())
+        at_rank = rank.gather(-1, ids)
+        runs["uld"].append(sampled.sampled_uld(student_sorted, at_t, at_rank, t.shape[-1]).mean())
+        # the same draws averaged without their importance weights: a biased estimator, which
+        # the test must tell from the unbiased one
+        runs["kld unweighted"].append((at_s - at_t).mean())
+        at_student = student_sorted.gather(-1, at_rank)
+        runs["uld unweighted"].append((at_student - at_t.exp()).abs().mean())
+    top = torch.topk(t, K, dim=-1)
+    probs, rest = top.values.exp(), (1 - top.values.exp().sum(-1)).clamp(min=0)
+    log_z = torch.zeros(len(t))
+    valid = torch.ones_like(top.indices, dtype=torch.bool)
+    topk = {
+        "kld": topk_kl(s.gather(-1, top.indices), log_z, valid, probs, rest).mean(),
+        "uld": uld_distance(student_sorted[:, :K].log(), log_z, probs, rest).mean(),
+    }
+    report = {}
+    for term, values in runs.items():
+        values = torch.stack(values).double()
+        name = term.split()[0]
+        report[term] = {
+            "exact": float(exact[name]),
+            "sampled": float(values.mean()),
+            "standard_error": float(values.std() / np.sqrt(SEEDS)),
+            "topk": float(topk[name]),
+        }
+    return report
+
+
+def assert_unbiased(report: dict) -> None:
+    """Each estimate within 4 standard errors of the full term; the unweighted ones (the power
+    check) more than 10 away; the top-k terms are reported beside them."""
+    for term, r in report.items():
+        print(
+            f"{term}: full {r['exact']:.5f}, sampled (K = {K}, {SEEDS} seeds) {r['sampled']:.5f} "
+            f"+- {r['standard_error']:.5f}, top-{K} {r['topk']:.5f} "
+            f"(top-k bias {r['topk'] - r['exact']:+.5f})"
+        )
+        off = abs(r["sampled"] - r["exact"]) / r["standard_error"]
+        assert off > 10 if "unweighted" in term else off <= 4, (term, r)
+
+
+def test_sampled_terms_are_unbiased_on_a_tiny_teacher(tmp_path):
+    """A random 2-layer teacher of SmolLM2's vocabulary, sharpened (logits x 30, so that its top
+    32 hold most of its mass, as a trained teacher's do), on 6 shipped documents (384
+    positions), against a student near it."""
+    teacher = make_tiny_teacher(tmp_path / "teacher", "smollm2", seed=0)
+    other = make_tiny_teacher(tmp_path / "student", "smollm2", seed=1)
+    texts = shipped_texts(6)
+    logits = 30.0 * next_token_logits(teacher, texts)
+    student = near(logits, 30.0 * next_token_logits(other, texts))
+    assert_unbiased(estimates(torch.log_softmax(logits, -1), student))
+
+
+@pytest.mark.slow  # the real teacher is built from PyPI on first use (about a minute)
+def test_sampled_terms_are_unbiased_on_the_real_teacher(tmp_path):
+    """SmolLM2-135M-Instruct's whole softmax on 4 shipped documents against a student near it."""
+    from pipeline.models.teacher_assets import prepare_smollm2_teacher
+
+    other = make_tiny_teacher(tmp_path / "student", "smollm2", seed=1)
+    texts = shipped_texts(4)
+    logits = next_token_logits(prepare_smollm2_teacher(), texts)
+    student = near(logits, 3.0 * next_token_logits(other, texts))
+    assert_unbiased(estimates(torch.log_softmax(logits, -1), student))
