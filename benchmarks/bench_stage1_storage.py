@@ -6,7 +6,8 @@ DIR is a stage-1 cache with real teacher losses, best written with --loss-dtype 
 float16 variants are derived from the same values (e.g. the SmolLM2 run of
 manifests/stage1-example.toml with --loss-dtype float32). Target: <= 5 bytes/token without text.
 
-A cache made with `--topk-probs 128 --space-logprob` also gets the bytes per token of each optional
+A cache made with `--topk-probs 128 --topk-encoding float16 --space-logprob` also gets the bytes
+per token of each optional
 column (docs/cache-columns.md) for K = 8, 32 and 128, the smaller K cut from the stored top 128
 (top-k lists are descending, so the first K are the top K; the rest is recomputed).
 """
@@ -34,6 +35,7 @@ from pipeline.cache.schema import (  # noqa: E402
     TOKEN_END,
     TOKEN_IDS,
     TOKEN_START,
+    TOPK_CODES,
     TOPK_IDS,
     TOPK_PROBS,
     TOPK_REST,
@@ -180,6 +182,8 @@ def main() -> int:
                     print(f"    encodings: {used}")
         if TOPK_PROBS in tables[0].column_names:
             optional_column_bytes(tables, tokens, Path(scratch))
+        elif TOPK_CODES in tables[0].column_names:
+            print("top-k columns: compact; bench_topk_encoding.py compares the encodings")
     text_chars = sum(pc.sum(pc.utf8_length(t.column(TEXT))).as_py() for t in tables)
     print(f"(text: {text_chars / tokens:.2f} characters per teacher token before compression)")
     return 0
