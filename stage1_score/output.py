@@ -184,6 +184,18 @@ def _cache_manifest_like(store: Store) -> bool:
     return isinstance(data, dict) and {"schema_version", "producer_fingerprint"} <= data.keys()
 
 
+def _encoding_resuming(existing: dict, identity: dict) -> str | None:
+    """The --topk-encoding that would resume the `existing` cache where nothing else differs
+    from this run's `identity` (a top-k cache made before the compact encoding is float16)."""
+    settings = {k: v for k, v in identity["settings"].items() if k != "topk_encoding"}
+    theirs = existing.get("settings", {})
+    if "topk_encoding" in theirs:
+        settings["topk_encoding"] = theirs["topk_encoding"]
+    if existing == identity | {"settings": settings} and "topk_probs" in theirs:
+        return theirs.get("topk_encoding", "float16")
+    return None
+
+
 def prepare_output(folder: str | Path, identity: dict, overwrite: bool, log=print) -> str:
     """Make `folder` ready for a run with `identity` (the lock must be held); returns its fingerprint.
 
@@ -205,9 +217,11 @@ def prepare_output(folder: str | Path, identity: dict, overwrite: bool, log=prin
                 if existing is not None
                 else f"{len(leftovers)} shard file(s) of unknown origin"
             )
+            encoding = _encoding_resuming(existing, identity) if existing is not None else None
+            hint = f" (--topk-encoding {encoding} resumes it)" if encoding else ""
             raise CacheError(
                 f"{folder} holds a cache made differently ({detail}); it would mix with this run. "
-                "Pass --overwrite to replace it, or choose another --out"
+                f"Pass --overwrite to replace it, or choose another --out{hint}"
             )
         for name in _our_files(store):
             store.delete(name)

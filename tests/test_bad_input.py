@@ -214,3 +214,19 @@ def test_stage1_refuses_to_mix_into_another_teachers_cache(tmp_path):
     with pytest.raises(CacheError, match=r"teacher\.id: \"teacher-a\" -> \"teacher-b\""):
         prepare_output(cache, other, overwrite=False, log=lambda _: None)
     assert load_manifest(cache).teacher == {"id": "teacher-a"}  # untouched
+
+
+def test_a_float16_top_k_cache_under_the_compact_default_is_told_how_to_resume(tmp_path):
+    """A top-k cache made before the compact encoding (float16, its settings without the key)
+    meets a rerun under the new default: refused, naming the one flag that resumes it; a run
+    that differs in more than the encoding gets no such hint."""
+    cache = tmp_path / "cache"
+    build_cache(cache, num_documents=4, docs_per_shard=4, topk=8)
+    made = load_manifest(cache).producer
+    compact = made | {"settings": made["settings"] | {"topk_encoding": "compact"}}
+    with pytest.raises(CacheError, match=r"\(--topk-encoding float16 resumes it\)$"):
+        prepare_output(cache, compact, overwrite=False, log=lambda _: None)
+    other = compact | {"teacher": {"id": "teacher-b"}}
+    with pytest.raises(CacheError, match=r"choose another --out$"):
+        prepare_output(cache, other, overwrite=False, log=lambda _: None)
+    assert prepare_output(cache, made, overwrite=False, log=lambda _: None)  # resumed
