@@ -61,7 +61,7 @@ def test_a_disk_that_fills_while_stage1_writes_a_shard_is_one_line_and_the_rerun
     corpus = write_jsonl_corpus(tmp_path / "docs.jsonl", [short, long])
     options = ["--teacher", str(teacher), "--corpus", str(corpus), "--id-column", "id",
                "--docs-per-shard", "1", "--max-length", "64", "--num-workers", "1",
-               "--topk-probs", "8"]  # fmt: skip
+               "--topk-probs", "8", "--topk-encoding", "float16"]  # fmt: skip  # the larger shards
     disk = mounted_tmpfs(tmp_path / "small", "8M")
     mount = next(disk)
     filler = mount / "filler"
