@@ -70,9 +70,9 @@ def test_ids_decode_exactly_by_their_rank_in_the_shard(vocab, width):
     assert found_width == width
 
 
-def unit_table(k: int, encoding: str, seed: int = 0):
+def unit_table(k: int, encoding: str, seed: int = 0, texts: tuple[str, ...] = ()):
     tokenizer = load_tokenizer("smollm2")
-    texts = ["Tom has 3 apples and buys 12 more. How many? 15 " * 4, "x", "two words"]
+    texts = list(texts or ("Tom has 3 apples and buys 12 more. How many? 15 " * 4, "x", "words"))
     encodings = tokenizer.encode_batch(texts)
     rng = np.random.default_rng(seed)
     columns = [teacher_topk(len(e), k, tokenizer.vocab_size, rng) for e in encodings]
@@ -106,6 +106,13 @@ def test_a_compact_table_reads_back_as_the_float16_one_within_the_stated_error()
     assert np.abs(read[scored] / truth[scored] - 1).max() <= topk_codec.RELATIVE_ERROR * 1.0001
     rows = np.arange(ours.num_rows)
     check_extra_columns("s", ours, rows, check_rows("s", ours, rows).lengths)
+
+
+def test_a_shard_of_one_token_documents_only_reads_back_as_nulls():
+    table, _ = unit_table(8, "compact", texts=("x", "y"))  # no position is scored
+    batch = table.to_batches()[0]
+    assert (token_values(batch, TOPK_IDS) == -1).all()
+    assert np.isnan(token_values(batch, TOPK_PROBS)).all()
 
 
 def test_a_damaged_id_order_is_refused_in_one_line():

@@ -65,10 +65,12 @@ def decode_probs(codes: np.ndarray) -> np.ndarray:
 
 def id_order(ids: np.ndarray) -> np.ndarray:
     """The ids of `ids` [n, K] (int64, -1 where a position is unscored) that occur, most frequent
-    first, equal counts by the lower id: the rank of each is what the shard stores."""
+    first, equal counts by the lower id: the rank of each is what the shard stores. A shard with
+    no scored position (one-token documents only) gets the order [0], so that its null entries'
+    ranks decode too."""
     counts = np.bincount(ids[ids >= 0].ravel())
     used = np.flatnonzero(counts)
-    return used[np.lexsort((used, -counts[used]))]
+    return used[np.lexsort((used, -counts[used]))] if used.size else np.zeros(1, np.int64)
 
 
 def encode_ids(ids: np.ndarray, order: np.ndarray, width: int) -> np.ndarray:
