@@ -105,13 +105,13 @@ class ScoreConfig:
     topk_probs: int = OUTPUT(
         0,
         help="store, at every scored teacher token, the K largest next-token probabilities "
-        "(float16, descending), their ids and the mass outside them (1..128; 0: off; "
+        "(descending), their ids and the mass outside them (1..128; 0: off; "
         "see docs/cache-columns.md)",
     )
     topk_encoding: TopkEncoding = OUTPUT(
         "compact",
         help="with --topk-probs: compact: log-probabilities in 1/16-nat steps and ids by their "
-        "rank in the shard, about 1.9 bytes an entry; float16: probabilities and ids as they are, "
+        "rank in the shard, about 1.8 bytes an entry; float16: probabilities and ids as they are, "
         "about 3.3 (docs/cache-columns.md)",
     )
     topk_ids: bool = OUTPUT(
