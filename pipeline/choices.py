@@ -40,6 +40,9 @@ TRITON_HEAD_WITHOUT_TOPK = (
 # stage 1: how the top-k columns are stored (pipeline.cache.topk_codec); a cache whose settings
 # name none is float16
 TopkEncoding = Literal["compact", "float16"]
+# stage 1: the teacher's K largest probabilities, or K ids drawn from its distribution
+# (pipeline.distillation.sampled)
+TopkMode = Literal["top", "sampled"]
 HeadChunks = Literal["auto", "sized", "fixed"]  # stage 1: how many rows a head chunk holds
 UnitOverlap = Literal["auto", "on", "off"]  # stage 1: a unit's CPU work beside another's scoring
 BatchOverlap = Literal["auto", "on", "off"]  # stage 1: a batch built while the last one runs

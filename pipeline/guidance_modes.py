@@ -45,6 +45,12 @@ def _kld(config: Any) -> Any:
     return TopkKLDistillation()
 
 
+def _kld_sampled(config: Any) -> Any:
+    from pipeline.distillation.sampled import SampledKLDistillation
+
+    return SampledKLDistillation()
+
+
 def _alm(config: Any) -> Any:
     from pipeline.distillation.alm import alm_distillation  # torch: only when a run asks for it
 
@@ -85,6 +91,13 @@ MODES: dict[str, ModeDeclaration] = {
             "every token's cross-entropy + KL(student || teacher) over the cached top-k ids and "
             "the rest (needs a --topk-probs cache of the student's own tokenizer)",
             distillation=_kld, same_tokenizer=True,
+        ),
+        ModeDeclaration(
+            "kld-sampled", "nothing", "token", "token",
+            "no row; KLD (appendix B eq. 5) over the full vocabulary, estimated from teacher draws",
+            "every token's cross-entropy + an unbiased estimate of the full KL(student || teacher) "
+            "from K cached draws (needs a --topk-mode sampled cache of the student's tokenizer)",
+            distillation=_kld_sampled, same_tokenizer=True,
         ),
         ModeDeclaration(
             "alm", "nothing", "token", "token",

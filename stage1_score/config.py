@@ -24,6 +24,7 @@ from pipeline.choices import (
     TeacherDtype,
     TextSplit,
     TopkEncoding,
+    TopkMode,
     UnitOverlap,
 )
 from pipeline.config import options_of
@@ -113,6 +114,15 @@ class ScoreConfig:
         help="with --topk-probs: compact: log-probabilities in 1/16-nat steps and ids by their "
         "rank in the shard, about 1.8 bytes an entry; float16: probabilities and ids as they are, "
         "about 3.3 (docs/cache-columns.md)",
+    )
+    topk_mode: TopkMode = OUTPUT(
+        "top",
+        help="with --topk-probs: top: the teacher's K largest probabilities; sampled: K ids drawn "
+        "from its distribution (temperature 1) with their log-probabilities and ranks, for "
+        "unbiased estimates (hf backend, plain head; docs/cache-columns.md)",
+    )
+    sample_seed: int = OUTPUT(
+        0, help="--topk-mode sampled: the seed that, with each document's tokens, fixes its draws"
     )
     topk_ids: bool = OUTPUT(
         True, help="with --topk-probs, also store the top-k token ids (--no-topk-ids: only probs)"
@@ -241,6 +251,21 @@ class ScoreConfig:
             )
         if self.head_kernel == "triton" and self.topk_probs:
             raise ValueError(TRITON_HEAD_WITHOUT_TOPK)
+        if self.topk_mode == "sampled":
+            if not self.topk_probs:
+                raise ValueError("--topk-mode sampled draws --topk-probs K ids: give K (1..128)")
+            if self.backend == "vllm":
+                raise ValueError(
+                    "--topk-mode sampled needs --backend hf: vLLM returns the top K of each "
+                    "prompt position, not draws from its distribution"
+                )
+            if self.head_kernel not in ("auto", "plain"):
+                raise ValueError(
+                    "--topk-mode sampled draws from the plain head's softmax: use --head-kernel "
+                    f"plain, not {self.head_kernel}"
+                )
+            if not self.topk_ids:
+                raise ValueError("--topk-mode sampled stores the ids it draws: drop --no-topk-ids")
         if self.progress_seconds <= 0:
             raise ValueError("progress_seconds must be positive")
         if self.profile_unit is not None and self.profile_unit < 0:
@@ -288,7 +313,10 @@ def result_settings(
     }
     if config.topk_probs:
         settings |= {TOPK_PROBS: config.topk_probs, TOPK_IDS: config.topk_ids}
-        if config.topk_encoding != "float16":  # a float16 cache's settings are those of before
+        if config.topk_mode == "sampled":  # draws: no top-k to encode
+            settings |= {"topk_mode": "sampled", "sample_seed": config.sample_seed,
+                         "sample_temperature": 1.0}  # fmt: skip
+        elif config.topk_encoding != "float16":  # a float16 cache's settings are those of before
             settings["topk_encoding"] = config.topk_encoding
         if config.topk_ids:
             if head_size is None:

@@ -102,7 +102,11 @@ def head_extras(spec: WorkerSpec, tokenizer) -> HeadExtras:
         mask, identity = space_mask(tokenizer, recorded["size"])
         if identity != recorded:
             raise ValueError("the worker's space mask differs from the one the driver recorded")
-    return HeadExtras(settings.get(TOPK_PROBS, 0), settings.get(TOPK_IDS, True), mask)
+    sampled = settings.get("topk_mode") == "sampled"
+    return HeadExtras(
+        settings.get(TOPK_PROBS, 0), settings.get(TOPK_IDS, True), mask, sampled,
+        settings.get("sample_seed", 0),
+    )  # fmt: skip
 
 
 def load_scorer(spec: WorkerSpec, extras: HeadExtras | None = None):

@@ -15,6 +15,9 @@ import numpy as np
 from pipeline.cache.manifest import CacheManifest, ShardRecord, write_manifest
 from pipeline.cache.schema import (
     DOC_ID,
+    SAMPLE_IDS,
+    SAMPLE_LOGPROBS,
+    SAMPLE_RANKS,
     SPACE_LOGPROB,
     TOPK_IDS,
     TOPK_PROBS,
@@ -62,6 +65,20 @@ def teacher_topk(
     return columns
 
 
+def teacher_draws(
+    num_tokens: int, k: int, vocab_size: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """Seeded columns of a sampled cache's document (`--topk-mode sampled`): K ids with their
+    log-probabilities and ranks, -1 / NaN on the first token."""
+    columns = {
+        SAMPLE_IDS: rng.integers(0, vocab_size, (num_tokens, k)).astype(np.int64),
+        SAMPLE_LOGPROBS: np.log(rng.uniform(1e-3, 0.9, (num_tokens, k))).astype(np.float32),
+        SAMPLE_RANKS: rng.integers(0, 50, (num_tokens, k)).astype(np.int64),
+    }
+    columns[SAMPLE_IDS][:1], columns[SAMPLE_LOGPROBS][:1], columns[SAMPLE_RANKS][:1] = -1, np.nan, -1
+    return columns
+
+
 def build_cache(
     dest: Path,
     *,
@@ -75,6 +92,7 @@ def build_cache(
     space_logprob: bool = False,
     topk: int = 0,
     topk_encoding: str = "float16",
+    topk_mode: str = "top",
 ) -> CacheManifest:
     """Write shards and manifest.json into `dest`; returns the manifest. `space_logprob`: with
     that column (seeded random log-probabilities, NaN where the loss is); `topk` > 0 adds the
@@ -93,7 +111,9 @@ def build_cache(
             TOPK_IDS: True,
             "topk_id_dtype": topk_id_dtype(tokenizer.vocab_size),
         }
-        if topk_encoding != "float16":
+        if topk_mode == "sampled":
+            settings |= {"topk_mode": "sampled", "sample_seed": 0, "sample_temperature": 1.0}
+        elif topk_encoding != "float16":
             settings["topk_encoding"] = topk_encoding
     shards = []
     for index, first in enumerate(range(0, len(documents), docs_per_shard)):
@@ -110,9 +130,8 @@ def build_cache(
                 ]
             }
         if topk:
-            per_document = [
-                teacher_topk(len(e), topk, tokenizer.vocab_size, rng) for e in encodings
-            ]
+            draw = teacher_draws if topk_mode == "sampled" else teacher_topk
+            per_document = [draw(len(e), topk, tokenizer.vocab_size, rng) for e in encodings]
             extras = (extras or {}) | {
                 name: [d[name] for d in per_document] for name in per_document[0]
             }

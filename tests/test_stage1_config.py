@@ -45,6 +45,13 @@ def test_command_line_wins_over_the_manifest():
         (["--backend", "vllm", "--space-logprob"], "--space-logprob needs --backend hf: vLLM"),
         (["--head-kernel", "triton", "--topk-probs", "8"], "^command line: --head-kernel triton "
          "computes the loss and the space column, not top-k: use --head-kernel fused"),
+        (["--topk-mode", "sampled"], "--topk-mode sampled draws --topk-probs K ids: give K"),
+        (["--topk-mode", "sampled", "--topk-probs", "8", "--backend", "vllm"],
+         "--topk-mode sampled needs --backend hf: vLLM returns the top K"),
+        (["--topk-mode", "sampled", "--topk-probs", "8", "--head-kernel", "onepass"],
+         "--topk-mode sampled draws from the plain head's softmax: use --head-kernel plain"),
+        (["--topk-mode", "sampled", "--topk-probs", "8", "--no-topk-ids"],
+         "--topk-mode sampled stores the ids it draws: drop --no-topk-ids"),
     ],
 )
 def test_bad_values_are_refused(extra, message):
@@ -85,6 +92,11 @@ def test_optional_columns_join_the_identity_only_when_asked_for():
     no_ids = parse_config(ScoreConfig, [*REQUIRED, "--topk-probs", "8", "--no-topk-ids"], "", SECTION)
     assert result_settings(no_ids, 64, 32, 151936) == plain | {
         "topk_probs": 8, "topk_ids": False, "topk_encoding": "compact"
+    }  # fmt: skip
+    drawn = [*REQUIRED, "--topk-probs", "8", "--topk-mode", "sampled", "--sample-seed", "3"]
+    assert result_settings(parse_config(ScoreConfig, drawn, "", SECTION), 64, 32, 49152) == plain | {
+        "topk_probs": 8, "topk_ids": True, "topk_id_dtype": "uint16", "topk_mode": "sampled",
+        "sample_seed": 3, "sample_temperature": 1.0,
     }  # fmt: skip
     # float16, the encoding of every top-k cache before the compact one: their settings as then
     half = [*REQUIRED, "--topk-probs", "8", "--topk-encoding", "float16"]

@@ -167,6 +167,38 @@ def test_a_compact_cache_trains_on_what_the_float16_one_holds_within_its_error(
     assert 0 < abs(first - reference) <= bound, (first, reference)
 
 
+def test_kld_sampled_trains_cross_entropy_plus_the_estimate_of_the_full_kl(runs, tmp_path):
+    """`--guidance kld-sampled` on a sampled cache (`--topk-mode sampled`) of the student's own
+    tokenizer: step 1's term is the importance-weighted estimate of KL(student || teacher) at
+    the cached draws (pipeline.distillation.sampled), and its gradient is the cross-entropy's
+    plus that estimate's."""
+    from pipeline.distillation.sampled import DRAWN_IDS, DRAWN_LOGPROBS
+
+    cache = tmp_path / "sampled"
+    build_cache(cache, teacher_tokenizer="tinyllama", num_documents=16, topk=8, topk_mode="sampled")
+    arm = train_watching_step_1(
+        train_args(cache, tmp_path / "out", *ARGS, "--guidance", "kld-sampled")
+    )
+    plain = runs["none", "same"]
+    logits = arm.logits.detach().requires_grad_()
+    labels = arm.batch["labels"]
+    ids = arm.batch[DRAWN_IDS].long()
+    paired = (labels != IGNORE_INDEX) & (ids[..., 0] >= 0)
+    assert paired.sum() > 20
+    student = torch.log_softmax(logits[paired], -1).gather(-1, ids[paired])
+    log_ratio = student - arm.batch[DRAWN_LOGPROBS][paired].float()
+    term = (log_ratio.exp() * log_ratio).mean(-1).mean()  # (1/K) sum_i w_i log(s/t), by hand
+    assert distill_losses(arm.out)[0] == pytest.approx(term.detach().item(), rel=1e-5)
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    ce_grad, term_grad = (
+        torch.autograd.grad(loss, logits, retain_graph=True)[0] for loss in (ce, term)
+    )
+    atol = 4 * torch.finfo(torch.float32).eps * ce_grad.abs().max().item()
+    assert term_grad.abs().max() > 100 * atol
+    torch.testing.assert_close(plain.grad, ce_grad, rtol=1e-5, atol=atol)
+    torch.testing.assert_close(arm.grad - plain.grad, term_grad, rtol=1e-3, atol=atol)
+
+
 @pytest.mark.parametrize(("mode", "cache"), CASES)
 def test_the_arm_trains_cross_entropy_plus_its_term(mode, cache, runs):
     arm, plain = runs[mode, cache], runs["none", cache]

@@ -19,6 +19,9 @@ from pipeline.cache.schema import (
     LOGICAL,
     LOSS,
     OPTIONAL_COLUMNS,
+    SAMPLE_IDS,
+    SAMPLE_LOGPROBS,
+    SAMPLE_RANKS,
     SPACE_LOGPROB,
     STORED_AS,
     TEXT,
@@ -160,7 +163,8 @@ def check_extra_columns(
 ) -> None:
     """CacheError unless the optional columns present hold what docs/cache-columns.md says:
     unscored (NaN loss) exactly where they are null or NaN, top-k probabilities in [0, 1] and
-    descending, distinct non-negative ids, top-k mass plus rest near 1, space log-probs <= 0."""
+    descending, distinct non-negative ids, top-k mass plus rest near 1, drawn ids and ranks
+    non-negative with finite log-probabilities <= 0, space log-probs <= 0."""
     names = {LOGICAL.get(name, name) for name in batch.schema.names}
     unscored = np.isnan(list_column(batch, LOSS, np.float32)[0])
     if TOPK_PROBS in names:
@@ -183,6 +187,17 @@ def check_extra_columns(
         ordered = np.sort(ids[~null].astype(np.int64), axis=1)
         bad = (ordered[:, :1] < 0).any(1) | (np.diff(ordered, axis=1) == 0).any(1)
         _check(path, rows, lengths, _at(~null, bad), f"{TOPK_IDS} negative or repeated")
+    if SAMPLE_IDS in names:
+        checks = {
+            SAMPLE_IDS: lambda v: v >= 0,
+            SAMPLE_LOGPROBS: lambda v: np.isfinite(v) & (v <= 0),
+            SAMPLE_RANKS: lambda v: v >= 0,
+        }
+        for name, good in checks.items():
+            values, null = _entries(batch, name)
+            _check(path, rows, lengths, null != unscored, f"{name} null where loss is not NaN")
+            bad = ~good(values[~null]).all(1)
+            _check(path, rows, lengths, _at(~null, bad), f"{name} out of range")
     if SPACE_LOGPROB in names:
         space = list_column(batch, SPACE_LOGPROB, np.float32)[0]
         bad = (np.isnan(space) != unscored) | (space > 0)

@@ -43,14 +43,24 @@ TOPK_CODES = "topk_codes"  # list<fixed_size_binary[K + 1]>, null where unscored
 TOPK_ID_RANKS = "topk_id_ranks"  # list<fixed_size_binary[K * W]>, the id order in its metadata
 STORED_AS = {TOPK_PROBS: TOPK_CODES, TOPK_IDS: TOPK_ID_RANKS}
 LOGICAL = {stored: logical for logical, stored in STORED_AS.items()}
+# A sampled cache's columns (--topk-mode sampled; pipeline.distillation.sampled): per position K
+# ids drawn from the teacher's distribution, with replacement, and what the estimator needs.
+SAMPLE_IDS = "sample_ids"  # list<fixed_size_list<uint16 or int32>[K]>, null where unscored
+SAMPLE_LOGPROBS = "sample_logprobs"  # list<fixed_size_list<float32>[K]>: log t(id)
+SAMPLE_RANKS = "sample_ranks"  # list<fixed_size_list<int32>[K]>: the id's rank in t, from 0
 SPACE_LOGPROB = "space_logprob"  # list<float16>: log P(next token in the space mask), NaN unscored
-OPTIONAL_COLUMNS = (TOPK_PROBS, TOPK_IDS, TOPK_CODES, TOPK_ID_RANKS, TOPK_REST, SPACE_LOGPROB)
+OPTIONAL_COLUMNS = (
+    TOPK_PROBS, TOPK_IDS, TOPK_CODES, TOPK_ID_RANKS, TOPK_REST,
+    SAMPLE_IDS, SAMPLE_LOGPROBS, SAMPLE_RANKS, SPACE_LOGPROB,
+)  # fmt: skip
 # The stage-1 option that adds each (stage1_score/config.py), for a refusal that says what to run.
 COLUMN_OPTIONS = {
     TOPK_PROBS: "--topk-probs K",
     TOPK_IDS: "--topk-probs K without --no-topk-ids",
     TOPK_REST: "--topk-probs K",
     SPACE_LOGPROB: "--space-logprob",
+    SAMPLE_IDS: "--topk-probs K --topk-mode sampled",
+    SAMPLE_LOGPROBS: "--topk-probs K --topk-mode sampled",
 }
 
 
@@ -64,11 +74,21 @@ def topk_compact(settings: dict) -> bool:
     return settings.get("topk_encoding", "float16") == "compact"
 
 
+def topk_sampled(settings: dict) -> bool:
+    """Whether a cache with these result settings holds teacher draws rather than its top-k."""
+    return settings.get("topk_mode", "top") == "sampled"
+
+
 def extra_fields(settings: dict) -> list[pa.Field]:
     """The optional columns a cache made with these result settings holds, in column order."""
     fields = []
     k = settings.get(TOPK_PROBS, 0)
-    if k and topk_compact(settings):
+    if k and topk_sampled(settings):
+        ids = pa.type_for_alias(settings["topk_id_dtype"])
+        kinds = {SAMPLE_IDS: ids, SAMPLE_LOGPROBS: pa.float32(), SAMPLE_RANKS: pa.int32()}
+        for name, kind in kinds.items():
+            fields.append(pa.field(name, pa.list_(pa.list_(kind, k)), nullable=False))
+    elif k and topk_compact(settings):
         fields.append(pa.field(TOPK_CODES, pa.list_(pa.binary(k + 1)), nullable=False))
         if settings.get(TOPK_IDS, True):
             width = id_width(settings["topk_id_dtype"])
@@ -78,7 +98,7 @@ def extra_fields(settings: dict) -> list[pa.Field]:
         if settings.get(TOPK_IDS, True):
             ids = pa.type_for_alias(settings["topk_id_dtype"])
             fields.append(pa.field(TOPK_IDS, pa.list_(pa.list_(ids, k)), nullable=False))
-    if k:
+    if k and not topk_sampled(settings):
         fields.append(pa.field(TOPK_REST, pa.list_(pa.float16()), nullable=False))
     if settings.get(SPACE_LOGPROB):
         fields.append(pa.field(SPACE_LOGPROB, pa.list_(pa.float16()), nullable=False))

@@ -20,7 +20,25 @@ teacher's log-probability of it and its rank; the student side is exact.
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
 import torch
+
+from pipeline.cache.schema import SAMPLE_IDS, SAMPLE_LOGPROBS
+from pipeline.cross_entropy import IGNORE_INDEX
+from pipeline.distillation import AlignedRead
+from pipeline.head_outputs import HeadOutputs, HeadReads, valid_ids
+
+
+def document_uniforms(ids: np.ndarray, k: int, seed: int) -> np.ndarray:
+    """The uniforms [tokens, k] in [0, 1) that a document's draws invert (stage 1's `--topk-mode
+    sampled`): from the run's seed and the document's token ids alone, so that a rerun, another
+    batching or another worker draws the same ids."""
+    digest = hashlib.blake2b(np.asarray(ids, dtype="<i8").tobytes(), digest_size=8).digest()
+    rng = np.random.default_rng([seed, int.from_bytes(digest, "little")])
+    return rng.random((len(ids), k))
 
 
 def cumulative(teacher_logprobs: torch.Tensor) -> torch.Tensor:
@@ -79,3 +97,57 @@ def full_uld(student_probs: torch.Tensor, teacher_probs: torch.Tensor) -> torch.
         return torch.nn.functional.pad(probs, (0, width - probs.shape[-1]))
 
     return (sorted_padded(student_probs) - sorted_padded(teacher_probs)).abs().sum(-1)
+
+
+# the extras' keys in a micro-batch: per student token, the paired teacher position's draws
+DRAWN_IDS = "teacher_sample_ids"  # (tokens, K) int32; -1 where no paired distribution
+DRAWN_LOGPROBS = "teacher_sample_logprobs"  # (tokens, K) float32: log t of each draw; NaN: none
+
+
+@dataclass(frozen=True)
+class SampledKLDistillation:
+    """`--guidance kld-sampled` (pipeline.distillation.Distillation): the cross-entropy plus, with
+    KLD's equal weight (VocAgnoLM appendix B eq. 5), the estimate above of the full-vocabulary
+    KL(student || teacher) from a `--topk-mode sampled` cache. Like KLD it needs the cache's own
+    tokenizer (the identity alignment); unlike the top-k KLD it estimates the full term, not a
+    coarsened one (docs/distillation.md)."""
+
+    weight: float = 1.0
+    name: str = "kld-sampled"
+    cache_columns: tuple[str, ...] = (SAMPLE_IDS, SAMPLE_LOGPROBS)
+    extra_names: tuple[str, ...] = (DRAWN_IDS, DRAWN_LOGPROBS)
+    vocabulary_subset = None  # (a class attribute, not a field) it reads no subset's mass
+
+    def extras(self, read: AlignedRead) -> dict[str, np.ndarray]:
+        """Per student token, the draws of the teacher position paired with it (its own, under
+        the identity alignment); none where unmapped or unscored."""
+        first = read.map_start
+        mapped = np.flatnonzero(first >= 0)
+        ids, logprobs = read.teacher_columns[SAMPLE_IDS], read.teacher_columns[SAMPLE_LOGPROBS]
+        out = {
+            DRAWN_IDS: np.full((first.size, ids.shape[1]), -1, dtype=np.int32),
+            DRAWN_LOGPROBS: np.full((first.size, ids.shape[1]), np.nan, dtype=np.float32),
+        }
+        out[DRAWN_IDS][mapped] = ids[first[mapped]]
+        out[DRAWN_LOGPROBS][mapped] = logprobs[first[mapped]]
+        return out
+
+    def _paired(self, labels: torch.Tensor, extras: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (labels != IGNORE_INDEX) & (extras[DRAWN_IDS][..., 0] >= 0)
+
+    def units(self, labels: torch.Tensor, extras: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._paired(labels, extras).sum()
+
+    def reads(self, extras, subset) -> HeadReads:
+        return HeadReads(ids=extras[DRAWN_IDS])
+
+    def loss_sum(
+        self, student: HeadOutputs, labels: torch.Tensor, extras: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        where = self._paired(labels, extras)
+        valid = valid_ids(extras[DRAWN_IDS], student.vocabulary) & where[..., None]
+        student_logprob = student.at_ids - student.log_z[..., None]
+        teacher_logprob = torch.where(valid, extras[DRAWN_LOGPROBS].float(), 0.0)
+        # a teacher id the student's head lacks has student probability 0: no contribution
+        per_token = sampled_kl(torch.where(valid, student_logprob, teacher_logprob), teacher_logprob)
+        return torch.where(where, per_token, 0.0).sum()

@@ -42,6 +42,17 @@ class UnitPlan:
     windows: WindowTable
     layouts: list[BatchLayout]
     columns: dict[str, list[np.ndarray]]
+    # --topk-mode sampled: per document, the uniforms [tokens, K] its draws invert at
+    uniforms: list[np.ndarray] | None = None
+
+    def batch_uniforms(self, layout: BatchLayout) -> np.ndarray | None:
+        """The uniforms of a batch's scored positions, in the order its columns come back."""
+        if self.uniforms is None:
+            return None
+        w = self.windows
+        return np.concatenate([
+            self.uniforms[w.doc[row]][w.score_from[row] : w.end[row]] for row in layout.windows
+        ])  # fmt: skip
 
 
 def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:

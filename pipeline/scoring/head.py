@@ -13,7 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.cache.schema import MAX_TOPK, SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, TOPK_REST
+from pipeline.cache.schema import (
+    MAX_TOPK,
+    SAMPLE_IDS,
+    SAMPLE_LOGPROBS,
+    SAMPLE_RANKS,
+    SPACE_LOGPROB,
+    TOPK_IDS,
+    TOPK_PROBS,
+    TOPK_REST,
+)
 from pipeline.choices import TRITON_HEAD_WITHOUT_TOPK, compiles_on, on_device
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
@@ -22,6 +31,7 @@ from pipeline.scoring.head_kernels import (
     fused_columns,
     onepass_columns,
     plain_columns,
+    sampled_columns,
     topk_columns,
 )
 
@@ -36,6 +46,7 @@ LOGIT_BUDGET = 1 << 24
 # --head-chunks sized: a chunk may take this share of the free memory, at this many bytes per
 # logit (the plain kernel's model-dtype logits, fp32 copy and fp32 log-softmax; fused needs less).
 HEAD_MEMORY_SHARE = 0.5
+SAMPLED_DTYPES = {SAMPLE_IDS: torch.int64, SAMPLE_LOGPROBS: torch.float32, SAMPLE_RANKS: torch.int64}
 BYTES_PER_LOGIT = 12
 
 
@@ -51,15 +62,21 @@ def head_chunk_rows(vocab_size: int, chunks: str, free: int | None = None) -> in
 @dataclass(frozen=True)
 class HeadExtras:
     """What to compute besides the loss: K (0: no top-k), whether to keep the ids, the space
-    mask (bool numpy array over the head's outputs, or None)."""
+    mask (bool numpy array over the head's outputs, or None); `sampled`: K ids drawn from the
+    teacher's distribution instead of its top K (pipeline.distillation.sampled), at uniforms
+    seeded by `sample_seed` and each document's tokens (pipeline.scoring.hf: HFScorer.plan)."""
 
     topk: int = 0
     topk_ids: bool = True
     space_mask: np.ndarray | None = None
+    sampled: bool = False
+    sample_seed: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.topk <= MAX_TOPK:
             raise ValueError(f"topk must be in 0..{MAX_TOPK}, not {self.topk}")
+        if self.sampled and not self.topk:
+            raise ValueError("sampled draws topk ids: give topk")
 
     @property
     def active(self) -> bool:
@@ -67,7 +84,9 @@ class HeadExtras:
 
     def columns(self) -> tuple[str, ...]:
         names = ()
-        if self.topk:
+        if self.sampled:
+            names = (SAMPLE_IDS, SAMPLE_LOGPROBS, SAMPLE_RANKS)
+        elif self.topk:
             names = (TOPK_PROBS, TOPK_IDS, TOPK_REST) if self.topk_ids else (TOPK_PROBS, TOPK_REST)
         return names + ((SPACE_LOGPROB,) if self.space_mask is not None else ())
 
@@ -108,12 +127,22 @@ class HeadColumns:
         # the Triton kernel takes hidden states and the head; the others, a chunk's logits
         self.triton = triton_kernel(extras, device) if kernel == "triton" else None
         self.compute = None if self.triton else head_kernel_function(kernel, device)
+        if extras.sampled:
+            if kernel != "plain":  # the draws need the whole fp32 distribution of each row
+                raise ConfigError(
+                    f"--topk-mode sampled draws from the plain head's softmax: use --head-kernel "
+                    f"plain, not {kernel}"
+                )
+            self.compute = sampled_columns
 
     def buffer(self, rows: int) -> dict[str, torch.Tensor]:
         """Empty device tensors for `rows` scored positions, by column."""
         k, device = self.extras.topk, self.device
         out = {"loss": torch.empty(rows, dtype=torch.float32, device=device)}
-        if k:
+        if self.extras.sampled:
+            for name, dtype in SAMPLED_DTYPES.items():
+                out[name] = torch.empty(rows, k, dtype=dtype, device=device)
+        elif k:
             out[TOPK_PROBS] = torch.empty(rows, k, dtype=torch.float32, device=device)
             out[TOPK_REST] = torch.empty(rows, dtype=torch.float32, device=device)
             if self.extras.topk_ids:
@@ -128,17 +157,20 @@ class HeadColumns:
         head: torch.nn.Linear | None,
         targets: torch.Tensor,
         rows: int,
+        uniforms: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """The columns of a batch's scored positions from their `hidden` states under `head`
         (None: `hidden` are the logits already), in chunks of `rows` positions; the Triton
-        kernel takes them all at once, since it makes no logits."""
+        kernel takes them all at once, since it makes no logits. `uniforms` [positions, K]:
+        where the draws of `--topk-mode sampled` fall."""
         if self.triton is not None:
             return self.triton(hidden, head.weight, head.bias, targets, self.space)
         project, topk = head or torch.nn.Identity(), self.extras.topk
         out = self.buffer(len(targets))
         for begin in range(0, len(targets), rows):
             chunk = slice(begin, begin + rows)
-            columns = self.compute(project(hidden[chunk]), targets[chunk], topk, self.space)
+            at = () if uniforms is None else (uniforms[chunk],)
+            columns = self.compute(project(hidden[chunk]), targets[chunk], topk, self.space, *at)
             for name, values in columns.items():
                 if name in out:  # ids computed but not kept (--no-topk-ids)
                     out[name][chunk] = values
@@ -180,6 +212,8 @@ def head_columns(
     fastest, run 7: benchmarks/results/2026-11-27-h200/README.md), or fused with one warning
     where its Triton kernel does not run or fails its check at load; on a CPU plain, whose caches
     are those of before."""
+    if extras.sampled and asked == "auto":
+        asked = "plain"  # the draws need each row's whole fp32 softmax
     kernel = on_device(asked, device, gpu="onepass", cpu="plain")
     try:
         columns = HeadColumns(extras, vocab_size, device, kernel)
@@ -261,9 +295,11 @@ def triton_module(kernel: str, device: torch.device):
 def empty_columns(extras: HeadExtras, lengths: list[int]) -> dict[str, list[np.ndarray]]:
     """Per-document arrays of the extra columns, all unscored (NaN, id -1) to start with."""
     k = extras.topk
-    shapes = {TOPK_PROBS: (k,), TOPK_IDS: (k,), TOPK_REST: (), SPACE_LOGPROB: ()}
+    shapes = {TOPK_REST: (), SPACE_LOGPROB: ()}
     columns = {}
     for name in extras.columns():
-        fill, dtype = (-1, np.int64) if name == TOPK_IDS else (np.nan, np.float32)
-        columns[name] = [np.full((n, *shapes[name]), fill, dtype=dtype) for n in lengths]
+        integer = name in (TOPK_IDS, SAMPLE_IDS, SAMPLE_RANKS)
+        fill, dtype = (-1, np.int64) if integer else (np.nan, np.float32)
+        shape = shapes.get(name, (k,))
+        columns[name] = [np.full((n, *shape), fill, dtype=dtype) for n in lengths]
     return columns

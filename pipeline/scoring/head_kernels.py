@@ -39,8 +39,17 @@ import math
 
 import torch
 
-from pipeline.cache.schema import SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, TOPK_REST
+from pipeline.cache.schema import (
+    SAMPLE_IDS,
+    SAMPLE_LOGPROBS,
+    SAMPLE_RANKS,
+    SPACE_LOGPROB,
+    TOPK_IDS,
+    TOPK_PROBS,
+    TOPK_REST,
+)
 from pipeline.cross_entropy import token_log_probs_and_loss, token_loss
+from pipeline.distillation import sampled
 
 TINY = torch.finfo(torch.float32).tiny  # the space mass's floor (docs/cache-columns.md)
 TOPK_BLOCK = 128  # logits per block whose max ranks it for the top k (`top_logits`)
@@ -61,10 +70,38 @@ def plain_columns(
         columns |= {TOPK_PROBS: probs, TOPK_IDS: ids}
         columns[TOPK_REST] = (1.0 - probs.sum(dim=-1)).clamp_(min=0.0)
     if space is not None:
-        # the mask's mass as one product with its indicator; a mass under fp32's smallest
-        # normal reads as that bound
-        mass = log_probs.exp_() @ space.to(log_probs.dtype)  # a float32 indicator: no copy
-        columns[SPACE_LOGPROB] = mass.clamp_(TINY, 1.0).log_()
+        columns[SPACE_LOGPROB] = space_logprob(log_probs, space)
+    return columns
+
+
+def space_logprob(log_probs: torch.Tensor, space: torch.Tensor) -> torch.Tensor:
+    """log p(S) per row of fp32 log-probabilities [rows, V] (exponentiated in place): the mask's
+    mass as one product with its float32 indicator; a mass under fp32's smallest normal reads as
+    that bound."""
+    mass = log_probs.exp_() @ space.to(log_probs.dtype)  # a float32 indicator: no copy
+    return mass.clamp_(TINY, 1.0).log_()
+
+
+def sampled_columns(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    k: int,
+    space: torch.Tensor | None,
+    uniforms: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The loss and, per row of a chunk [rows, V], `k` ids drawn from its fp32 softmax at
+    `uniforms` [rows, k] (`--topk-mode sampled`: pipeline.distillation.sampled), with each id's
+    log-probability and rank; the loss is plain_columns' bit for bit."""
+    log_probs, loss = token_log_probs_and_loss(logits, targets)
+    ids = sampled.draw_ids(sampled.cumulative(log_probs), uniforms)
+    columns = {
+        "loss": loss,
+        SAMPLE_IDS: ids,
+        SAMPLE_LOGPROBS: log_probs.gather(-1, ids),
+        SAMPLE_RANKS: sampled.ranks(log_probs).gather(-1, ids),
+    }
+    if space is not None:
+        columns[SPACE_LOGPROB] = space_logprob(log_probs, space)
     return columns
 
 

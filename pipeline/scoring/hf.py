@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from pipeline.choices import on_device
+from pipeline.distillation.sampled import document_uniforms
 from pipeline.document_attention import FLEX, document_block_mask, document_mask
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
@@ -250,7 +251,9 @@ class HFScorer:
         columns = {"loss": [np.full(n, np.nan, dtype=np.float32) for n in lengths]}
         columns |= empty_columns(self.extras, lengths)
         windows = plan_document_windows(lengths, self.max_length, self.stride)
-        return UnitPlan(windows, self.layouts(windows), columns)
+        k, seed = self.extras.topk, self.extras.sample_seed
+        uniforms = [document_uniforms(i, k, seed) for i in token_ids] if self.extras.sampled else None
+        return UnitPlan(windows, self.layouts(windows), columns, uniforms)
 
     @torch.inference_mode()
     def queue_columns(
@@ -290,7 +293,8 @@ class HFScorer:
         # behind it, so the host builds and launches that batch while the device computes.
         in_flight: deque[tuple[BatchLayout, QueuedBatch]] = deque()
         for layout in plan.layouts:
-            in_flight.append((layout, self._score_batch(token_ids, windows, layout, rows)))
+            batch = self._score_batch(token_ids, windows, layout, rows, plan.batch_uniforms(layout))
+            in_flight.append((layout, batch))
             while len(in_flight) > (self.switches.batch_overlap == "on"):
                 place(*in_flight.popleft())
         return QueuedColumns(columns, in_flight, place, device_time)
@@ -322,10 +326,12 @@ class HFScorer:
         return inputs, row, position
 
     def _score_batch(
-        self, token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout, rows: int
-    ) -> QueuedBatch:
+        self, token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout, rows: int,
+        uniforms: np.ndarray | None = None,
+    ) -> QueuedBatch:  # fmt: skip
         """The batch's work queued on the device, head chunks of `rows` scored positions, its
-        columns' copies to the host started; timed from when the host has built its inputs."""
+        columns' copies to the host started; timed from when the host has built its inputs.
+        `uniforms`: where its scored positions' draws fall (`--topk-mode sampled`)."""
         arrays = layout_arrays(token_ids, windows, layout), scored_positions(windows, layout)
         batch = QueuedBatch(self.device, previous=self._last_done)
         inputs, row, position = self._inputs_on_device(*arrays)
@@ -337,6 +343,7 @@ class HFScorer:
         else:
             hidden = self.model(**inputs, use_cache=False).logits[row, position]
             head = None
-        batch.copy(self.columns.of_batch(hidden, head, targets, rows))
+        drawn_at = None if uniforms is None else to_device(uniforms, self.device)
+        batch.copy(self.columns.of_batch(hidden, head, targets, rows, drawn_at))
         self._last_done = batch.done
         return batch
