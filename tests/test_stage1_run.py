@@ -196,6 +196,26 @@ def test_topk_probs_8_and_space_logprob_are_cached_by_the_fused_head_and_equal_t
             np.testing.assert_allclose(rest, 1 - expected.sum(1), atol=2e-3)
 
 
+def test_a_sampled_cache_is_verified_and_a_rerun_draws_the_same_bytes(
+    ray_cluster, teacher, corpus, tmp_path
+):
+    """`--topk-mode sampled` through the job and its workers: the manifest names the mode and
+    the seed, `cache verify` passes, and a second run into another folder with other batches
+    draws the same ids, of the same ranks (their log-probabilities round with the batch)."""
+    outs = [tmp_path / "first", tmp_path / "second"]
+    drawn = ("--topk-probs", "8", "--topk-mode", "sampled", "--sample-seed", "5")
+    assert main(args(teacher, corpus, outs[0], *drawn)) == 0
+    assert main([*args(teacher, corpus, outs[1], *drawn), "--batch-tokens", "256"]) == 0
+    manifest, problems = verify_cache(outs[0])
+    assert problems == [] and manifest.settings["topk_mode"] == "sampled"
+    assert manifest.settings["sample_seed"] == 5 and "topk_encoding" not in manifest.settings
+    for shard in manifest.shards:
+        first, second = (pq.read_table(out / shard.file) for out in outs)
+        assert "sample_ids" in first.column_names and "topk_rest" not in first.column_names
+        for name in ("sample_ids", "sample_ranks"):
+            assert first.column(name).equals(second.column(name))
+
+
 def test_dtype_auto_is_bfloat16_where_the_workers_get_gpus(teacher, corpus, tmp_path, monkeypatch):
     """What the driver resolves --dtype auto to, from the GPUs of the cluster it will join
     (stage 2's --dtype auto computes alike), into the cache's identity; any other choice stands."""
