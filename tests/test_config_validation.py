@@ -95,6 +95,8 @@ RIGHT = {
     (PreRegistration, "confidence"): 0.9,
     (SelectionConfig, "topk"): 0.5,  # unset by default: stage 2's
 }
+# options a right value needs beside it (the config refuses it alone)
+COMPANIONS = {(ScoreConfig, "topk_mode"): {"topk_probs": 8}}
 
 
 def _fields(cls):
@@ -214,9 +216,10 @@ def test_a_bad_manifest_value_is_one_line_naming_file_section_and_key(
 @pytest.mark.parametrize(("cls", "name", "value"), list(_cases("right")))
 def test_a_right_manifest_value_is_the_same_config_as_the_same_flag(cls, name, value, tmp_path):
     section, required = CONFIGS[cls]
-    manifest = _write_manifest(tmp_path / "m.toml", section, {**required, name: value})
+    values = {**required, **COMPANIONS.get((cls, name), {}), name: value}
+    manifest = _write_manifest(tmp_path / "m.toml", section, values)
     from_manifest = parse_config(cls, ["--manifest", str(manifest)], "", section)
-    argv = [arg for key, v in {**required, name: value}.items() for arg in _flags(key, v)]
+    argv = [arg for key, v in values.items() for arg in _flags(key, v)]
     from_flags = parse_config(cls, argv, "", section)
     assert from_manifest == from_flags
     assert fingerprint(to_dict(from_manifest)) == fingerprint(to_dict(from_flags))
