@@ -110,3 +110,21 @@ def test_the_sampled_mode_takes_the_plain_head_only(teacher):
     with pytest.raises(ConfigError, match=r"^--topk-mode sampled draws from the plain head's "
                        r"softmax: use --head-kernel plain, not fused$"):  # fmt: skip
         scored(teacher, head_kernel="fused")
+
+
+def test_auto_keeps_head_chunks_fixed_for_the_draws_even_on_a_gpu(teacher, monkeypatch):
+    """A sampled head holds ~3x the plain head's bytes a logit, beyond what sized chunks budget
+    for: under auto, a GPU (as `on_device` answers there) keeps fixed chunks for it."""
+    from pipeline.scoring import hf
+
+    monkeypatch.setattr(hf, "on_device", lambda choice, device, gpu, cpu: gpu
+                        if choice == "auto" else choice)  # fmt: skip
+    assert scored_scorer(teacher, EXTRAS).switches.head_chunks == "fixed"
+    assert scored_scorer(teacher, HeadExtras(topk=K)).switches.head_chunks == "sized"
+
+
+def scored_scorer(folder, extras: HeadExtras) -> HFScorer:
+    return HFScorer(
+        resolve_teacher(str(folder)), dtype="float32", max_length=MAX_LENGTH, stride=STRIDE,
+        batch_tokens=64, device="cpu", extras=extras, switches=HeadSwitches(row_packing="padded"),
+    )  # fmt: skip

@@ -99,7 +99,9 @@ class HFScorer:
         # what this scorer steps with, each switch resolved for this device and teacher
         self.switches = HeadSwitches(
             head_kernel=self.columns.kernel,
-            head_chunks=on_device(switches.head_chunks, self.device, gpu="sized", cpu="fixed"),
+            # draws hold ~3x the plain head's bytes a logit: auto keeps their chunks fixed
+            head_chunks=on_device(switches.head_chunks, self.device, cpu="fixed",
+                                  gpu="fixed" if self.extras.sampled else "sized"),  # fmt: skip
             row_packing=row_packing,
             attention=attention,
             batch_overlap=on_device(switches.batch_overlap, self.device, gpu="on", cpu="off"),
@@ -251,8 +253,8 @@ class HFScorer:
         columns = {"loss": [np.full(n, np.nan, dtype=np.float32) for n in lengths]}
         columns |= empty_columns(self.extras, lengths)
         windows = plan_document_windows(lengths, self.max_length, self.stride)
-        k, seed = self.extras.topk, self.extras.sample_seed
-        uniforms = [document_uniforms(i, k, seed) for i in token_ids] if self.extras.sampled else None
+        k, seed, drawn = self.extras.topk, self.extras.sample_seed, self.extras.sampled
+        uniforms = [document_uniforms(i, k, seed) for i in token_ids] if drawn else None
         return UnitPlan(windows, self.layouts(windows), columns, uniforms)
 
     @torch.inference_mode()
@@ -293,8 +295,7 @@ class HFScorer:
         # behind it, so the host builds and launches that batch while the device computes.
         in_flight: deque[tuple[BatchLayout, QueuedBatch]] = deque()
         for layout in plan.layouts:
-            batch = self._score_batch(token_ids, windows, layout, rows, plan.batch_uniforms(layout))
-            in_flight.append((layout, batch))
+            in_flight.append((layout, self._score_batch(token_ids, plan, layout, rows)))
             while len(in_flight) > (self.switches.batch_overlap == "on"):
                 place(*in_flight.popleft())
         return QueuedColumns(columns, in_flight, place, device_time)
@@ -326,12 +327,12 @@ class HFScorer:
         return inputs, row, position
 
     def _score_batch(
-        self, token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout, rows: int,
-        uniforms: np.ndarray | None = None,
-    ) -> QueuedBatch:  # fmt: skip
-        """The batch's work queued on the device, head chunks of `rows` scored positions, its
-        columns' copies to the host started; timed from when the host has built its inputs.
-        `uniforms`: where its scored positions' draws fall (`--topk-mode sampled`)."""
+        self, token_ids: list[np.ndarray], plan: UnitPlan, layout: BatchLayout, rows: int
+    ) -> QueuedBatch:
+        """The batch's work queued on the device, head chunks of `rows` scored positions (drawn at
+        the plan's uniforms under --topk-mode sampled), its columns' copies to the host started;
+        timed from when the host has built its inputs."""
+        windows, uniforms = plan.windows, plan.batch_uniforms(layout)
         arrays = layout_arrays(token_ids, windows, layout), scored_positions(windows, layout)
         batch = QueuedBatch(self.device, previous=self._last_done)
         inputs, row, position = self._inputs_on_device(*arrays)
