@@ -41,8 +41,12 @@ TRITON_HEAD_WITHOUT_TOPK = (
 # name none is float16
 TopkEncoding = Literal["compact", "float16"]
 # stage 1: the teacher's K largest probabilities, or K ids drawn from its distribution
-# (pipeline.distillation.sampled)
+# (pipeline.distillation.sampled); only the plain head holds a row's whole softmax to draw from,
+# which stage 1's config and the scorer both refuse otherwise, in these words
 TopkMode = Literal["top", "sampled"]
+SAMPLED_NEEDS_PLAIN_HEAD = (
+    "--topk-mode sampled draws from the plain head's softmax: use --head-kernel plain, not {kernel}"
+)
 HeadChunks = Literal["auto", "sized", "fixed"]  # stage 1: how many rows a head chunk holds
 UnitOverlap = Literal["auto", "on", "off"]  # stage 1: a unit's CPU work beside another's scoring
 BatchOverlap = Literal["auto", "on", "off"]  # stage 1: a batch built while the last one runs

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pipeline.cache.schema import MAX_TOPK, SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, topk_id_dtype
 from pipeline.choices import (
+    SAMPLED_NEEDS_PLAIN_HEAD,
     TRITON_HEAD_WITHOUT_TOPK,
     Attention,
     BatchOverlap,
@@ -260,10 +261,7 @@ class ScoreConfig:
                     "prompt position, not draws from its distribution"
                 )
             if self.head_kernel not in ("auto", "plain"):
-                raise ValueError(
-                    "--topk-mode sampled draws from the plain head's softmax: use --head-kernel "
-                    f"plain, not {self.head_kernel}"
-                )
+                raise ValueError(SAMPLED_NEEDS_PLAIN_HEAD.format(kernel=self.head_kernel))
             if not self.topk_ids:
                 raise ValueError("--topk-mode sampled stores the ids it draws: drop --no-topk-ids")
         if self.progress_seconds <= 0:

@@ -177,10 +177,10 @@ UNRECORDED = "unrecorded"  # a shard whose sidecar predates the software record
 
 def cache_software(by_shard: Mapping[int, Mapping[str, str]]) -> dict:
     """The manifest's `software`: the versions of the workers that scored the shards (never the
-    driver's, which computes nothing stored); its `switches` take the same shape. Where the shards' records differ (a run resumed
-    under another torch or Triton: the run's identity names only the backend's version), each
-    package that differs maps its versions to the shards they scored, "not installed" and
-    UNRECORDED among them."""
+    driver's, which computes nothing stored); its `switches` take the same shape. Where the
+    shards' records differ (a run resumed under another torch or Triton: the run's identity names
+    only the backend's version), each package that differs maps its versions to the shards they
+    scored, "not installed" and UNRECORDED among them."""
     indices = sorted(by_shard)
     packages = dict.fromkeys(package for index in indices for package in by_shard[index])
     software: dict = {}

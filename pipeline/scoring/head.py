@@ -23,7 +23,12 @@ from pipeline.cache.schema import (
     TOPK_PROBS,
     TOPK_REST,
 )
-from pipeline.choices import TRITON_HEAD_WITHOUT_TOPK, compiles_on, on_device
+from pipeline.choices import (
+    SAMPLED_NEEDS_PLAIN_HEAD,
+    TRITON_HEAD_WITHOUT_TOPK,
+    compiles_on,
+    on_device,
+)
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from pipeline.scoring.head_kernels import (
@@ -46,8 +51,9 @@ LOGIT_BUDGET = 1 << 24
 # --head-chunks sized: a chunk may take this share of the free memory, at this many bytes per
 # logit (the plain kernel's model-dtype logits, fp32 copy and fp32 log-softmax; fused needs less).
 HEAD_MEMORY_SHARE = 0.5
-SAMPLED_DTYPES = {SAMPLE_IDS: torch.int64, SAMPLE_LOGPROBS: torch.float32, SAMPLE_RANKS: torch.int64}
 BYTES_PER_LOGIT = 12
+# --topk-mode sampled: the dtypes of a chunk's draws on the device
+SAMPLED_DTYPES = {SAMPLE_IDS: torch.int64, SAMPLE_LOGPROBS: torch.float32, SAMPLE_RANKS: torch.int64}
 
 
 def head_chunk_rows(vocab_size: int, chunks: str, free: int | None = None) -> int:
@@ -129,10 +135,7 @@ class HeadColumns:
         self.compute = None if self.triton else head_kernel_function(kernel, device)
         if extras.sampled:
             if kernel != "plain":  # the draws need the whole fp32 distribution of each row
-                raise ConfigError(
-                    f"--topk-mode sampled draws from the plain head's softmax: use --head-kernel "
-                    f"plain, not {kernel}"
-                )
+                raise ConfigError(SAMPLED_NEEDS_PLAIN_HEAD.format(kernel=kernel))
             self.compute = sampled_columns
 
     def buffer(self, rows: int) -> dict[str, torch.Tensor]:
