@@ -70,7 +70,10 @@ def sampled_kl(student_logprob: torch.Tensor, teacher_logprob: torch.Tensor) -> 
 
 
 def sampled_uld(
-    student_sorted: torch.Tensor, teacher_logprob: torch.Tensor, ranks: torch.Tensor, teacher_vocab: int
+    student_sorted: torch.Tensor,
+    teacher_logprob: torch.Tensor,
+    teacher_ranks: torch.Tensor,
+    teacher_vocab: int,
 ) -> torch.Tensor:
     """Per position [n], the estimate of the sorted-distribution distance from the student's whole
     distribution sorted descending [n, V_s], the draws' teacher log-probabilities [n, K] and
@@ -78,25 +81,9 @@ def sampled_uld(
     width = max(student_sorted.shape[-1], teacher_vocab)
     padded = torch.nn.functional.pad(student_sorted, (0, width - student_sorted.shape[-1]))
     teacher = teacher_logprob.exp()
-    at_rank = padded.gather(-1, ranks)
+    at_rank = padded.gather(-1, teacher_ranks)
     beyond = padded[..., teacher_vocab:].sum(-1)  # student ranks the teacher has no id for
     return ((at_rank - teacher).abs() / teacher).mean(-1) + beyond
-
-
-def full_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
-    """The exact KL(student || teacher) [n] over one vocabulary [n, V]: what sampled_kl estimates."""
-    return (student_logprobs.exp() * (student_logprobs - teacher_logprobs)).sum(-1)
-
-
-def full_uld(student_probs: torch.Tensor, teacher_probs: torch.Tensor) -> torch.Tensor:
-    """The exact sorted-distribution distance [n] (Boizard et al.): what sampled_uld estimates."""
-    width = max(student_probs.shape[-1], teacher_probs.shape[-1])
-
-    def sorted_padded(probs):
-        probs = torch.sort(probs, dim=-1, descending=True).values
-        return torch.nn.functional.pad(probs, (0, width - probs.shape[-1]))
-
-    return (sorted_padded(student_probs) - sorted_padded(teacher_probs)).abs().sum(-1)
 
 
 # the extras' keys in a micro-batch: per student token, the paired teacher position's draws
@@ -149,5 +136,7 @@ class SampledKLDistillation:
         student_logprob = student.at_ids - student.log_z[..., None]
         teacher_logprob = torch.where(valid, extras[DRAWN_LOGPROBS].float(), 0.0)
         # a teacher id the student's head lacks has student probability 0: no contribution
-        per_token = sampled_kl(torch.where(valid, student_logprob, teacher_logprob), teacher_logprob)
+        per_token = sampled_kl(
+            torch.where(valid, student_logprob, teacher_logprob), teacher_logprob
+        )
         return torch.where(where, per_token, 0.0).sum()
