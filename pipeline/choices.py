@@ -41,7 +41,7 @@ TRITON_HEAD_WITHOUT_TOPK = (
 # name none is float16
 TopkEncoding = Literal["compact", "float16"]
 # stage 1: the teacher's K largest probabilities, or K ids drawn from its distribution
-# (pipeline.distillation.sampled); only the plain head holds a row's whole softmax to draw from,
+# (pipeline.scoring.draws); only the plain head holds a row's whole softmax to draw from,
 # which stage 1's config and the scorer both refuse otherwise, in these words
 TopkMode = Literal["top", "sampled"]
 SAMPLED_NEEDS_PLAIN_HEAD = (

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.cache.schema import MAX_TOPK, SPACE_LOGPROB, TOPK_IDS, TOPK_PROBS, topk_id_dtype
+from pipeline.cache.schema import (
+    MAX_TOPK,
+    SAMPLE_HEAD_SIZE,
+    SPACE_LOGPROB,
+    TOPK_IDS,
+    TOPK_PROBS,
+    topk_id_dtype,
+)
 from pipeline.choices import (
     SAMPLED_NEEDS_PLAIN_HEAD,
     TRITON_HEAD_WITHOUT_TOPK,
@@ -311,9 +318,12 @@ def result_settings(
     }
     if config.topk_probs:
         settings |= {TOPK_PROBS: config.topk_probs, TOPK_IDS: config.topk_ids}
-        if config.topk_mode == "sampled":  # draws: no top-k to encode
+        if config.topk_mode == "sampled":  # draws: no top-k to encode; the head's size is
+            # the teacher's vocabulary the sampled ULD sorts over (its ranks end there)
+            if head_size is None:
+                raise ValueError("the teacher's head size is needed for a sampled cache")
             settings |= {"topk_mode": "sampled", "sample_seed": config.sample_seed,
-                         "sample_temperature": 1.0}  # fmt: skip
+                         "sample_temperature": 1.0, SAMPLE_HEAD_SIZE: head_size}  # fmt: skip
         elif config.topk_encoding != "float16":  # a float16 cache's settings are those of before
             settings["topk_encoding"] = config.topk_encoding
         if config.topk_ids:

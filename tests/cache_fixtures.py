@@ -15,6 +15,7 @@ import numpy as np
 from pipeline.cache.manifest import CacheManifest, ShardRecord, write_manifest
 from pipeline.cache.schema import (
     DOC_ID,
+    SAMPLE_HEAD_SIZE,
     SAMPLE_IDS,
     SAMPLE_LOGPROBS,
     SAMPLE_RANKS,
@@ -112,7 +113,8 @@ def build_cache(
             "topk_id_dtype": topk_id_dtype(tokenizer.vocab_size),
         }
         if topk_mode == "sampled":
-            settings |= {"topk_mode": "sampled", "sample_seed": 0, "sample_temperature": 1.0}
+            settings |= {"topk_mode": "sampled", "sample_seed": 0, "sample_temperature": 1.0,
+                         SAMPLE_HEAD_SIZE: tokenizer.vocab_size}  # fmt: skip
         elif topk_encoding != "float16":
             settings["topk_encoding"] = topk_encoding
     shards = []

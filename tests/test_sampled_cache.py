@@ -11,9 +11,9 @@ import torch
 from pipeline.cache.rows import check_extra_columns, check_rows, token_values
 from pipeline.cache.schema import SAMPLE_IDS, SAMPLE_LOGPROBS, SAMPLE_RANKS
 from pipeline.cache.writer import build_unit_table
-from pipeline.distillation import sampled
 from pipeline.errors import CacheError, ConfigError
 from pipeline.io import sha256_text
+from pipeline.scoring import draws
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.hf import HFScorer
 from pipeline.scoring.switches import HeadSwitches
@@ -51,14 +51,14 @@ def test_the_draws_are_the_teachers_softmax_inverted_at_the_documents_uniforms(t
             assert (drawn == -1).all() and np.isnan(logprob).all()
             continue
         reference = torch.from_numpy(windowed_direct_logprobs(model, doc, MAX_LENGTH, STRIDE)[1:])
-        uniforms = torch.from_numpy(sampled.document_uniforms(doc, K, EXTRAS.sample_seed)[1:])
-        expected = sampled.draw_ids(sampled.cumulative(reference), uniforms).numpy()
+        uniforms = torch.from_numpy(draws.document_uniforms(doc, K, EXTRAS.sample_seed)[1:])
+        expected = draws.draw_ids(draws.cumulative(reference), uniforms).numpy()
         # an id may differ only where a uniform falls within rounding of a cumulative boundary
         assert (drawn[1:] == expected).mean() > 0.99
         same = drawn[1:] == expected
         picked = np.take_along_axis(reference.numpy(), drawn[1:], axis=1)
         np.testing.assert_allclose(logprob[1:], picked, atol=1e-5)
-        ranks = sampled.ranks(reference).numpy()
+        ranks = draws.ranks(reference).numpy()
         assert (np.take_along_axis(ranks, drawn[1:], axis=1)[same] == rank[1:][same]).all()
         assert (drawn[0] == -1).all() and np.isnan(logprob[0]).all() and np.isnan(loss[0])
 

@@ -12,6 +12,7 @@ import torch
 from pipeline.distillation import sampled
 from pipeline.distillation.kld import topk_kl
 from pipeline.distillation.uld import uld_distance
+from pipeline.scoring import draws
 from pipeline.tokenizer import load_tokenizer
 from tests.stage1_helpers import SHIPPED_CORPUS, load_model, make_tiny_teacher
 from tests.test_distillation_topk import boizard_uld
@@ -54,11 +55,11 @@ def estimates(teacher: torch.Tensor, student: torch.Tensor) -> dict[str, dict[st
     t, s = teacher.float(), student.float()
     exact = {"kld": full_kl(s, t).mean(), "uld": boizard_uld(s.exp(), t.exp()).mean()}
     student_sorted = torch.sort(s.exp(), dim=-1, descending=True).values
-    cdf, rank = sampled.cumulative(teacher), sampled.ranks(t)
+    cdf, rank = draws.cumulative(teacher), draws.ranks(t)
     runs = {"kld": [], "uld": [], "kld unweighted": [], "uld unweighted": []}
     for seed in range(SEEDS):
         generator = torch.Generator().manual_seed(seed)
-        ids = sampled.draw_ids(cdf, torch.rand(len(t), K, generator=generator, dtype=torch.float64))
+        ids = draws.draw_ids(cdf, torch.rand(len(t), K, generator=generator, dtype=torch.float64))
         at_t, at_s = t.gather(-1, ids), s.gather(-1, ids)
         runs["kld"].append(sampled.sampled_kl(at_s, at_t).mean())
         at_rank = rank.gather(-1, ids)

@@ -96,7 +96,7 @@ def test_optional_columns_join_the_identity_only_when_asked_for():
     drawn = [*REQUIRED, "--topk-probs", "8", "--topk-mode", "sampled", "--sample-seed", "3"]
     assert result_settings(parse_config(ScoreConfig, drawn, "", SECTION), 64, 32, 49152) == plain | {
         "topk_probs": 8, "topk_ids": True, "topk_id_dtype": "uint16", "topk_mode": "sampled",
-        "sample_seed": 3, "sample_temperature": 1.0,
+        "sample_seed": 3, "sample_temperature": 1.0, "sample_head_size": 49152,
     }  # fmt: skip
     # float16, the encoding of every top-k cache before the compact one: their settings as then
     half = [*REQUIRED, "--topk-probs", "8", "--topk-encoding", "float16"]

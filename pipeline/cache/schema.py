@@ -43,11 +43,12 @@ TOPK_CODES = "topk_codes"  # list<fixed_size_binary[K + 1]>, null where unscored
 TOPK_ID_RANKS = "topk_id_ranks"  # list<fixed_size_binary[K * W]>, the id order in its metadata
 STORED_AS = {TOPK_PROBS: TOPK_CODES, TOPK_IDS: TOPK_ID_RANKS}
 LOGICAL = {stored: logical for logical, stored in STORED_AS.items()}
-# A sampled cache's columns (--topk-mode sampled; pipeline.distillation.sampled): per position K
+# A sampled cache's columns (--topk-mode sampled; pipeline.scoring.draws): per position K
 # ids drawn from the teacher's distribution, with replacement, and what the estimator needs.
 SAMPLE_IDS = "sample_ids"  # list<fixed_size_list<uint16 or int32>[K]>, null where unscored
 SAMPLE_LOGPROBS = "sample_logprobs"  # list<fixed_size_list<float32>[K]>: log t(id)
 SAMPLE_RANKS = "sample_ranks"  # list<fixed_size_list<int32>[K]>: the id's rank in t, from 0
+SAMPLE_HEAD_SIZE = "sample_head_size"  # a sampled cache's setting: the teacher's outputs, V_t
 SPACE_LOGPROB = "space_logprob"  # list<float16>: log P(next token in the space mask), NaN unscored
 OPTIONAL_COLUMNS = (
     TOPK_PROBS, TOPK_IDS, TOPK_CODES, TOPK_ID_RANKS, TOPK_REST,

@@ -69,7 +69,7 @@ def head_chunk_rows(vocab_size: int, chunks: str, free: int | None = None) -> in
 class HeadExtras:
     """What to compute besides the loss: K (0: no top-k), whether to keep the ids, the space
     mask (bool numpy array over the head's outputs, or None); `sampled`: K ids drawn from the
-    teacher's distribution instead of its top K (pipeline.distillation.sampled), at uniforms
+    teacher's distribution instead of its top K (pipeline.scoring.draws), at uniforms
     seeded by `sample_seed` and each document's tokens (pipeline.scoring.hf: HFScorer.plan)."""
 
     topk: int = 0

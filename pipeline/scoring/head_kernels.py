@@ -49,7 +49,7 @@ from pipeline.cache.schema import (
     TOPK_REST,
 )
 from pipeline.cross_entropy import token_log_probs_and_loss, token_loss
-from pipeline.distillation import sampled
+from pipeline.scoring import draws
 
 TINY = torch.finfo(torch.float32).tiny  # the space mass's floor (docs/cache-columns.md)
 TOPK_BLOCK = 128  # logits per block whose max ranks it for the top k (`top_logits`)
@@ -90,15 +90,15 @@ def sampled_columns(
     uniforms: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """The loss and, per row of a chunk [rows, V], `k` ids drawn from its fp32 softmax at
-    `uniforms` [rows, k] (`--topk-mode sampled`: pipeline.distillation.sampled), with each id's
+    `uniforms` [rows, k] (`--topk-mode sampled`: pipeline.scoring.draws), with each id's
     log-probability and rank; the loss is plain_columns' bit for bit."""
     log_probs, loss = token_log_probs_and_loss(logits, targets)
-    ids = sampled.draw_ids(sampled.cumulative(log_probs), uniforms)
+    ids = draws.draw_ids(draws.cumulative(log_probs), uniforms)
     columns = {
         "loss": loss,
         SAMPLE_IDS: ids,
         SAMPLE_LOGPROBS: log_probs.gather(-1, ids),
-        SAMPLE_RANKS: sampled.ranks(log_probs).gather(-1, ids),
+        SAMPLE_RANKS: draws.ranks(log_probs).gather(-1, ids),
     }
     if space is not None:
         columns[SPACE_LOGPROB] = space_logprob(log_probs, space)

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from pipeline.choices import on_device
-from pipeline.distillation.sampled import document_uniforms
 from pipeline.document_attention import FLEX, document_block_mask, document_mask
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
@@ -49,6 +48,7 @@ from pipeline.scoring.batching import (
     scored_positions,
 )
 from pipeline.scoring.device import DeviceTime, QueuedBatch, QueuedColumns, free_memory, to_device
+from pipeline.scoring.draws import document_uniforms
 from pipeline.scoring.head import HeadExtras, empty_columns, head_chunk_rows, head_columns
 from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
