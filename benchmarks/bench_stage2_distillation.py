@@ -1,15 +1,16 @@
-"""What do the distillation objectives cost per training step? `--guidance uld`, `kld`
-(docs/distillation.md) and `alm` (docs/alm.md) against `none` and `token`, timed side by side.
-Targets: alm / token <= 1.10 (issue 19); uld and kld are reported.
+"""What do the distillation objectives cost per training step? `--guidance uld`, `kld`, their
+sampled estimates `uld-sampled` and `kld-sampled` (docs/distillation.md) and `alm` (docs/alm.md)
+against `none` and `token`, timed side by side. Targets: alm / token <= 1.10 (issue 19); the
+others are reported.
 
 One optimizer step as stage 2 runs it (forward, per-token loss, selection or distillation term,
 backward, AdamW) on a from-scratch student with the tinyllama vocabulary, on one packed batch from
 the real data path: the shipped corpus with a seeded top-K cache scored "by" the student's own
-tokenizer (so KLD's identity alignment applies; the cost does not depend on the values) and
-seeded space log-probabilities for ALM. Every term reads the student's distribution through the
+tokenizer (so KLD's identity alignment applies; the cost does not depend on the values), seeded
+space log-probabilities for ALM and, for the sampled modes, a seeded sampled cache of K draws. Every term reads the student's distribution through the
 cross-entropy's own pass over the vocabulary (pipeline.head_outputs, `--loss-kernel plain`): log
-Z from the cross-entropy, plus a topk (uld), a gather (kld) or, for alm, the space mask's mass
-and the chunk sums. Modes run in turn, best of --repeats each; wall and CPU time are both shown
+Z from the cross-entropy, plus a topk of K (uld), a gather (kld, kld-sampled), a sort of the
+whole vocabulary (uld-sampled) or, for alm, the space mask's mass and the chunk sums. Modes run in turn, best of --repeats each; wall and CPU time are both shown
 (CPU time is steadier on a shared machine).
 
     python benchmarks/bench_stage2_distillation.py [--preset llama-small] [--topk-probs 32]
@@ -31,6 +32,10 @@ from timing import interleaved_best_times, print_header, print_load_average  # n
 from pipeline.distillation import vocabulary_subset_on  # noqa: E402
 from pipeline.distillation.alm import AlmDistillation  # noqa: E402
 from pipeline.distillation.kld import TopkKLDistillation  # noqa: E402
+from pipeline.distillation.sampled import (  # noqa: E402
+    SampledKLDistillation,
+    SampledULDistillation,
+)
 from pipeline.distillation.uld import UniversalLogitDistillation  # noqa: E402
 from pipeline.guidance import GuidanceSettings, guided_loss  # noqa: E402
 from pipeline.head_outputs import HeadReads, head_outputs  # noqa: E402
@@ -48,6 +53,8 @@ def distillations(tokenizer) -> dict:
     return {
         "uld": UniversalLogitDistillation(),
         "kld": TopkKLDistillation(),
+        "kld-sampled": SampledKLDistillation(),
+        "uld-sampled": SampledULDistillation(teacher_vocab=tokenizer.vocab_size),
         "alm": AlmDistillation(
             weight=1.0,
             temperature=100.0,
@@ -99,27 +106,32 @@ def main() -> None:
     tokenizer = load_tokenizer("tinyllama")
     terms = distillations(tokenizer)
     modes = ("none", "token", *terms)
+    # the batch each objective reads (its extras): uld's is kld's, uld-sampled's kld-sampled's
+    batch_source = {"uld": "kld", "uld-sampled": "kld-sampled", "none": "kld", "token": "kld"}
     with tempfile.TemporaryDirectory() as tmp:
-        build_cache(
-            Path(tmp),
-            teacher_tokenizer="tinyllama",
-            num_documents=64,
-            docs_per_shard=64,
-            topk=args.topk_probs,
-            space_logprob=True,
-        )
+        caches = {"top": Path(tmp) / "top", "sampled": Path(tmp) / "sampled"}
+        for mode, cache in caches.items():
+            build_cache(
+                cache,
+                teacher_tokenizer="tinyllama",
+                num_documents=64,
+                docs_per_shard=64,
+                topk=args.topk_probs,
+                topk_mode=mode,
+                space_logprob=mode == "top",
+            )
         batches = {}  # one packed batch, with the extras each objective reads
-        for name, term in (("kld", terms["kld"]), ("alm", terms["alm"])):
+        for name in ("kld", "alm", "kld-sampled"):
             plan = DataPlan.from_cache(
-                Path(tmp),
+                caches["sampled" if name == "kld-sampled" else "top"],
                 student_tokenizer="tinyllama",
                 alignment="identity",
                 seq_len=args.seq_len,
                 micro_batch_size=args.micro_batch_size,
-                distillation=term,
+                distillation=terms[name],
             )
             batches[name] = next(iter(consumer_stream(plan, 0)))
-    batch_of = {mode: batches["alm" if mode == "alm" else "kld"] for mode in modes}  # kld's: uld's
+    batch_of = {mode: batches[batch_source.get(mode, mode)] for mode in modes}
     model = build_student(args.preset, tokenizer, seed=0, seq_len=args.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     tasks = {
@@ -135,18 +147,18 @@ def main() -> None:
     print(
         f"student {args.preset} ({params / 1e6:.1f}M parameters, vocabulary "
         f"{tokenizer.vocab_size}), {args.micro_batch_size} x {args.seq_len} tokens per step, "
-        f"cached top-{args.topk_probs}, {torch.get_num_threads()} torch threads, best of "
+        f"cached top-{args.topk_probs} or {args.topk_probs} draws, {torch.get_num_threads()} torch threads, best of "
         f"{args.repeats}"
     )
     print()
     header = (
-        f"{'guidance':<9} {'step ms':>9} {'CPU ms':>9} {'tokens/s':>9} {'step / none':>12} "
+        f"{'guidance':<11} {'step ms':>9} {'CPU ms':>9} {'tokens/s':>9} {'step / none':>12} "
         f"{'CPU / none':>11} {'step / token':>13} {'CPU / token':>12}"
     )
     print_header(header)
     for mode in modes:
         print(
-            f"{mode:<9} {1e3 * wall[mode]:>9.1f} {1e3 * cpu[mode]:>9.1f} "
+            f"{mode:<11} {1e3 * wall[mode]:>9.1f} {1e3 * cpu[mode]:>9.1f} "
             f"{tokens / wall[mode]:>9,.0f} {wall[mode] / wall['none']:>11.3f}x "
             f"{cpu[mode] / cpu['none']:>10.3f}x {wall[mode] / wall['token']:>12.3f}x "
             f"{cpu[mode] / cpu['token']:>11.3f}x"

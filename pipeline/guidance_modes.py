@@ -5,7 +5,7 @@ and the selection (pipeline.guidance) all read `MODES`; adding a mode is one lin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,8 +22,8 @@ class ModeDeclaration:
     paper: str  # where the paper defines it
     summary: str
     # a distillation term trained beside the cross-entropy (pipeline.distillation), built from
-    # the run's options (stage 2's TrainConfig)
-    distillation: Callable[[Any], Any] | None = None
+    # the run's options (stage 2's TrainConfig) and the cache's settings (its manifest's)
+    distillation: Callable[[Any, Mapping[str, Any]], Any] | None = None
     # the term compares distributions over one vocabulary (KLD): refused unless the student's
     # tokenizer is the cache's
     same_tokenizer: bool = False
@@ -33,25 +33,40 @@ class ModeDeclaration:
         return self.unit == "chunk"
 
 
-def _uld(config: Any) -> Any:  # imported when a run asks for it: torch and the cache schema
+def _uld(config: Any, cache_settings: Mapping[str, Any]) -> Any:  # imported when a run asks for it: torch and the cache schema
     from pipeline.distillation.uld import UniversalLogitDistillation
 
     return UniversalLogitDistillation(weight=config.uld_lambda)
 
 
-def _kld(config: Any) -> Any:
+def _kld(config: Any, cache_settings: Mapping[str, Any]) -> Any:
     from pipeline.distillation.kld import TopkKLDistillation
 
     return TopkKLDistillation()
 
 
-def _kld_sampled(config: Any) -> Any:
+def _kld_sampled(config: Any, cache_settings: Mapping[str, Any]) -> Any:
     from pipeline.distillation.sampled import SampledKLDistillation
 
     return SampledKLDistillation()
 
 
-def _alm(config: Any) -> Any:
+def _uld_sampled(config: Any, cache_settings: Mapping[str, Any]) -> Any:
+    from pipeline.cache.schema import SAMPLE_HEAD_SIZE, topk_sampled
+    from pipeline.distillation.sampled import SampledULDistillation
+    from pipeline.errors import CacheError
+
+    head_size = cache_settings.get(SAMPLE_HEAD_SIZE)
+    if topk_sampled(cache_settings) and head_size is None:
+        raise CacheError(
+            "--guidance uld-sampled needs the teacher's head size, which this sampled cache "
+            "does not record (it was scored before it was saved): score it again with stage 1"
+        )
+    # a cache of no draws gets 0 here and is refused for its columns (stage 2's preflight)
+    return SampledULDistillation(weight=config.uld_lambda, teacher_vocab=head_size or 0)
+
+
+def _alm(config: Any, cache_settings: Mapping[str, Any]) -> Any:
     from pipeline.distillation.alm import alm_distillation  # torch: only when a run asks for it
 
     return alm_distillation(config)
@@ -98,6 +113,13 @@ MODES: dict[str, ModeDeclaration] = {
             "every token's cross-entropy + an unbiased estimate of the full KL(student || teacher) "
             "from K cached draws (needs a --topk-mode sampled cache of the student's tokenizer)",
             distillation=_kld_sampled, same_tokenizer=True,
+        ),
+        ModeDeclaration(
+            "uld-sampled", "nothing", "token", "token",
+            "no row; ULD (appendix B eq. 6) over the full vocabulary, estimated from teacher draws",
+            "every token's cross-entropy + --uld-lambda x an unbiased estimate of the full ULD "
+            "distance from K cached draws and their ranks (needs a --topk-mode sampled cache)",
+            distillation=_uld_sampled,
         ),
         ModeDeclaration(
             "alm", "nothing", "token", "token",

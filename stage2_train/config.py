@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.alignment import DEFAULT_AGGREGATION
 from pipeline.choices import (
@@ -315,10 +317,11 @@ class TrainConfig:
             chunk_student_aggregate=self.chunk_student_aggregate,
         )
 
-    def distillation(self) -> Distillation | None:
-        """The distillation term the mode trains beside the cross-entropy, or None."""
+    def distillation(self, cache_settings: Mapping[str, Any]) -> Distillation | None:
+        """The distillation term the mode trains beside the cross-entropy, or None; the cache's
+        settings (its manifest's) size what a term reads of the teacher."""
         build = MODES[self.guidance].distillation
-        return None if build is None else build(self)
+        return None if build is None else build(self, cache_settings)
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step; the global batch must split evenly."""

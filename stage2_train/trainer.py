@@ -112,9 +112,10 @@ def _train(
 
     torch.manual_seed(config.seed)
     settings = config.guidance_settings()
-    distillation = config.distillation()  # None unless the mode trains a distillation term
     compute = autocast(runtime, config.dtype)
     manifest = load_manifest(config.cache)
+    # None unless the mode trains a distillation term
+    distillation = config.distillation(manifest.settings)
     tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
     check_output_and_cache(config, manifest)
     check_output_is_a_run(config)

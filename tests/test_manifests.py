@@ -78,7 +78,7 @@ def test_uld_and_kld_rows_score_the_top_k_of_their_ours_rows_teacher(path):
     assert stage2["guidance"] == mode and stage2["cache"] == stage1["out"]
     config = from_dict(TrainConfig, stage2)
     assert config.uld_lambda == 0.5  # appendix B
-    assert config.distillation().weight == (0.5 if mode == "uld" else 1.0)
+    assert config.distillation({}).weight == (0.5 if mode == "uld" else 1.0)
 
 
 def test_tinyllama_cpt_is_also_a_teacher_scoring_with_the_plain_rows_checkpoint():

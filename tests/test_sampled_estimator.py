@@ -56,6 +56,7 @@ def estimates(teacher: torch.Tensor, student: torch.Tensor) -> dict[str, dict[st
     exact = {"kld": full_kl(s, t).mean(), "uld": boizard_uld(s.exp(), t.exp()).mean()}
     student_sorted = torch.sort(s.exp(), dim=-1, descending=True).values
     cdf, rank = draws.cumulative(teacher), draws.ranks(t)
+    zeros = torch.zeros(len(t))  # the log normalizer of log-probabilities
     runs = {"kld": [], "uld": [], "kld unweighted": [], "uld unweighted": []}
     for seed in range(SEEDS):
         generator = torch.Generator().manual_seed(seed)
@@ -63,7 +64,8 @@ def estimates(teacher: torch.Tensor, student: torch.Tensor) -> dict[str, dict[st
         at_t, at_s = t.gather(-1, ids), s.gather(-1, ids)
         runs["kld"].append(sampled.sampled_kl(at_s, at_t).mean())
         at_rank = rank.gather(-1, ids)
-        runs["uld"].append(sampled.sampled_uld(student_sorted, at_t, at_rank, t.shape[-1]).mean())
+        uld = sampled.sampled_uld(student_sorted.log(), zeros, at_t, at_rank, t.shape[-1])
+        runs["uld"].append(uld.mean())
         # the same draws averaged without their importance weights: a biased estimator, which
         # the test must tell from the unbiased one
         runs["kld unweighted"].append((at_s - at_t).mean())
@@ -113,6 +115,29 @@ def test_sampled_terms_are_unbiased_on_a_tiny_teacher(tmp_path):
     logits = 30.0 * next_token_logits(teacher, texts)
     student = near(logits, 30.0 * next_token_logits(other, texts))
     assert_unbiased(estimates(torch.log_softmax(logits, -1), student))
+
+
+@pytest.mark.parametrize("student_vocab", [25, 60])
+def test_the_sampled_uld_pads_the_smaller_vocabulary(student_vocab):
+    """A teacher of 40 outputs against a student of fewer (the draws reach ranks the student has
+    no id at: probability 0) and of more (the student's mass beyond rank 40 counts whole):
+    the estimate's mean over many draws is Boizard et al.'s distance with the shorter padded."""
+    generator = torch.Generator().manual_seed(0)
+    teacher = torch.log_softmax(3 * torch.randn(64, 40, generator=generator), -1)
+    student = torch.log_softmax(3 * torch.randn(64, student_vocab, generator=generator), -1)
+    exact = boizard_uld(student.exp(), teacher.exp()).mean()
+    student_top = torch.sort(student, dim=-1, descending=True).values[:, :40]
+    cdf, rank = draws.cumulative(teacher), draws.ranks(teacher)
+    runs = []
+    for _ in range(200):
+        ids = draws.draw_ids(cdf, torch.rand(64, K, generator=generator, dtype=torch.float64))
+        runs.append(
+            sampled.sampled_uld(
+                student_top, torch.zeros(64), teacher.gather(-1, ids), rank.gather(-1, ids), 40
+            ).mean()
+        )
+    runs = torch.stack(runs).double()
+    assert abs(runs.mean() - exact) <= 4 * runs.std() / np.sqrt(len(runs)), (runs.mean(), exact)
 
 
 @pytest.mark.slow  # the real teacher is built from PyPI on first use (about a minute)

@@ -199,6 +199,64 @@ def test_kld_sampled_trains_cross_entropy_plus_the_estimate_of_the_full_kl(runs,
     torch.testing.assert_close(arm.grad - plain.grad, term_grad, rtol=1e-3, atol=atol)
 
 
+def test_uld_sampled_trains_cross_entropy_plus_the_estimate_of_the_full_distance(runs, tmp_path):
+    """`--guidance uld-sampled` on a sampled cache of a teacher with another, larger vocabulary
+    (qwen2.5's, 151,665 ids, against the student's 32,000): step 1's term is the estimate at the
+    cached draws' ranks against the student's whole sorted distribution (a rank beyond the
+    student's vocabulary reads 0), its gradient the cross-entropy's plus lambda x the
+    estimate's; the chunked pass trains the same run."""
+    from pipeline.distillation.sampled import DRAWN_LOGPROBS, DRAWN_RANKS
+
+    cache = tmp_path / "sampled"
+    build_cache(cache, teacher_tokenizer="qwen2.5", num_documents=16, topk=8, topk_mode="sampled")
+    args = train_args(cache, tmp_path / "out", *ARGS, "--guidance", "uld-sampled")
+    arm = train_watching_step_1(args)
+    plain = runs["none", "other"]
+    logits = arm.logits.detach().requires_grad_()
+    labels, ranks = arm.batch["labels"], arm.batch[DRAWN_RANKS].long()
+    paired = (labels != IGNORE_INDEX) & (ranks[..., 0] >= 0)
+    assert paired.sum() > 20
+    student = torch.softmax(logits[paired], -1).sort(dim=-1, descending=True).values
+    student = F.pad(student, (0, 151_665 - student.shape[-1]))  # ULD pads the shorter with 0
+    teacher = arm.batch[DRAWN_LOGPROBS][paired].float().exp()
+    at_rank = student.gather(-1, ranks[paired])
+    term = ((at_rank - teacher).abs() / teacher).mean(-1).mean()  # by hand, no mass beyond V_t
+    assert distill_losses(arm.out)[0] == pytest.approx(term.detach().item(), rel=1e-5)
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    ce_grad, term_grad = (
+        torch.autograd.grad(loss, logits, retain_graph=True)[0] for loss in (ce, term)
+    )
+    atol = 4 * torch.finfo(torch.float32).eps * ce_grad.abs().max().item()
+    assert term_grad.abs().max() > 100 * atol
+    torch.testing.assert_close(plain.grad, ce_grad, rtol=1e-5, atol=atol)
+    torch.testing.assert_close(arm.grad - plain.grad, 0.5 * term_grad, rtol=1e-3, atol=atol)
+    chunked = tmp_path / "chunked"
+    args = train_args(cache, chunked, *ARGS, "--guidance", "uld-sampled", "--loss-kernel", "chunked")
+    assert main(args) == 0
+    for ours, theirs in zip(distill_losses(chunked), distill_losses(arm.out), strict=True):
+        assert ours == pytest.approx(theirs, rel=1e-5)
+
+
+def test_a_sampled_cache_without_its_head_size_is_refused_for_uld_sampled(tmp_path, capsys):
+    """A sampled cache scored before it recorded the teacher's head size: one line, no run."""
+    from dataclasses import replace
+
+    from pipeline.cache.manifest import load_manifest, write_manifest
+    from pipeline.cache.schema import SAMPLE_HEAD_SIZE
+
+    cache = tmp_path / "sampled"
+    build_cache(cache, teacher_tokenizer="qwen2.5", num_documents=16, topk=8, topk_mode="sampled")
+    manifest = load_manifest(cache)
+    settings = {k: v for k, v in manifest.settings.items() if k != SAMPLE_HEAD_SIZE}
+    write_manifest(cache, replace(manifest, settings=settings))
+    out = tmp_path / "out"
+    assert main(train_args(cache, out, "--guidance", "uld-sampled")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("stage2_train/train.py: error: ") and "\n" not in err
+    assert "needs the teacher's head size, which this sampled cache does not record" in err
+    assert not out.exists() or not (out / "checkpoints").exists()
+
+
 @pytest.mark.parametrize(("mode", "cache"), CASES)
 def test_the_arm_trains_cross_entropy_plus_its_term(mode, cache, runs):
     arm, plain = runs[mode, cache], runs["none", cache]
@@ -265,6 +323,7 @@ def test_stopped_and_resumed_run_is_bit_identical(mode, cache, caches, tmp_path)
         ("kld", "other", "--guidance kld compares the teacher's and the student's probabilities"),
         ("uld", "plain", "reads the teacher's topk_probs, topk_rest, which cache"),
         ("kld", "plain", "stage 1's --topk-probs K and --topk-probs K without --no-topk-ids"),
+        ("uld-sampled", "other", "reads the teacher's sample_logprobs, sample_ranks, which"),
     ],
 )
 def test_a_cache_the_arm_cannot_use_is_refused_in_one_line(

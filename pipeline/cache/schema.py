@@ -62,6 +62,7 @@ COLUMN_OPTIONS = {
     SPACE_LOGPROB: "--space-logprob",
     SAMPLE_IDS: "--topk-probs K --topk-mode sampled",
     SAMPLE_LOGPROBS: "--topk-probs K --topk-mode sampled",
+    SAMPLE_RANKS: "--topk-probs K --topk-mode sampled",
 }
 
 

@@ -1,0 +1,165 @@
+"""Does training on the sampled cache's unbiased terms give another student than the top-k
+terms? `kld` against `kld-sampled` and `uld` against `uld-sampled` (docs/distillation.md), with
+`none` beside them, on caches of one real teacher over one corpus.
+
+The design, fixed before the first run (committed with this script):
+- Caches: stage 1 with SmolLM2-135M-Instruct (scripts/prepare_teacher.py) on the first 400
+  shipped training documents, `--topk-probs 32` (the compact top-k) and `--topk-probs 32
+  --topk-mode sampled` (32 draws): the same teacher, corpus and windows.
+- Students: `llama-demo` from scratch; the KLD arms with SmolLM2's tokenizer (KLD compares one
+  vocabulary), the ULD arms with TinyLlama's. Arms: none, kld, kld-sampled; none, uld,
+  uld-sampled. Each arm: 60 steps of 4,096 tokens (--seq-len 512, --micro-batch-size 8, --lr
+  3e-3, --warmup-steps 3), seeds 0 and 1, every other option stage 2's default.
+- Measured on the first 100 documents of the shipped eval split, per seed:
+  - bits per character (apps/evaluation: the project's held-out metric), and
+  - for the SmolLM2-tokenizer students, the full KL(student || teacher) per predicted token from
+    both whole softmaxes (the quantity `kld-sampled` estimates and `kld` bounds).
+- Reported: each arm's value per seed; per seed, the paired bootstrap (over documents, 95%) of
+  sampled - top-k and of each arm - none. No threshold is tuned; whichever way it goes, as
+  measured.
+
+Usage: python benchmarks/compare_sampled_targets.py --top-cache DIR --sampled-cache DIR
+           --teacher DIR --work DIR
+A rerun trains nothing already finished (each run's OUT/final is kept in --work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from apps.evaluation.bootstrap import paired_bootstrap  # noqa: E402
+from apps.evaluation.config import EvalConfig  # noqa: E402
+from apps.evaluation.run import evaluate, evaluation_documents  # noqa: E402
+from pipeline.shipped import shipped_corpus  # noqa: E402
+from pipeline.tokenizer import load_tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SEEDS = (0, 1)
+EVAL_DOCS = 100
+MAX_TOKENS = 512
+ARMS = {  # arm: (the student's tokenizer, the cache it reads)
+    "none/smollm2": ("smollm2", "top"),
+    "kld": ("smollm2", "top"),
+    "kld-sampled": ("smollm2", "sampled"),
+    "none/tinyllama": ("tinyllama", "top"),
+    "uld": ("tinyllama", "top"),
+    "uld-sampled": ("tinyllama", "sampled"),
+}
+STEPS = ("--max-steps", "60", "--global-batch-tokens", "4096", "--seq-len", "512",
+         "--micro-batch-size", "8", "--lr", "3e-3", "--warmup-steps", "3")  # fmt: skip
+
+
+def train(arm: str, seed: int, caches: dict[str, Path], work: Path) -> Path:
+    """The arm's student (stage 2's entry script, as a user runs it); kept once finished."""
+    out = work / f"{arm.replace('/', '-')}-seed{seed}"
+    if (out / "final").exists():
+        return out / "final"
+    tokenizer, cache = ARMS[arm]
+    command = [
+        sys.executable, str(ROOT / "stage2_train/train.py"), "--cache", str(caches[cache]),
+        "--student", "llama-demo", "--student-tokenizer", tokenizer,
+        "--guidance", arm.split("/")[0], "--seed", str(seed), *STEPS, "--out", str(out),
+    ]  # fmt: skip
+    with open(work / f"{out.name}.log", "w") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return out / "final"
+
+
+def full_kl(student_dir: Path, teacher, tokenizer, texts: list[str]) -> np.ndarray:
+    """Per document, the mean over its predicted tokens (the first MAX_TOKENS) of the exact
+    KL(student || teacher) from both models' whole next-token distributions."""
+    from transformers import AutoModelForCausalLM
+
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
+    per_document = []
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tokenizer.encode(text).ids[:MAX_TOKENS]])
+            s = torch.log_softmax(student(ids).logits[0, :-1].float(), -1)
+            t = torch.log_softmax(teacher(ids).logits[0, :-1].float(), -1)
+            if s.shape[-1] != t.shape[-1]:
+                raise SystemExit(f"student vocabulary {s.shape[-1]} != teacher's {t.shape[-1]}")
+            per_document.append(float((s.exp() * (s - t)).sum(-1).mean()))
+    return np.asarray(per_document)
+
+
+def measure(final: Path, tokenizer: str, teacher, texts: list[str]) -> dict:
+    config = EvalConfig(model=str(final), num_docs=EVAL_DOCS, accuracy_problems=0,
+                        max_length=MAX_TOKENS)  # fmt: skip
+    bits = evaluate(config)["bits_per_character"]
+    result = {
+        "bits_per_character": bits["bits_per_character"],
+        "per_document_bits": bits["per_document_bits"],
+        "per_document_characters": bits["per_document_characters"],
+    }
+    if tokenizer == "smollm2":
+        kl = full_kl(final, teacher, load_tokenizer(tokenizer), texts)
+        result |= {"full_kl": float(kl.mean()), "per_document_kl": kl.tolist()}
+    return result
+
+
+def difference(a: dict, b: dict, metric: str) -> str:
+    if metric == "bits_per_character":  # a per-character rate: documents weighted by length
+        x = np.asarray(a["per_document_bits"]) / np.asarray(a["per_document_characters"])
+        y = np.asarray(b["per_document_bits"]) / np.asarray(b["per_document_characters"])
+        weights = np.asarray(a["per_document_characters"])
+    else:
+        x, y, weights = np.asarray(a["per_document_kl"]), np.asarray(b["per_document_kl"]), None
+    d = paired_bootstrap(x, y, weights)
+    return f"{d.difference:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--top-cache", type=Path, required=True)
+    parser.add_argument("--sampled-cache", type=Path, required=True)
+    parser.add_argument("--teacher", type=Path, required=True, help="the caches' teacher folder")
+    parser.add_argument("--work", type=Path, required=True, help="runs and results are kept here")
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    caches = {"top": args.top_cache, "sampled": args.sampled_cache}
+    args.work.mkdir(parents=True, exist_ok=True)
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval()
+    documents, _ = evaluation_documents(str(shipped_corpus("eval")), EVAL_DOCS)
+    texts = [d.text for d in documents]
+    results = {}
+    for seed in SEEDS:
+        for arm, (tokenizer, _) in ARMS.items():
+            path = args.work / f"{arm.replace('/', '-')}-seed{seed}.json"
+            if not path.exists():
+                final = train(arm, seed, caches, args.work)
+                path.write_text(json.dumps(measure(final, tokenizer, teacher, texts)))
+            results[arm, seed] = json.loads(path.read_text())
+            print(f"{arm} seed {seed}: done", file=sys.stderr)
+    print(f"# {EVAL_DOCS} shipped eval documents; {' '.join(STEPS)}; seeds {SEEDS}")
+    for seed in SEEDS:
+        for arm in ARMS:
+            r = results[arm, seed]
+            kl = f", full KL(s || t) {r['full_kl']:.4f} nats/token" if "full_kl" in r else ""
+            print(f"seed {seed} {arm:<15} bits/char {r['bits_per_character']:.4f}{kl}")
+        for sampled, top, none in (("kld-sampled", "kld", "none/smollm2"),
+                                   ("uld-sampled", "uld", "none/tinyllama")):  # fmt: skip
+            for metric in ("bits_per_character", "full_kl"):
+                if metric not in results[top, seed]:
+                    continue
+                r = {arm: results[arm, seed] for arm in (sampled, top, none)}
+                print(
+                    f"seed {seed} {metric}: {sampled} - {top} {difference(r[sampled], r[top], metric)}"
+                    f"; {top} - none {difference(r[top], r[none], metric)}"
+                    f"; {sampled} - none {difference(r[sampled], r[none], metric)}"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
