@@ -15,6 +15,10 @@ LossNormalization = Literal["all", "kept"]  # eq. 3: over all target tokens, or 
 ChunkStudentAggregate = Literal["mean", "max", "sum"]
 Aggregation = Literal["max", "mean", "sum"]
 TextSplit = Literal["file", "line"]
+# which characters of a record are training targets (pipeline.corpus.targets): all of them, the
+# record's own spans, or the assistant turns of its chat messages rendered by a named template
+Targets = Literal["all", "spans", "chat"]
+ChatTemplate = Literal["chatml", "plain"]
 OnBadRecord = Literal["error", "skip"]
 # a teacher's weights as loaded; checkpoint: the dtype its checkpoint was saved in
 TorchDtype = Literal["float32", "bfloat16", "float16", "checkpoint"]
@@ -64,6 +68,8 @@ CHUNK_STUDENT_AGGREGATES: tuple[str, ...] = get_args(ChunkStudentAggregate)
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 TEXT_SPLITS: tuple[str, ...] = get_args(TextSplit)
 ON_BAD_RECORD: tuple[str, ...] = get_args(OnBadRecord)
+TARGETS: tuple[str, ...] = get_args(Targets)
+CHAT_TEMPLATES: tuple[str, ...] = get_args(ChatTemplate)
 TORCH_DTYPES: tuple[str, ...] = get_args(TorchDtype)
 LOSS_DTYPE_NAMES: tuple[str, ...] = get_args(LossDtype)
 PACKINGS: tuple[str, ...] = get_args(Packing)

@@ -13,6 +13,7 @@ from pipeline.cache.schema import (
     MAX_TOPK,
     SAMPLE_HEAD_SIZE,
     SPACE_LOGPROB,
+    TARGET_SPANS,
     TOPK_IDS,
     TOPK_PROBS,
     topk_id_dtype,
@@ -22,6 +23,7 @@ from pipeline.choices import (
     TRITON_HEAD_WITHOUT_TOPK,
     Attention,
     BatchOverlap,
+    ChatTemplate,
     CompileLayers,
     HeadChunks,
     HeadKernel,
@@ -29,6 +31,7 @@ from pipeline.choices import (
     OnBadRecord,
     RowPacking,
     ScoringBackend,
+    Targets,
     TeacherDtype,
     TextSplit,
     TopkEncoding,
@@ -86,6 +89,23 @@ class ScoreConfig:
         "error",
         help="a bad record (empty/null text, invalid UTF-8 or JSON, duplicate id): stop with an "
         "error naming it, or skip it and list it in the manifest",
+    )
+    targets: Targets = CORPUS(
+        "all",
+        help="which characters are training targets (docs/instruction-data.md): all; spans: "
+        "each record's --spans-column; chat: the assistant turns of each record's "
+        "--messages-column, rendered to the text by --chat-template. The teacher scores all",
+    )
+    spans_column: str = CORPUS(
+        "target_spans", help="--targets spans: the field of [[start, end], ...] character spans"
+    )
+    messages_column: str = CORPUS(
+        "messages", help='--targets chat: the field of [{"role": ..., "content": ...}, ...]'
+    )
+    chat_template: ChatTemplate = CORPUS(
+        "chatml",
+        help="--targets chat: chatml (<|im_start|>role ... <|im_end|>) or plain (role: ...); "
+        "an assistant turn's end marker is trained with it",
     )
     docs_per_shard: int = BATCHING(1000, help="documents per work unit; unit k becomes shard k")
     backend: ScoringBackend = TEACHER(
@@ -286,6 +306,10 @@ class ScoreConfig:
             split=self.split,
             text_split=self.text_split,
             on_bad_record=self.on_bad_record,
+            targets=self.targets,
+            spans_column=self.spans_column,
+            messages_column=self.messages_column,
+            chat_template=self.chat_template,
         )
 
     def windows(self, teacher_context: int | None) -> tuple[int, int]:
@@ -330,6 +354,8 @@ def result_settings(
             if head_size is None:
                 raise ValueError("the teacher's head size is needed for top-k ids")
             settings["topk_id_dtype"] = topk_id_dtype(head_size)
+    if config.targets != "all":  # the shards carry each document's target spans
+        settings[TARGET_SPANS] = True
     if config.space_logprob:
         if space_mask is None:
             raise ValueError("the space mask's identity is needed for --space-logprob")

@@ -3,15 +3,16 @@ always becomes shard k, whichever worker scores it and however often the job is 
 
 A skipped record belongs to the unit that is open when it is read (a unit closes only when the
 next unit's first document arrives), so every skip lands in exactly one unit. Each unit carries
-a content hash of its document ids, text hashes and skips: a rerun can prove that a finished
-shard was made from the same documents the corpus holds now.
+a content hash of its document ids, text hashes, target spans and skips: a rerun can prove that
+a finished shard was made from the same documents the corpus holds now.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.cache.manifest import SkippedDocument
 from pipeline.corpus import Document
@@ -27,6 +28,7 @@ class WorkUnit:
     skipped: list[SkippedDocument]
     content_sha256: str
     corpus_fraction: float  # share of the corpus read when the unit closed
+    target_spans: list = field(default_factory=list)  # per document: Spans, or None (all)
 
     def __len__(self) -> int:
         return len(self.doc_ids)
@@ -39,6 +41,7 @@ class _OpenUnit:
         self.texts: list[str] = []
         self.text_sha256: list[str] = []
         self.skipped: list[SkippedDocument] = []
+        self.target_spans: list = []
         self.digest = hashlib.sha256()
 
     def add(self, item: Document | SkippedDocument) -> None:
@@ -47,7 +50,10 @@ class _OpenUnit:
             self.doc_ids.append(item.doc_id)
             self.texts.append(item.text)
             self.text_sha256.append(text_sha256)
+            self.target_spans.append(item.target_spans)
             line = f"D\t{item.doc_id}\t{text_sha256}\n"
+            if item.target_spans is not None:  # other targets: another unit (no spans: as ever)
+                line = f"{line[:-1]}\t{json.dumps(item.target_spans)}\n"
         else:
             self.skipped.append(item)
             line = f"S\t{item.source}\t{item.record}\t{item.doc_id}\t{item.reason}\n"
@@ -62,6 +68,7 @@ class _OpenUnit:
             self.skipped,
             self.digest.hexdigest(),
             corpus_fraction,
+            self.target_spans,
         )
 
 

@@ -230,6 +230,7 @@ def write_unit(
         spec.loss_dtype,
         columns,
         spec.settings,
+        unit.target_spans,
     )
     name = shard_name(unit.index)
     footer = {

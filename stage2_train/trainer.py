@@ -51,7 +51,7 @@ from stage2_train.checkpoint_trust import trusted_checkpoint
 from stage2_train.config import TrainConfig
 from stage2_train.data.documents import choose_alignment, verify_local_shards
 from stage2_train.data.loader import batches, make_loader
-from stage2_train.data.plan import DataPlan, cache_fingerprint
+from stage2_train.data.plan import DataPlan, cache_fingerprint, has_target_spans
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
 from stage2_train.forward import extras_of, student_forward
@@ -137,6 +137,7 @@ def _train(
         world_size=runtime.world_size,
         num_workers=config.num_workers,
         distillation=distillation,
+        target_spans=has_target_spans(manifest),
         shard_cache=config.shard_cache,
         shard_cache_bytes=int(config.shard_cache_gib * (1 << 30)),
         read_ahead=config.read_ahead,

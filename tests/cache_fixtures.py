@@ -8,6 +8,7 @@ predicts), so tests can check exactly where each loss lands without running a te
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from pipeline.cache.schema import (
     SAMPLE_LOGPROBS,
     SAMPLE_RANKS,
     SPACE_LOGPROB,
+    TARGET_SPANS,
     TOPK_IDS,
     TOPK_PROBS,
     TOPK_REST,
@@ -94,11 +96,13 @@ def build_cache(
     topk: int = 0,
     topk_encoding: str = "float16",
     topk_mode: str = "top",
+    target_spans: Callable[[str], tuple] | None = None,
 ) -> CacheManifest:
     """Write shards and manifest.json into `dest`; returns the manifest. `space_logprob`: with
     that column (seeded random log-probabilities, NaN where the loss is); `topk` > 0 adds the
     top-k columns (random distributions, as `--topk-probs topk` would store real ones), stored
-    as `topk_encoding` (pipeline.cache.topk_codec) says."""
+    as `topk_encoding` (pipeline.cache.topk_codec) says; `target_spans` gives each document's
+    spans from its text (stage 1's --targets), stored in the target_spans column."""
     dest = Path(dest)
     documents = documents if documents is not None else corpus_documents(num_documents)
     tokenizer = load_tokenizer(teacher_tokenizer)
@@ -117,6 +121,8 @@ def build_cache(
                          SAMPLE_HEAD_SIZE: tokenizer.vocab_size}  # fmt: skip
         elif topk_encoding != "float16":
             settings["topk_encoding"] = topk_encoding
+    if target_spans is not None:
+        settings[TARGET_SPANS] = True
     shards = []
     for index, first in enumerate(range(0, len(documents), docs_per_shard)):
         part = documents[first : first + docs_per_shard]
@@ -146,6 +152,7 @@ def build_cache(
             loss_dtype,
             extras,
             settings,
+            None if target_spans is None else [target_spans(text) for _, text in part],
         )
         name = shard_name(index)
         size, digest = write_shard(dest / name, table, {"shard": index, "fixture": True})

@@ -146,7 +146,7 @@ def sample_selection(config: SelectionConfig) -> tuple[SelectionSample, dict]:
     from pipeline.tokenizer import load_tokenizer
     from stage2_train.attention import student_logits
     from stage2_train.data.documents import choose_alignment
-    from stage2_train.data.plan import DataPlan, cache_fingerprint
+    from stage2_train.data.plan import DataPlan, cache_fingerprint, has_target_spans
     from stage2_train.data.streams import consumer_stream
 
     defaults = GuidanceSettings()  # stage 2's: the method's selection, `token`
@@ -174,6 +174,7 @@ def sample_selection(config: SelectionConfig) -> tuple[SelectionSample, dict]:
         seq_len=config.seq_len,
         micro_batch_size=config.micro_batch_size,
         seed=config.seed,
+        target_spans=has_target_spans(manifest),
     )
     parts: list[tuple[np.ndarray, ...]] = []
     seen = 0

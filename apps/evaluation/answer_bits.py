@@ -1,8 +1,10 @@
 """The log-probability of each problem's answer given its question, in bits per character.
 
 A problem is "Question: ...\nAnswer: <steps> #### N"; its answer section is everything after
-"\nAnswer:". The whole text is scored once (stage 1's scorer, as for bits per character) and the
-losses of the tokens that cover any answer character are summed: -log2 p(answer | question).
+"\nAnswer:". A record read with target spans (`--targets spans|chat`, pipeline.corpus.targets)
+has its spans for answer instead, the characters stage 2 trains on. The whole text is scored once
+(stage 1's scorer, as for bits per character) and the losses of the answer's tokens, by stage 2's
+rule (pipeline.corpus.targets.target_tokens), are summed: -log2 p(answer | question).
 Divided by the answer's characters it compares models with different tokenizers. Per-problem
 values are kept so differences between models can be bootstrapped over problems.
 """
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from apps.evaluation.bits_per_character import context_prefix
+from pipeline.corpus.targets import Spans, target_tokens
 from pipeline.tokenizer import TextTokenizer
 
 ANSWER_MARK = "\nAnswer:"
@@ -49,18 +52,26 @@ class AnswerBits:
         }
 
 
-def answer_bits(scorer, tokenizer: TextTokenizer, texts: list[str]) -> AnswerBits:
-    """`scorer` is a stage-1 scorer (`score(list[token ids]) -> list[losses]`), batched."""
+def answer_bits(
+    scorer, tokenizer: TextTokenizer, texts: list[str], spans: list[Spans] | None = None
+) -> AnswerBits:
+    """`scorer` is a stage-1 scorer (`score(list[token ids]) -> list[losses]`), batched; `spans`,
+    each text's answer spans (None: its answer section)."""
     prefix = context_prefix(tokenizer)
-    starts = np.array([answer_start(t) for t in texts], dtype=np.int64)
+    if spans is None:
+        spans = [((answer_start(t), len(t)),) for t in texts]
     encodings = tokenizer.encode_batch(texts)
     sequences = [np.concatenate((np.asarray(prefix, dtype=np.int32), e.ids)) for e in encodings]
     losses = [loss[len(prefix) :] for loss in scorer.score(sequences)]
     bits = np.empty(len(texts))
     unscored = 0
-    for row, (encoding, loss, start) in enumerate(zip(encodings, losses, starts, strict=True)):
-        answer = np.asarray(loss[encoding.end > start], dtype=np.float64)
+    for row, (encoding, loss, answer_spans) in enumerate(zip(encodings, losses, spans, strict=True)):
+        bounds = np.asarray(answer_spans, dtype=np.int64).reshape(-1, 2)
+        target = target_tokens(
+            encoding.start, encoding.end, [len(encoding)], [len(texts[row])], bounds, [len(bounds)]
+        )
+        answer = np.asarray(loss[target], dtype=np.float64)
         unscored += int(np.isnan(answer).sum())
         bits[row] = np.nansum(answer) / math.log(2)
-    characters = np.array([len(t) for t in texts], dtype=np.int64) - starts
+    characters = np.array([sum(end - start for start, end in s) for s in spans], dtype=np.int64)
     return AnswerBits(bits=bits, characters=characters, unscored_tokens=unscored)

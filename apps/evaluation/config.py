@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.choices import OnBadRecord, TorchDtype
+from pipeline.choices import ChatTemplate, OnBadRecord, Targets, TorchDtype
 from pipeline.config import option
 
 SECTION = "eval"
@@ -26,6 +26,12 @@ class EvalConfig:
         help="a malformed held-out record stops with its file and record (error), or is passed "
         "over and counted in the report's skipped_records (skip)",
     )
+    targets: Targets = option(
+        "all",
+        help="the answer of each problem: all: its text after '\\nAnswer:'; spans or chat: its "
+        "target spans, as stage 1's --targets reads them (field target_spans or messages)",
+    )
+    chat_template: ChatTemplate = option("chatml", help="--targets chat: as stage 1's")
     num_docs: int = option(200, help="held-out documents for bits per character (0: skip)")
     answer_problems: int = option(
         0, help="held-out problems for answer bits per character given the question (0: skip)"
@@ -52,6 +58,11 @@ class EvalConfig:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length must be at least 2, not {self.max_length}")
+        if self.targets != "all" and self.accuracy_problems:
+            raise ValueError(
+                "answer accuracy reads 'Question: ... Answer:' problems, not target spans: with "
+                f"--targets {self.targets} pass --accuracy-problems 0 (answer bits use the spans)"
+            )
         if self.num_docs == 0 and self.answer_problems == 0 and self.accuracy_problems == 0:
             raise ValueError(
                 "nothing to do: num_docs, answer_problems and accuracy_problems are all 0"

@@ -28,12 +28,12 @@ DEFAULT_CONTEXT = 2048
 
 
 def evaluation_documents(
-    spec: str, count: int, on_bad_record: str = "error"
+    spec: str, count: int, options: CorpusOptions | None = None
 ) -> tuple[list[Document], int]:
     """The first `count` usable documents, and how many bad records were passed over on the way
     (only with on_bad_record="skip"; otherwise the first bad one stops with its file and record)."""
     documents, skipped = [], 0
-    for item in Corpus(spec, CorpusOptions(on_bad_record=on_bad_record)):
+    for item in Corpus(spec, options):
         if len(documents) == count:
             break
         if isinstance(item, Document):
@@ -63,19 +63,28 @@ def evaluate(config: EvalConfig) -> dict:
     # One read of the held-out data: the documents for bits per character, then the problems,
     # which come after them so the two never overlap.
     count = max(config.answer_problems, config.accuracy_problems)
-    documents, skipped = evaluation_documents(data, config.num_docs + count, config.on_bad_record)
+    options = CorpusOptions(
+        on_bad_record=config.on_bad_record,
+        targets=config.targets,
+        chat_template=config.chat_template,
+    )
+    documents, skipped = evaluation_documents(data, config.num_docs + count, options)
     docs = documents[config.num_docs :]
     if config.num_docs:
         texts = [d.text for d in documents[: config.num_docs]]
         print(f"eval: bits per character over {len(texts)} documents", file=sys.stderr)
         report["bits_per_character"] = bits_per_character(scorer, tokenizer, texts).to_json()
     if config.answer_problems:
-        texts = [d.text for d in docs[: config.answer_problems]]
+        problems = docs[: config.answer_problems]
+        texts = [d.text for d in problems]
         print(f"eval: answer bits per character on {len(texts)} problems", file=sys.stderr)
-        report["answer_bits"] = answer_bits(scorer, tokenizer, texts).to_json()
+        spans = None if config.targets == "all" else [d.target_spans for d in problems]
+        report["answer_bits"] = answer_bits(scorer, tokenizer, texts, spans).to_json()
     if config.accuracy_problems:
         shots_data = config.shots_data or str(shipped_corpus("train"))
-        shot_documents, _ = evaluation_documents(shots_data, config.shots, config.on_bad_record)
+        shot_documents, _ = evaluation_documents(
+            shots_data, config.shots, CorpusOptions(on_bad_record=config.on_bad_record)
+        )
         shots = [d.text for d in shot_documents]
         problems = [problem_from_document(d.text) for d in docs[: config.accuracy_problems]]
         print(f"eval: answer accuracy on {len(problems)} problems", file=sys.stderr)

@@ -24,6 +24,7 @@ from pipeline.cache.schema import (
     SAMPLE_RANKS,
     SPACE_LOGPROB,
     STORED_AS,
+    TARGET_SPANS,
     TEXT,
     TEXT_SHA256,
     TOKEN_END,
@@ -34,6 +35,7 @@ from pipeline.cache.schema import (
     TOPK_PROBS,
     TOPK_REST,
 )
+from pipeline.corpus.targets import span_problems
 from pipeline.errors import CacheError
 from pipeline.io import sha256_text
 
@@ -202,6 +204,28 @@ def check_extra_columns(
         space = list_column(batch, SPACE_LOGPROB, np.float32)[0]
         bad = (np.isnan(space) != unscored) | (space > 0)
         _check(path, rows, lengths, bad, f"{SPACE_LOGPROB} above 0, or NaN where scored")
+    if TARGET_SPANS in names:
+        _check_target_spans(path, batch, rows)
+
+
+def target_spans(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' target spans (pipeline.corpus.targets) as [n, 2] int64, rows in order, and how
+    many each row has."""
+    values, widths = list_column(batch, TARGET_SPANS, np.int64)
+    return values.reshape(-1, 2), widths // 2
+
+
+def _check_target_spans(path: Path, batch: pa.RecordBatch, rows: np.ndarray) -> None:
+    widths = list_column(batch, TARGET_SPANS)[1]
+    bad = widths % 2 == 1
+    if not bad.any():
+        text_lengths = pc.utf8_length(batch.column(TEXT)).to_numpy(zero_copy_only=False)
+        bad = span_problems(*target_spans(batch), text_lengths)
+    if bad.any():
+        raise CacheError(
+            f"shard {path} row {rows[np.flatnonzero(bad)[0]]}: {TARGET_SPANS} are not ascending, "
+            "non-overlapping [start, end) pairs within the text"
+        )
 
 
 def _at(where: np.ndarray, bad: np.ndarray) -> np.ndarray:

@@ -41,6 +41,9 @@ MAX_TOPK = 128  # the most top-k entries a position holds
 # TOPK_IDS: readers ask for those, and pipeline.cache.rows decodes whichever a shard stores.
 TOPK_CODES = "topk_codes"  # list<fixed_size_binary[K + 1]>, null where unscored
 TOPK_ID_RANKS = "topk_id_ranks"  # list<fixed_size_binary[K * W]>, the id order in its metadata
+# Per document, with `--targets spans|chat` (pipeline.corpus.targets): its target spans as
+# [start0, end0, start1, end1, ...] character offsets in its text.
+TARGET_SPANS = "target_spans"  # list<int32>
 STORED_AS = {TOPK_PROBS: TOPK_CODES, TOPK_IDS: TOPK_ID_RANKS}
 LOGICAL = {stored: logical for logical, stored in STORED_AS.items()}
 # A sampled cache's columns (--topk-mode sampled; pipeline.scoring.draws): per position K
@@ -104,6 +107,8 @@ def extra_fields(settings: dict) -> list[pa.Field]:
         fields.append(pa.field(TOPK_REST, pa.list_(pa.float16()), nullable=False))
     if settings.get(SPACE_LOGPROB):
         fields.append(pa.field(SPACE_LOGPROB, pa.list_(pa.float16()), nullable=False))
+    if settings.get(TARGET_SPANS):
+        fields.append(pa.field(TARGET_SPANS, pa.list_(pa.int32()), nullable=False))
     return fields
 
 

@@ -9,6 +9,7 @@ from pipeline.cache import topk_codec
 from pipeline.cache.schema import (
     DOC_ID,
     LOSS,
+    TARGET_SPANS,
     TEXT,
     TEXT_SHA256,
     TOKEN_END,
@@ -104,11 +105,13 @@ def build_unit_table(
     loss_dtype: str,
     extras: dict[str, list[np.ndarray]] | None = None,
     settings: dict | None = None,
+    target_spans: list | None = None,
 ) -> pa.Table:
     """One row per document; list columns are built from flat arrays, not per token.
 
     `extras` are the optional columns (pipeline.scoring.head) that `settings`, the cache's result
-    settings, declare (pipeline.cache.schema.extra_fields)."""
+    settings, declare (pipeline.cache.schema.extra_fields); `target_spans`, each document's
+    spans (pipeline.corpus.targets), where the settings declare them."""
     lengths = np.fromiter((len(e) for e in encodings), dtype=np.int32, count=len(encodings))
     offsets = pa.array(np.concatenate(([0], np.cumsum(lengths))).astype(np.int32))
     schema = cache_schema(loss_dtype, settings)
@@ -123,6 +126,11 @@ def build_unit_table(
     }
     schema, extra = _extra_columns(schema, extras or {}, losses, offsets, settings or {})
     columns |= extra
+    if TARGET_SPANS in schema.names:
+        spans = [np.asarray(s, dtype=np.int32).reshape(-1) for s in target_spans or []]
+        widths = np.fromiter((s.size for s in spans), dtype=np.int32, count=len(spans))
+        span_offsets = pa.array(np.concatenate(([0], np.cumsum(widths))).astype(np.int32))
+        columns[TARGET_SPANS] = _list_column(spans, np.int32, span_offsets)
     missing = set(schema.names) - set(columns)
     if missing:
         raise ValueError(f"the settings declare columns {sorted(missing)} that were not computed")

@@ -17,6 +17,13 @@ from pipeline.corpus.records import (
 )
 from pipeline.corpus.resolve import corpus_root, resolve_sources
 from pipeline.corpus.sources import Source
+from pipeline.corpus.targets import (
+    TEMPLATES,
+    BadTargets,
+    checked_spans,
+    render_chat,
+    targets_identity,
+)
 from pipeline.errors import CorpusError
 
 
@@ -40,7 +47,16 @@ class Corpus:
             "split": self.options.split,
             "text_split": self.options.text_split,
             "on_bad_record": self.options.on_bad_record,
-        }
+        } | self.targets_description()
+
+    def targets_description(self) -> dict:
+        """How the targets are read, only where not every character is one: a corpus read
+        with all targets keeps the description (and the caches' identity) it always had."""
+        options = self.options
+        if options.targets == "all":
+            return {}
+        template = options.chat_template if options.targets == "chat" else None
+        return {"targets": targets_identity(options.targets, options.targets_column, template)}
 
     @property
     def total_bytes(self) -> int:
@@ -72,7 +88,12 @@ class Corpus:
             doc_id = f"{source.name}:{raw.record}"
         else:
             doc_id = self._given_id(source, raw, seen_ids)
-        text = raw.text
+        text, spans = raw.text, None
+        if self.options.targets == "chat":
+            try:
+                text, spans = render_chat(raw.targets, TEMPLATES[self.options.chat_template])
+            except BadTargets as bad:
+                raise BadRecord(raw.record, str(bad), doc_id) from None
         if isinstance(text, bytes):
             try:
                 text = decode_utf8(text, raw.record)
@@ -89,7 +110,12 @@ class Corpus:
             raise BadRecord(raw.record, "empty or whitespace-only text", doc_id)
         if problem := surrogate_problem(text, "text"):
             raise BadRecord(raw.record, problem, doc_id)
-        return Document(doc_id=doc_id, text=text, source=source.name, record=raw.record)
+        if self.options.targets == "spans":
+            try:
+                spans = checked_spans(raw.targets, len(text))
+            except BadTargets as bad:
+                raise BadRecord(raw.record, str(bad), doc_id) from None
+        return Document(doc_id, text, source.name, raw.record, spans)
 
     def _given_id(
         self, source: Source, raw: RawRecord, seen_ids: dict[str, tuple[str, int]]

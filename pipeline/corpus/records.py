@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.choices import ON_BAD_RECORD, TEXT_SPLITS, OnBadRecord, TextSplit
+from pipeline.choices import (
+    CHAT_TEMPLATES,
+    ON_BAD_RECORD,
+    TARGETS,
+    TEXT_SPLITS,
+    ChatTemplate,
+    OnBadRecord,
+    Targets,
+    TextSplit,
+)
 
 
 @dataclass(frozen=True)
@@ -15,10 +24,27 @@ class CorpusOptions:
     split: str = "train"
     text_split: TextSplit = "file"
     on_bad_record: OnBadRecord = "error"
+    targets: Targets = "all"  # pipeline.corpus.targets
+    spans_column: str = "target_spans"  # targets "spans": the field of [[start, end], ...]
+    messages_column: str = "messages"  # targets "chat": the field of the messages, as text
+    chat_template: ChatTemplate = "chatml"
+
+    @property
+    def targets_column(self) -> str | None:
+        """The record field that names the targets (read beside the text), or None: all."""
+        return {"spans": self.spans_column, "chat": self.messages_column}.get(self.targets)
 
     def __post_init__(self) -> None:
         if not self.text_column:
             raise ValueError("text_column must not be empty")
+        if self.targets not in TARGETS:
+            raise ValueError(f"targets must be one of {TARGETS}, not {self.targets!r}")
+        if self.chat_template not in CHAT_TEMPLATES:
+            raise ValueError(
+                f"chat_template must be one of {CHAT_TEMPLATES}, not {self.chat_template!r}"
+            )
+        if self.targets_column == "":
+            raise ValueError(f"the {self.targets} column must not be empty")
         if self.text_split not in TEXT_SPLITS:
             raise ValueError(f"text_split must be one of {TEXT_SPLITS}, not {self.text_split!r}")
         if self.on_bad_record not in ON_BAD_RECORD:
@@ -33,6 +59,7 @@ class Document:
     text: str
     source: str
     record: int
+    target_spans: tuple[tuple[int, int], ...] | None = None  # None: every character a target
 
 
 class BadRecord(Exception):
@@ -56,8 +83,9 @@ class RawRecord:
     """What a source found at one record: values not yet checked."""
 
     record: int
-    text: Any
+    text: Any  # None where the record's text is rendered from its messages (targets "chat")
     doc_id: Any = None
+    targets: Any = None  # the targets column's value (pipeline.corpus.targets)
 
 
 # Written at the start of a file by many Windows tools; `datasets` and pandas accept it.

@@ -63,18 +63,25 @@ class JsonLinesSource(Source):
             raise BadRecord(index, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(row, dict):
             raise BadRecord(index, f"a JSON {type(row).__name__}, not an object")
-        if options.text_column not in row:
-            raise BadRecord(
-                index,
-                f"no field {options.text_column!r} (fields: {', '.join(map(repr, sorted(row))) or 'none'})",
-                advice=None if text_found else _text_field_advice(row, options),
-            )
+        text, targets = None, None
+        if options.targets != "chat":  # a chat record's text is rendered from its messages
+            if options.text_column not in row:
+                raise BadRecord(
+                    index,
+                    f"no field {options.text_column!r} (fields: {', '.join(map(repr, sorted(row))) or 'none'})",
+                    advice=None if text_found else _text_field_advice(row, options),
+                )
+            text = row[options.text_column]
+        if (column := options.targets_column) is not None:
+            if column not in row:
+                raise BadRecord(index, f"no field {column!r} (--targets {options.targets})")
+            targets = row[column]
         doc_id = None
         if options.id_column is not None:
             if options.id_column not in row:
                 raise BadRecord(index, f"no id field {options.id_column!r}")
             doc_id = row[options.id_column]
-        return RawRecord(index, row[options.text_column], doc_id)
+        return RawRecord(index, text, doc_id, targets)
 
 
 def _text_field_advice(row: dict, options: CorpusOptions) -> str:
@@ -95,6 +102,11 @@ def shown_name(name: str) -> str:
 
 class TextFileSource(Source):
     def records(self, options: CorpusOptions) -> Iterator[RawRecord | BadRecord]:
+        if options.targets != "all":
+            raise CorpusError(
+                f"{self.path}: a text file has no fields to name targets in: --targets "
+                f"{options.targets} reads JSON lines, Parquet or a dataset"
+            )
         with open_counted_stream(self.path, open_input) as (raw, stream):
             if options.text_split == "file":
                 yield RawRecord(0, stream.read().removeprefix(UTF8_BOM))
@@ -110,7 +122,9 @@ class TextFileSource(Source):
 
 
 def _table_columns(options: CorpusOptions, names: list[str], where: str) -> list[str]:
-    wanted = [options.text_column] + ([options.id_column] if options.id_column else [])
+    wanted = [] if options.targets == "chat" else [options.text_column]
+    wanted += [options.targets_column] if options.targets_column else []
+    wanted += [options.id_column] if options.id_column else []
     missing = [c for c in wanted if c not in names]
     if missing:
         raise no_column(where, missing[0], names)
@@ -124,10 +138,12 @@ def no_column(where: str, name: str, names) -> CorpusError:
 
 
 def _batch_records(batch: dict[str, list], first_row: int, options: CorpusOptions):
-    texts = batch[options.text_column]
-    ids = batch[options.id_column] if options.id_column else [None] * len(texts)
-    for offset, (text, doc_id) in enumerate(zip(texts, ids, strict=True)):
-        yield RawRecord(first_row + offset, text, doc_id)
+    size = len(next(iter(batch.values())))
+    texts = [None] * size if options.targets == "chat" else batch[options.text_column]
+    targets = batch[options.targets_column] if options.targets_column else [None] * size
+    ids = batch[options.id_column] if options.id_column else [None] * size
+    for offset, (text, doc_id, target) in enumerate(zip(texts, ids, targets, strict=True)):
+        yield RawRecord(first_row + offset, text, doc_id, target)
 
 
 class ParquetSource(Source):
@@ -167,7 +183,7 @@ class SavedDatasetSource(Source):
         total = max(len(dataset), 1)
         row = 0
         for batch in dataset.select_columns(columns).iter(batch_size=_BATCH_ROWS):
-            size = len(batch[options.text_column])
+            size = len(batch[columns[0]])
             self.fraction = (row + size) / total
             yield from _batch_records(batch, row, options)
             row += size
@@ -209,7 +225,5 @@ class HubDatasetSource(Source):
         if stream.column_names is not None:
             _table_columns(options, stream.column_names, f"hub dataset {self.hub_name}")
         for row, values in enumerate(stream):
-            if options.text_column not in values:
-                raise no_column(f"hub dataset {self.hub_name}", options.text_column, values)
-            doc_id = values.get(options.id_column) if options.id_column else None
-            yield RawRecord(row, values[options.text_column], doc_id)
+            wanted = _table_columns(options, list(values), f"hub dataset {self.hub_name}")
+            yield from _batch_records({c: [values[c]] for c in wanted}, row, options)

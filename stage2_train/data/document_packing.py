@@ -12,6 +12,8 @@ its own full context, so a student token should see its own document's context a
   whole document of n tokens (its EOS is a target, never an input). The continuation of a split
   document re-reads the `context` tokens before its first new target as inputs whose labels are
   ignored (no loss, no selection), like stage 1's overlapping windows (stride = half a window).
+- A token that is no target of its record (pipeline.corpus.targets) is labelled IGNORE_INDEX
+  like a context slot: read as an input, never trained, selected or counted.
 - Padding slots have label IGNORE_INDEX and a NaN teacher loss: they are no targets. A
   distillation's extras travel like the teacher loss (padding and context slots hold
   pipeline.distillation.fill_value).
@@ -202,7 +204,8 @@ def _assemble(pieces: list[_Piece], batches: int, rows: int, width: int) -> dict
             ])  # fmt: skip
 
         input_ids[slot] = take(lambda d: d.ids, source)
-        labels[slot] = np.where(fresh, take(lambda d: d.ids, target), IGNORE_INDEX)
+        trained = fresh & take(lambda d: d.target, target)  # new, and a target of its record
+        labels[slot] = np.where(trained, take(lambda d: d.ids, target), IGNORE_INDEX)
         teacher_loss[slot] = np.where(
             fresh, take(lambda d: d.teacher_loss, target), np.float32(np.nan)
         )

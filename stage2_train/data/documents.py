@@ -21,10 +21,18 @@ import pyarrow as pa
 
 from pipeline.alignment import DEFAULT_AGGREGATION, chunk_starts
 from pipeline.cache.manifest import ShardRecord
-from pipeline.cache.rows import CheckedRows, check_rows, list_column, rows_index, token_values
+from pipeline.cache.rows import (
+    CheckedRows,
+    check_rows,
+    list_column,
+    rows_index,
+    target_spans,
+    token_values,
+)
 from pipeline.cache.schema import (
     DOC_ID,
     LOSS,
+    TARGET_SPANS,
     TEXT,
     TEXT_SHA256,
     TOKEN_END,
@@ -33,6 +41,7 @@ from pipeline.cache.schema import (
 )
 from pipeline.cache.shard_cache import ShardCache
 from pipeline.cache.verify import verify_shard
+from pipeline.corpus.targets import target_tokens
 from pipeline.distillation import AlignedRead, Distillation
 from pipeline.errors import CacheError
 from pipeline.guidance import GuidanceSettings
@@ -103,10 +112,15 @@ class AnnotatedDocuments:
     chunk_start: np.ndarray | None = None
     # per token (first axis), target-aligned like teacher_loss: a distillation objective's inputs
     extras: dict[str, np.ndarray] = field(default_factory=dict)
+    # bool, whether the token is a training target (a cache with target spans,
+    # pipeline.corpus.targets); every token else. The packers label the others IGNORE_INDEX.
+    target: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_start is None:
             self.chunk_start = np.ones(self.ids.shape, dtype=bool)
+        if self.target is None:
+            self.target = np.ones(self.ids.shape, dtype=bool)
 
 
 def choose_alignment(
@@ -139,9 +153,12 @@ def annotate(
     aggregate: str = DEFAULT_AGGREGATION,
     distillation: Distillation | None = None,
     teacher_columns: dict[str, np.ndarray] | None = None,
+    target_spans: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> AnnotatedDocuments:
     """Tokenize documents with the student tokenizer and give every token its teacher loss (and
-    the distillation's extras, from `teacher_columns`: its cache columns, values per token).
+    the distillation's extras, from `teacher_columns`: its cache columns, values per token),
+    and, given the documents' `target_spans` (spans [n, 2] and how many per document), whether
+    it is a target (pipeline.corpus.targets.target_tokens).
 
     Teacher arrays are the cached columns of these documents, flattened in order.
     """
@@ -183,7 +200,12 @@ def annotate(
                 teacher_columns=teacher_columns or {},
             )
         )
-    return AnnotatedDocuments(ids, mapping.teacher_loss, lengths, chunk_start=starts, extras=extras)
+    target = None
+    if target_spans is not None:
+        target = target_tokens(student_start, student_end, lengths, text_lengths, *target_spans)
+    return AnnotatedDocuments(
+        ids, mapping.teacher_loss, lengths, chunk_start=starts, extras=extras, target=target
+    )
 
 
 class DocumentReader:
@@ -228,6 +250,7 @@ class DocumentReader:
         parts = plan.parts_per_shard
         rows_seen = 0
         columns = READ_COLUMNS + list(plan.distillation_columns)
+        columns += [TARGET_SPANS] if plan.target_spans else []
         # one data-loader worker is one core: decode on it
         batches = iter_shard_batches(path, columns, READ_ROWS, use_threads=False)
         for read, batch in enumerate(batches):
@@ -268,6 +291,7 @@ class DocumentReader:
             aggregate=self.plan.aggregate,
             distillation=self.plan.distillation,
             teacher_columns={name: rows.columns[name] for name in self.plan.distillation_columns},
+            target_spans=rows.target_spans,
         )
         docs.doc_ids = rows.doc_ids
         return docs
@@ -282,6 +306,7 @@ class ReadRows:
     doc_ids: list[str]
     lengths: np.ndarray
     columns: dict[str, np.ndarray]
+    target_spans: tuple[np.ndarray, np.ndarray] | None = None  # (spans [n, 2], per row)
 
     @classmethod
     def of(
@@ -297,8 +322,12 @@ class ReadRows:
         columns = {
             name: (known[name] if name in known else token_values(batch, name))[index]
             for name in names
-            if name not in (DOC_ID, TEXT, TEXT_SHA256)
+            if name not in (DOC_ID, TEXT, TEXT_SHA256, TARGET_SPANS)
         }
+        spans = None
+        if TARGET_SPANS in names:
+            stored, per_row = target_spans(batch)
+            spans = (stored[rows_index(per_row, order)], per_row[order])
         doc_ids = batch.column(DOC_ID).to_pylist()
         rows = order.tolist()
         return cls(
@@ -306,4 +335,5 @@ class ReadRows:
             [doc_ids[i] for i in rows],
             checked.lengths[order],
             columns,
+            spans,
         )

@@ -4,7 +4,8 @@ first input and every token after the stream's first is a target exactly once. W
 documents wherever they fall; attention is not masked at document boundaries (the EOS/BOS between
 documents tells the student where one ends). The teacher loss of a target token travels with it,
 and so does whether it begins a chunk (`chunk_start`, for the chunk baseline), and a distillation's
-extras (pipeline.distillation).
+extras (pipeline.distillation); a token that is no target (pipeline.corpus.targets) is labelled
+IGNORE_INDEX, so the loss, the selection and the metrics never count it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from pipeline.cross_entropy import IGNORE_INDEX
 from stage2_train.data.documents import AnnotatedDocuments, DocumentReader
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import StreamPosition
@@ -30,6 +32,7 @@ class ConsumerStream(DocumentReader):
         self._ids = np.zeros(0, dtype=np.int32)
         self._teacher = np.zeros(0, dtype=np.float32)
         self._chunk_start = np.zeros(0, dtype=bool)
+        self._target = np.zeros(0, dtype=bool)
         self._extras: dict[str, np.ndarray] = {}
         self._doc_start = np.zeros(0, dtype=np.int64)
         self._doc_length = np.zeros(0, dtype=np.int64)
@@ -45,6 +48,7 @@ class ConsumerStream(DocumentReader):
         self._ids = np.concatenate((self._ids, docs.ids))
         self._teacher = np.concatenate((self._teacher, docs.teacher_loss))
         self._chunk_start = np.concatenate((self._chunk_start, docs.chunk_start))
+        self._target = np.concatenate((self._target, docs.target))
         for name, values in docs.extras.items():
             held = self._extras.get(name)
             self._extras[name] = values if held is None else np.concatenate((held, values))
@@ -52,7 +56,7 @@ class ConsumerStream(DocumentReader):
     def _advance(self, tokens: int) -> None:
         """Drop `tokens` tokens from the front, and the documents that lie wholly before it."""
         self._ids, self._teacher = self._ids[tokens:], self._teacher[tokens:]
-        self._chunk_start = self._chunk_start[tokens:]
+        self._chunk_start, self._target = self._chunk_start[tokens:], self._target[tokens:]
         self._extras = {name: values[tokens:] for name, values in self._extras.items()}
         self._doc_start = self._doc_start - tokens
         alive = np.flatnonzero(self._doc_start + self._doc_length > 0)
@@ -81,6 +85,7 @@ class ConsumerStream(DocumentReader):
                     skip = 0
             ids, teacher = self._ids[window], self._teacher[window]
             chunk_start = self._chunk_start[window]
+            labels = np.where(self._target[window][:, 1:], ids[:, 1:], IGNORE_INDEX)
             extras = {
                 name: torch.from_numpy(np.ascontiguousarray(values[window][:, 1:]))
                 for name, values in self._extras.items()
@@ -90,7 +95,7 @@ class ConsumerStream(DocumentReader):
             self._advance(consumed)
             yield {
                 "input_ids": torch.from_numpy(ids[:, :-1].astype(np.int64)),
-                "labels": torch.from_numpy(ids[:, 1:].astype(np.int64)),
+                "labels": torch.from_numpy(labels.astype(np.int64)),
                 "teacher_loss": torch.from_numpy(np.ascontiguousarray(teacher[:, 1:])),
                 "chunk_start": torch.from_numpy(np.ascontiguousarray(chunk_start[:, 1:])),
                 **extras,

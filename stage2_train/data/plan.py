@@ -27,6 +27,7 @@ import numpy as np
 
 from pipeline.alignment import DEFAULT_AGGREGATION
 from pipeline.cache.manifest import CacheManifest, ShardRecord, load_manifest
+from pipeline.cache.schema import TARGET_SPANS
 from pipeline.distillation import Distillation
 from pipeline.errors import CacheError, ConfigError
 from pipeline.io import fingerprint
@@ -52,6 +53,7 @@ class DataPlan:
     world_size: int = 1  # ranks and workers only deal the consumers out: they never change the
     num_workers: int = 0  # stream
     distillation: Distillation | None = None  # its extras ride with every token (documents.py)
+    target_spans: bool = False  # the cache's shards say which characters are targets
     # A cache in object storage is read from local copies (pipeline.cache.shard_cache); these
     # say where, how many bytes a rank may hold, and how many shards are fetched ahead. They
     # never change what is read.
@@ -62,9 +64,11 @@ class DataPlan:
     @classmethod
     def from_cache(cls, cache_dir: Path, **settings) -> DataPlan:
         """A plan over every shard the cache's manifest lists."""
+        manifest = load_manifest(cache_dir)
         return cls(
             cache_dir=as_location(cache_dir),
-            shards=tuple(load_manifest(cache_dir).shards),
+            shards=tuple(manifest.shards),
+            target_spans=has_target_spans(manifest),
             **settings,
         )
 
@@ -109,6 +113,11 @@ class DataPlan:
         while sum(min(shard.rows, parts) for shard in self.shards) < self.consumers:
             parts += 1
         return parts
+
+
+def has_target_spans(manifest: CacheManifest) -> bool:
+    """Whether the cache's shards name each document's target spans (stage 1's --targets)."""
+    return bool(manifest.settings.get(TARGET_SPANS))
 
 
 def cache_fingerprint(manifest: CacheManifest) -> str:
