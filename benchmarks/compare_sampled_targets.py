@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,13 +35,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from arm_runs import rate_difference, train_arm  # noqa: E402
+
 from apps.evaluation.bootstrap import paired_bootstrap  # noqa: E402
 from apps.evaluation.config import EvalConfig  # noqa: E402
 from apps.evaluation.run import evaluate, evaluation_documents  # noqa: E402
 from pipeline.shipped import shipped_corpus  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SEEDS = (0, 1)
 EVAL_DOCS = 100
 MAX_TOKENS = 512
@@ -60,18 +60,11 @@ STEPS = ("--max-steps", "60", "--global-batch-tokens", "4096", "--seq-len", "512
 
 def train(arm: str, seed: int, caches: dict[str, Path], work: Path) -> Path:
     """The arm's student (stage 2's entry script, as a user runs it); kept once finished."""
-    out = work / f"{arm.replace('/', '-')}-seed{seed}"
-    if (out / "final").exists():
-        return out / "final"
     tokenizer, cache = ARMS[arm]
-    command = [
-        sys.executable, str(ROOT / "stage2_train/train.py"), "--cache", str(caches[cache]),
-        "--student", "llama-demo", "--student-tokenizer", tokenizer,
-        "--guidance", arm.split("/")[0], "--seed", str(seed), *STEPS, "--out", str(out),
-    ]  # fmt: skip
-    with open(work / f"{out.name}.log", "w") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
-    return out / "final"
+    return train_arm(work / f"{arm.replace('/', '-')}-seed{seed}", [
+        "--cache", str(caches[cache]), "--student", "llama-demo", "--student-tokenizer", tokenizer,
+        "--guidance", arm.split("/")[0], "--seed", str(seed), *STEPS,
+    ])  # fmt: skip
 
 
 def full_kl(student_dir: Path, teacher, tokenizer, texts: list[str]) -> np.ndarray:
@@ -109,12 +102,9 @@ def measure(final: Path, tokenizer: str, teacher, texts: list[str]) -> dict:
 
 def difference(a: dict, b: dict, metric: str) -> str:
     if metric == "bits_per_character":  # a per-character rate: documents weighted by length
-        x = np.asarray(a["per_document_bits"]) / np.asarray(a["per_document_characters"])
-        y = np.asarray(b["per_document_bits"]) / np.asarray(b["per_document_characters"])
-        weights = np.asarray(a["per_document_characters"])
-    else:
-        x, y, weights = np.asarray(a["per_document_kl"]), np.asarray(b["per_document_kl"]), None
-    d = paired_bootstrap(x, y, weights)
+        return rate_difference(a["per_document_bits"], a["per_document_characters"],
+                               b["per_document_bits"], b["per_document_characters"])  # fmt: skip
+    d = paired_bootstrap(np.asarray(a["per_document_kl"]), np.asarray(b["per_document_kl"]))
     return f"{d.difference:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
 
 

@@ -7,7 +7,7 @@ cache's identity, and a rerun with other values refuses to mix into an existing 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pipeline.cache.schema import (
     MAX_TOPK,
@@ -96,16 +96,10 @@ class ScoreConfig:
         "each record's --spans-column; chat: the assistant turns of each record's "
         "--messages-column, rendered to the text by --chat-template. The teacher scores all",
     )
-    spans_column: str = CORPUS(
-        "target_spans", help="--targets spans: the field of [[start, end], ...] character spans"
-    )
-    messages_column: str = CORPUS(
-        "messages", help='--targets chat: the field of [{"role": ..., "content": ...}, ...]'
-    )
+    spans_column: str = CORPUS("target_spans", help="--targets spans: its [[start, end], ...]")
+    messages_column: str = CORPUS("messages", help="--targets chat: its [{role, content}, ...]")
     chat_template: ChatTemplate = CORPUS(
-        "chatml",
-        help="--targets chat: chatml (<|im_start|>role ... <|im_end|>) or plain (role: ...); "
-        "an assistant turn's end marker is trained with it",
+        "chatml", help="--targets chat: <|im_start|>role ... <|im_end|>, or plain role: ..."
     )
     docs_per_shard: int = BATCHING(1000, help="documents per work unit; unit k becomes shard k")
     backend: ScoringBackend = TEACHER(
@@ -300,17 +294,8 @@ class ScoreConfig:
         self.corpus_options()  # validates the corpus options
 
     def corpus_options(self) -> CorpusOptions:
-        return CorpusOptions(
-            text_column=self.text_column,
-            id_column=self.id_column,
-            split=self.split,
-            text_split=self.text_split,
-            on_bad_record=self.on_bad_record,
-            targets=self.targets,
-            spans_column=self.spans_column,
-            messages_column=self.messages_column,
-            chat_template=self.chat_template,
-        )
+        """The corpus options: this config's fields of the same names."""
+        return CorpusOptions(**{f.name: getattr(self, f.name) for f in fields(CorpusOptions)})
 
     def windows(self, teacher_context: int | None) -> tuple[int, int]:
         """(max_length, stride), filling the defaults from the teacher's context length."""

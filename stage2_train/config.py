@@ -152,6 +152,8 @@ class TrainConfig:
         "log-probabilities only, no merging or space term, and no --space-logprob column needed",
     )
     seq_len: int = DATA(2048, help="tokens per training sequence (documents are packed)")
+    completion_only: bool = DATA(True, help="a cache with target spans (stage 1's --targets): "
+        "train on their tokens alone; --no-completion-only: on every token")  # fmt: skip
     packing: Packing = DATA(
         "documents",
         help="documents: whole documents packed best-fit, attention masked at document "

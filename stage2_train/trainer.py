@@ -114,8 +114,7 @@ def _train(
     settings = config.guidance_settings()
     compute = autocast(runtime, config.dtype)
     manifest = load_manifest(config.cache)
-    # None unless the mode trains a distillation term
-    distillation = config.distillation(manifest.settings)
+    distillation = config.distillation(manifest.settings)  # None unless the mode trains one
     tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
     check_output_and_cache(config, manifest)
     check_output_is_a_run(config)
@@ -137,7 +136,7 @@ def _train(
         world_size=runtime.world_size,
         num_workers=config.num_workers,
         distillation=distillation,
-        target_spans=has_target_spans(manifest),
+        target_spans=config.completion_only and has_target_spans(manifest),
         shard_cache=config.shard_cache,
         shard_cache_bytes=int(config.shard_cache_gib * (1 << 30)),
         read_ahead=config.read_ahead,

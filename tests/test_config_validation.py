@@ -96,7 +96,10 @@ RIGHT = {
     (SelectionConfig, "topk"): 0.5,  # unset by default: stage 2's
 }
 # options a right value needs beside it (the config refuses it alone)
-COMPANIONS = {(ScoreConfig, "topk_mode"): {"topk_probs": 8}}
+COMPANIONS = {  # a value that needs another option beside it
+    (ScoreConfig, "topk_mode"): {"topk_probs": 8},
+    (EvalConfig, "targets"): {"accuracy_problems": 0, "answer_problems": 5},
+}
 
 
 def _fields(cls):

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import zstandard
 
 from pipeline.cache import topk_codec
 from pipeline.cache.manifest import SkippedDocument, load_manifest, profile_name
@@ -34,6 +35,7 @@ from pipeline.tokenizer import load_tokenizer
 from pipeline.versions import software_versions
 from stage1_score.output import LOCK_NAME, OutputLock
 from stage1_score.run import main
+from tests.cache_fixtures import read_cache_rows
 from tests.stage1_helpers import (
     load_model,
     make_tiny_teacher,
@@ -214,6 +216,38 @@ def test_a_sampled_cache_is_verified_and_a_rerun_draws_the_same_bytes(
         assert "sample_ids" in first.column_names and "topk_rest" not in first.column_names
         for name in ("sample_ids", "sample_ranks"):
             assert first.column(name).equals(second.column(name))
+
+
+def test_chat_records_are_scored_whole_and_cached_with_their_assistant_spans(
+    ray_cluster, teacher, tmp_path, capsys
+):
+    """`--targets chat`: each record's messages rendered by the template are the row's text
+    (the teacher scores all of it), the assistant turns its target_spans; the manifest's corpus
+    names the rendering, and another template is another corpus."""
+    from pipeline.corpus.targets import TEMPLATES, render_chat
+    from pipeline.shipped import shipped_corpus
+
+    records = [
+        json.loads(line)
+        for line in zstandard.decompress(shipped_corpus("chat-train").read_bytes())
+        .decode()
+        .splitlines()[:12]
+    ]
+    corpus = tmp_path / "chat.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "cache"
+    assert main(args(teacher, corpus, out, "--targets", "chat")) == 0
+    manifest, problems = verify_cache(out)
+    assert problems == [] and manifest.settings["target_spans"] is True
+    assert manifest.corpus["targets"]["template"] == {"name": "chatml", **TEMPLATES["chatml"].describe()}
+    rows = read_cache_rows(out)
+    for record in records:
+        text, spans = render_chat(record["messages"], TEMPLATES["chatml"])
+        row = rows[record["id"]]
+        assert row["text"] == text and row["target_spans"] == [b for s in spans for b in s]
+        assert not np.isnan(np.asarray(row["loss"][1:], dtype=float)).any()  # all of it scored
+    assert main(args(teacher, corpus, out, "--targets", "chat", "--chat-template", "plain")) == 2
+    assert "--overwrite" in one_line_error(capsys)
 
 
 def test_dtype_auto_is_bfloat16_where_the_workers_get_gpus(teacher, corpus, tmp_path, monkeypatch):

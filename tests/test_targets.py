@@ -258,6 +258,10 @@ def test_stage2_selects_and_counts_targets_only(span_cache, tmp_path):
     for mine, other in zip(ours, theirs, strict=True):
         assert mine["kept_fraction"] == pytest.approx(other["kept_fraction"], abs=0.02)
     assert ours[0]["loss_all"] != theirs[0]["loss_all"]  # the mean over other tokens
+    every = tmp_path / "every"  # --no-completion-only: the spans unused, every token trained
+    ignored = first_batch(train_args(span_cache, every, *ARGS, "--no-completion-only"))
+    assert torch.equal(ignored["labels"], plain["labels"])
+    assert json.loads((every / "config.json").read_text())["completion_only"] is False
 
 
 def test_answer_bits_read_the_records_spans():
