@@ -167,6 +167,22 @@ def test_a_compact_cache_trains_on_what_the_float16_one_holds_within_its_error(
     assert 0 < abs(first - reference) <= bound, (first, reference)
 
 
+def assert_step_1_is_ce_plus(weight: float, term, logits, arm: Run, plain: Run) -> None:
+    """The logged term is `term` (computed by hand from `logits`, which require grad), and the
+    arm's step-1 gradient is the cross-entropy's plus weight x the term's (tolerances as in
+    assert_objective_is_ce_plus)."""
+    labels = arm.batch["labels"]
+    assert distill_losses(arm.out)[0] == pytest.approx(term.detach().item(), rel=1e-5)
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    ce_grad, term_grad = (
+        torch.autograd.grad(loss, logits, retain_graph=True)[0] for loss in (ce, term)
+    )
+    atol = 4 * torch.finfo(torch.float32).eps * ce_grad.abs().max().item()
+    assert term_grad.abs().max() > 100 * atol
+    torch.testing.assert_close(plain.grad, ce_grad, rtol=1e-5, atol=atol)
+    torch.testing.assert_close(arm.grad - plain.grad, weight * term_grad, rtol=1e-3, atol=atol)
+
+
 def test_kld_sampled_trains_cross_entropy_plus_the_estimate_of_the_full_kl(runs, tmp_path):
     """`--guidance kld-sampled` on a sampled cache (`--topk-mode sampled`) of the student's own
     tokenizer: step 1's term is the importance-weighted estimate of KL(student || teacher) at
@@ -188,15 +204,7 @@ def test_kld_sampled_trains_cross_entropy_plus_the_estimate_of_the_full_kl(runs,
     student = torch.log_softmax(logits[paired], -1).gather(-1, ids[paired])
     log_ratio = student - arm.batch[DRAWN_LOGPROBS][paired].float()
     term = (log_ratio.exp() * log_ratio).mean(-1).mean()  # (1/K) sum_i w_i log(s/t), by hand
-    assert distill_losses(arm.out)[0] == pytest.approx(term.detach().item(), rel=1e-5)
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
-    ce_grad, term_grad = (
-        torch.autograd.grad(loss, logits, retain_graph=True)[0] for loss in (ce, term)
-    )
-    atol = 4 * torch.finfo(torch.float32).eps * ce_grad.abs().max().item()
-    assert term_grad.abs().max() > 100 * atol
-    torch.testing.assert_close(plain.grad, ce_grad, rtol=1e-5, atol=atol)
-    torch.testing.assert_close(arm.grad - plain.grad, term_grad, rtol=1e-3, atol=atol)
+    assert_step_1_is_ce_plus(1.0, term, logits, arm, plain)
 
 
 def test_uld_sampled_trains_cross_entropy_plus_the_estimate_of_the_full_distance(runs, tmp_path):
@@ -221,15 +229,7 @@ def test_uld_sampled_trains_cross_entropy_plus_the_estimate_of_the_full_distance
     teacher = arm.batch[DRAWN_LOGPROBS][paired].float().exp()
     at_rank = student.gather(-1, ranks[paired])
     term = ((at_rank - teacher).abs() / teacher).mean(-1).mean()  # by hand, no mass beyond V_t
-    assert distill_losses(arm.out)[0] == pytest.approx(term.detach().item(), rel=1e-5)
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
-    ce_grad, term_grad = (
-        torch.autograd.grad(loss, logits, retain_graph=True)[0] for loss in (ce, term)
-    )
-    atol = 4 * torch.finfo(torch.float32).eps * ce_grad.abs().max().item()
-    assert term_grad.abs().max() > 100 * atol
-    torch.testing.assert_close(plain.grad, ce_grad, rtol=1e-5, atol=atol)
-    torch.testing.assert_close(arm.grad - plain.grad, 0.5 * term_grad, rtol=1e-3, atol=atol)
+    assert_step_1_is_ce_plus(0.5, term, logits, arm, plain)
     chunked = tmp_path / "chunked"
     args = train_args(cache, chunked, *ARGS, "--guidance", "uld-sampled", "--loss-kernel", "chunked")
     assert main(args) == 0
