@@ -72,7 +72,7 @@ class OnlineTeacherStream(ConsumerStream):
         self.scorer, self.teacher_tokenizer = scorer, teacher_tokenizer
         self.teacher = Elapsed()  # tokenizing and scoring, summed over reads
 
-    def _annotate_rows(self, rows):
+    def _annotate_rows(self, rows, more=()):
         texts = rows.texts
         with measure(self.teacher):
             encodings = self.teacher_tokenizer.encode_batch(texts)

@@ -114,6 +114,8 @@ def main() -> int:
     parser.add_argument("--sampled-cache", type=Path, required=True)
     parser.add_argument("--teacher", type=Path, required=True, help="the caches' teacher folder")
     parser.add_argument("--work", type=Path, required=True, help="runs and results are kept here")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
+                        help="the seeds to train and report (the design's are 0 and 1)")  # fmt: skip
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -123,7 +125,7 @@ def main() -> int:
     documents, _ = evaluation_documents(str(shipped_corpus("eval")), EVAL_DOCS)
     texts = [d.text for d in documents]
     results = {}
-    for seed in SEEDS:
+    for seed in args.seeds:
         for arm, (tokenizer, _) in ARMS.items():
             path = args.work / f"{arm.replace('/', '-')}-seed{seed}.json"
             if not path.exists():
@@ -131,8 +133,8 @@ def main() -> int:
                 path.write_text(json.dumps(measure(final, tokenizer, teacher, texts)))
             results[arm, seed] = json.loads(path.read_text())
             print(f"{arm} seed {seed}: done", file=sys.stderr)
-    print(f"# {EVAL_DOCS} shipped eval documents; {' '.join(STEPS)}; seeds {SEEDS}")
-    for seed in SEEDS:
+    print(f"# {EVAL_DOCS} shipped eval documents; {' '.join(STEPS)}; seeds {args.seeds}")
+    for seed in args.seeds:
         for arm in ARMS:
             r = results[arm, seed]
             kl = f", full KL(s || t) {r['full_kl']:.4f} nats/token" if "full_kl" in r else ""

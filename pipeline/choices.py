@@ -14,6 +14,8 @@ SelectionScope = Literal["microbatch", "global"]
 LossNormalization = Literal["all", "kept"]  # eq. 3: over all target tokens, or the kept ones
 ChunkStudentAggregate = Literal["mean", "max", "sum"]
 Aggregation = Literal["max", "mean", "sum"]
+# how the teacher losses of several caches combine per student token (pipeline.teacher_loss)
+TeacherCombination = Literal["min", "mean"]
 TextSplit = Literal["file", "line"]
 # which characters of a record are training targets (pipeline.corpus.targets): all of them, the
 # record's own spans, or the assistant turns of its chat messages rendered by a named template
@@ -66,6 +68,7 @@ SELECTION_SCOPES: tuple[str, ...] = get_args(SelectionScope)
 LOSS_NORMALIZATIONS: tuple[str, ...] = get_args(LossNormalization)
 CHUNK_STUDENT_AGGREGATES: tuple[str, ...] = get_args(ChunkStudentAggregate)
 AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+TEACHER_COMBINATIONS: tuple[str, ...] = get_args(TeacherCombination)
 TEXT_SPLITS: tuple[str, ...] = get_args(TextSplit)
 ON_BAD_RECORD: tuple[str, ...] = get_args(OnBadRecord)
 TARGETS: tuple[str, ...] = get_args(Targets)

@@ -7,6 +7,8 @@ per-token Python loop. Alignments:
   token     Token-level Lexical Alignment by character offsets (pipeline.alignment.align);
   chunk     the paper's equal-chunk baseline (pipeline.alignment.equal_chunk_alignment);
   identity  student token i is teacher token i (one tokenizer on both sides).
+Several teachers' caches over one corpus give each student token one loss per teacher, which
+`combine_teacher_losses` makes one (docs/several-teachers.md; the paper has one teacher).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pipeline.alignment import (
     align,
     equal_chunk_alignment,
 )
+from pipeline.choices import TEACHER_COMBINATIONS
 
 ALIGNMENTS = ("token", "chunk", "identity")
 
@@ -90,3 +93,22 @@ def student_teacher_loss(
         raise ValueError(f"alignment must be 'token', 'chunk' or 'identity', not {alignment!r}")
     per_token = aggregate_teacher_loss(teacher_loss, map_start, map_end, aggregate)
     return StudentTeacherLoss(map_start, map_end, per_token)
+
+
+def combine_teacher_losses(losses: list[np.ndarray], rule: str) -> np.ndarray:
+    """One teacher loss per student token from several teachers' (each aligned on its own): the
+    smallest (`min`: the token counts as learnable if any teacher finds it easy) or the `mean`,
+    over the teachers that give the token a loss; NaN where none does. One teacher's losses are
+    returned as they are."""
+    if rule not in TEACHER_COMBINATIONS:
+        raise ValueError(f"rule must be one of {TEACHER_COMBINATIONS}, not {rule!r}")
+    if len(losses) == 1:
+        return losses[0]
+    stacked = np.stack(losses)
+    given = ~np.isnan(stacked)
+    count = given.sum(0)
+    if rule == "min":
+        combined = np.where(given, stacked, np.inf).min(0)
+    else:
+        combined = np.where(given, stacked, 0).sum(0, dtype=np.float64) / np.maximum(count, 1)
+    return np.where(count > 0, combined, np.nan).astype(np.float32)

@@ -209,6 +209,8 @@ LEGACY_SETTINGS = {
     "chunk_student_aggregate": "mean",
     "packing": "stream",
     "packing_context": 0.5,
+    "more_caches": [],
+    "combine_teachers": "min",
 }
 
 def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:

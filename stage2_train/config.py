@@ -21,6 +21,7 @@ from pipeline.choices import (
     LossNormalization,
     Packing,
     SelectionScope,
+    TeacherCombination,
     UnmappedStrategy,
 )
 from pipeline.config import options_of, parse_config, to_dict
@@ -83,6 +84,9 @@ class TrainConfig:
     )
     out: Path = CHECKPOINTING(help="output folder: checkpoints, metrics.jsonl, TensorBoard, final model")
     max_steps: int = OPTIMIZER(help="optimizer steps in the schedule (the cosine decays over these)")
+    more_caches: list[str] = DATA([], help="other teachers' caches of the same corpus (stage 1 "
+        "with the same --corpus and --docs-per-shard), read in step: each token's teacher loss "
+        "combines every cache's by --combine-teachers (docs/several-teachers.md)")  # fmt: skip
     student_tokenizer: str | None = MODEL(
         None,
         help="student tokenizer spec (shipped name, tokenizer.json, folder, hub id); default: "
@@ -100,6 +104,9 @@ class TrainConfig:
         help="--guidance uld: weight of the Wasserstein term beside the cross-entropy (paper "
         "appendix B, eq. 6: lambda = 0.5 of 0.3, 0.5, 1.0, 1.5)",
     )
+    combine_teachers: TeacherCombination = GUIDANCE("min", help="--more-caches: a student "
+        "token's teacher loss is the smallest of the teachers' (min) or their mean, over the "
+        "teachers that map it (the paper has one teacher)")  # fmt: skip
     num_chunks: int = GUIDANCE(
         32,
         help="equal chunks per document for --guidance chunk and random-chunk (paper Table 2: "
@@ -138,9 +145,8 @@ class TrainConfig:
         help="--guidance alm: the ALM term's weight beside the cross-entropy (tokenkit's "
         "large-to-small example sums sft and alm_unconstrained with equal weights)",
     )
-    alm_temperature: float = GUIDANCE(
-        100.0, help="--guidance alm: binary_ce's binarization temperature (tokenkit: 100)"
-    )
+    alm_temperature: float = GUIDANCE(100.0, help="--guidance alm: binary_ce's binarization "
+        "temperature (tokenkit: 100)")  # fmt: skip
     alm_merge_threshold: float = GUIDANCE(
         0.1,
         help="--guidance alm: merge a chunk into the next while the teacher's space "
@@ -224,14 +230,11 @@ class TrainConfig:
         "dealt to the ranks, so a checkpoint resumes on any world size that divides it (16: 1, "
         "2, 4, 8 or 16 ranks); each step's documents depend on it and the global batch only",
     )
-    fsdp: bool = MODEL(
-        False, help="shard the student with FSDP (for students too big for one device)"
-    )
+    fsdp: bool = MODEL(False, help="shard the student with FSDP (students too big for a device)")
     dtype: ComputeDtype = MODEL(
         "auto",
         help="compute dtype: bfloat16 autocast needs a GPU; auto is bfloat16 on GPU, float32 "
-        "on CPU "
-        "(weights and optimizer state stay float32)",
+        "on CPU (weights and optimizer state stay float32)",
     )
     fsdp_param_dtype: FsdpParamDtype = MODEL(
         "auto",
@@ -245,15 +248,12 @@ class TrainConfig:
         help="--cache in object storage: local folder for the verified copies of shards being "
         "read (default: the system's temporary folder)",
     )
-    shard_cache_gib: float = DATA(
-        8.0, help="--cache in object storage: GiB of shard copies a rank keeps at most"
-    )
-    read_ahead: int = DATA(
-        2, help="--cache in object storage: shards fetched ahead of the one being read"
-    )
-    record_documents: bool = LOGGING(
-        False, help="write OUT/documents/rank-R.jsonl: the documents each step began training on"
-    )
+    shard_cache_gib: float = DATA(8.0, help="--cache in object storage: GiB of shard copies a "
+        "rank keeps at most")  # fmt: skip
+    read_ahead: int = DATA(2, help="--cache in object storage: shards fetched ahead of the one "
+        "being read")  # fmt: skip
+    record_documents: bool = LOGGING(False, help="write OUT/documents/rank-R.jsonl: the "
+        "documents each step began training on")  # fmt: skip
 
     def __post_init__(self) -> None:
         # Path folds `s3://b/x` into a local folder `s3:/b/x`: refuse what was a URI.
@@ -263,15 +263,16 @@ class TrainConfig:
                 "copy the run to object storage after it finishes"
             )
         self.cache, self.out = as_location(self.cache), Path(self.out)
-        positive = (
-            "max_steps",
-            "num_chunks",
-            "seq_len",
-            "save_every",
-            "global_batch_tokens",
-            "micro_batch_size",
-            "data_consumers",
-        )
+        self.more_caches = [as_location(cache) for cache in self.more_caches]
+        if len({str(c) for c in [self.cache, *self.more_caches]}) <= len(self.more_caches):
+            raise ValueError("--more-caches names a cache twice, or --cache again")
+        if self.more_caches and MODES[self.guidance].distillation is not None:
+            raise ValueError(
+                f"--guidance {self.guidance} trains on one cache's distributions: --more-caches "
+                "combines the teacher losses of the selection modes only"
+            )
+        positive = ("max_steps", "num_chunks", "seq_len", "save_every", "global_batch_tokens",
+                    "micro_batch_size", "data_consumers")  # fmt: skip
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(

@@ -28,16 +28,32 @@ LOGIT_BYTES_PER_ENTRY = 12
 ACTIVATION_BYTES_PER_HIDDEN_PER_LAYER = 68
 
 
-def check_output_and_cache(config: TrainConfig, manifest: CacheManifest) -> None:
-    """--out apart from the cache, and every listed shard present with its recorded size (the
-    hashes are checked as shards are read): a deleted shard fails now, not at step 15 of 40.
-    A cache in object storage is listed once, not asked about shard by shard."""
-    store = Store(config.cache)
+def check_output_and_cache(
+    config: TrainConfig, manifest: CacheManifest, more: dict | None = None
+) -> None:
+    """--out apart from the cache (and the `more` caches: --more-caches' manifests by location),
+    and every listed shard present with its recorded size (the hashes are checked as shards are
+    read): a deleted shard fails now, not at step 15 of 40. A cache in object storage is listed
+    once, not asked about shard by shard."""
+    caches = [("--cache", config.cache, manifest)]
+    caches += [("--more-caches", location, listed) for location, listed in (more or {}).items()]
+    for flag, location, listed in caches:
+        _check_cache_files(config, flag, location, listed)
+    if config.global_batch_tokens > manifest.total_teacher_tokens:
+        raise ConfigError(
+            f"--global-batch-tokens {config.global_batch_tokens} is more than the whole cache "
+            f"({manifest.total_teacher_tokens} teacher tokens): one step would repeat documents "
+            "within itself; lower it or score a larger corpus"
+        )
+
+
+def _check_cache_files(config: TrainConfig, flag: str, location, manifest: CacheManifest) -> None:
+    store = Store(location)
     out = Path(config.out).resolve()
     cache = store.local.resolve() if store.local is not None else None
     if cache is not None and (out == cache or cache in out.parents or out in cache.parents):
         raise ConfigError(
-            f"--out {config.out} and --cache {config.cache} overlap: checkpoints and the model "
+            f"--out {config.out} and {flag} {location} overlap: checkpoints and the model "
             "would be written into the cache (or the cache into the run); choose another --out"
         )
     problems = []
@@ -50,15 +66,9 @@ def check_output_and_cache(config: TrainConfig, manifest: CacheManifest) -> None
             problems.append(f"{shard.file} has {size} bytes, not {shard.bytes}")
     if problems:
         raise CacheError(
-            f"cache {config.cache}: {len(problems)} of {len(manifest.shards)} shard(s) do not "
+            f"cache {location}: {len(problems)} of {len(manifest.shards)} shard(s) do not "
             f"match the manifest ({'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''})"
             "; run `vocagno cache verify` and rerun stage 1 to restore them"
-        )
-    if config.global_batch_tokens > manifest.total_teacher_tokens:
-        raise ConfigError(
-            f"--global-batch-tokens {config.global_batch_tokens} is more than the whole cache "
-            f"({manifest.total_teacher_tokens} teacher tokens): one step would repeat documents "
-            "within itself; lower it or score a larger corpus"
         )
 
 

@@ -18,6 +18,7 @@ Distillation modes (pipeline.distillation) add weight x their term's mean over t
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 from pathlib import Path
@@ -49,10 +50,12 @@ from stage2_train.checkpoint import (
 )
 from stage2_train.checkpoint_trust import trusted_checkpoint
 from stage2_train.config import TrainConfig
-from stage2_train.data.documents import choose_alignment, verify_local_shards
+from stage2_train.data.documents import choose_alignment
 from stage2_train.data.loader import batches, make_loader
-from stage2_train.data.plan import DataPlan, cache_fingerprint, has_target_spans
+from stage2_train.data.more_teachers import run_cache_fingerprint, teacher_caches
+from stage2_train.data.plan import DataPlan, has_target_spans
 from stage2_train.data.position import DataState
+from stage2_train.data.shards import verify_local_shards
 from stage2_train.distributed import Runtime
 from stage2_train.forward import extras_of, student_forward
 from stage2_train.kernels import ResolvedKernels
@@ -114,17 +117,19 @@ def _train(
     settings = config.guidance_settings()
     compute = autocast(runtime, config.dtype)
     manifest = load_manifest(config.cache)
+    more = {location: load_manifest(location) for location in config.more_caches}
     distillation = config.distillation(manifest.settings)  # None unless the mode trains one
     tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
-    check_output_and_cache(config, manifest)
+    check_output_and_cache(config, manifest, more)
     check_output_is_a_run(config)
     check_distillation_cache(config, distillation, manifest, tokenizer)
     accumulation = config.accumulation_steps(runtime.world_size)
+    align = functools.partial(choose_alignment, settings, tokenizer.fingerprint)
     plan = DataPlan(
         cache_dir=config.cache,
         shards=tuple(manifest.shards),
         student_tokenizer=tokenizer.spec,
-        alignment=choose_alignment(settings, tokenizer.fingerprint, manifest.tokenizer),
+        alignment=align(manifest.tokenizer),
         num_chunks=config.num_chunks,
         aggregate=config.aggregate,
         packing=config.packing,
@@ -137,6 +142,8 @@ def _train(
         num_workers=config.num_workers,
         distillation=distillation,
         target_spans=config.completion_only and has_target_spans(manifest),
+        more_caches=teacher_caches(config.cache, manifest, more, align),
+        combine_teachers=config.combine_teachers,
         shard_cache=config.shard_cache,
         shard_cache_bytes=int(config.shard_cache_gib * (1 << 30)),
         read_ahead=config.read_ahead,
@@ -145,7 +152,7 @@ def _train(
     meta = {
         "world_size": runtime.world_size,
         "workers_per_rank": plan.workers,
-        "cache_fingerprint": cache_fingerprint(manifest),
+        "cache_fingerprint": run_cache_fingerprint(manifest, plan.more_caches),
         "config_fingerprint": config.fingerprint,
         "torch_threads": torch.get_num_threads(),
     }
@@ -154,9 +161,7 @@ def _train(
     meta |= kernels.saved()
     use_attention(student, kernels.attention)
     check_student_fits(config, student.config, runtime.device)
-    model = wrap(
-        student, runtime, config.fsdp, kernels.compile, kernels.fsdp_param_dtype
-    )
+    model = wrap(student, runtime, config.fsdp, kernels.compile, kernels.fsdp_param_dtype)
     optimizer = make_optimizer(model, config, kernels.adamw_kernel)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda index: lr_at(index + 1, config) / config.lr
@@ -195,14 +200,8 @@ def _train(
     pin = runtime.device.type == "cuda"  # page-locked batches for asynchronous copies
     first = start_step * accumulation  # the rank's micro-batches taken so far
     stream = batches(make_loader(plan, runtime.rank, data_state, first, pin, accumulation))
-    progress = tqdm(
-        total=stop_step,
-        initial=start_step,
-        disable=not runtime.is_main,
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
-    )
+    progress = tqdm(total=stop_step, initial=start_step, disable=not runtime.is_main, unit="step",
+                    dynamic_ncols=True, file=sys.stderr)  # fmt: skip
     started, step_tokens, stop_votes = time.monotonic(), 0, 0.0
 
     for step in range(start_step + 1, stop_step + 1):

@@ -201,8 +201,8 @@ def test_a_cache_in_a_bucket_verifies_and_a_flipped_byte_is_named_and_refused(
     bucket, local_cache, tmp_path, capsys
 ):
     from apps.cli import main as vocagno
-    from stage2_train.data.documents import verified_shard
     from stage2_train.data.plan import DataPlan
+    from stage2_train.data.shards import verified_shard
 
     uri = f"{bucket}/flipped"
     upload_folder(local_cache, uri)

@@ -5,22 +5,19 @@ it is aligned to (pipeline.teacher_loss: one call for the read). NaN marks a stu
 teacher loss. Under chunk alignment every token also says whether it begins one of its document's
 equal chunks (paper Table 2), so chunk selection can regroup the tokens after packing. Under a
 distillation objective (pipeline.distillation) every token also gets that objective's extras, built
-from the same alignment and the columns the objective reads.
+from the same alignment and the columns the objective reads. With other teachers' caches
+(more_teachers) every token's teacher loss combines each teacher's.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from pipeline.alignment import DEFAULT_AGGREGATION, chunk_starts
-from pipeline.cache.manifest import ShardRecord
 from pipeline.cache.rows import (
     CheckedRows,
     check_rows,
@@ -39,64 +36,19 @@ from pipeline.cache.schema import (
     TOKEN_START,
     iter_shard_batches,
 )
-from pipeline.cache.shard_cache import ShardCache
-from pipeline.cache.verify import verify_shard
 from pipeline.corpus.targets import target_tokens
 from pipeline.distillation import AlignedRead, Distillation
 from pipeline.errors import CacheError
 from pipeline.guidance import GuidanceSettings
-from pipeline.teacher_loss import student_teacher_loss
+from pipeline.teacher_loss import combine_teacher_losses, student_teacher_loss
 from pipeline.tokenizer import TextTokenizer, load_tokenizer
+from stage2_train.data.more_teachers import RowFeed, TeacherTokens
 from stage2_train.data.plan import DataPlan, work_items
 from stage2_train.data.position import StreamPosition
+from stage2_train.data.shards import verified_shard
 
 READ_ROWS = 128  # rows per Parquet read: the I/O unit and the shuffle window inside an item
 READ_COLUMNS = [DOC_ID, TEXT, TEXT_SHA256, TOKEN_START, TOKEN_END, LOSS]
-
-
-@functools.cache
-def _verify_once(cache_dir: str, record: ShardRecord, mtime_ns: int | None) -> Path:
-    return verify_shard(cache_dir, record)
-
-
-@functools.cache
-def _shard_cache(pid: int, location: str, folder: str, max_bytes: int, ahead: int) -> ShardCache:
-    """One per process (`pid`: a forked data-loader worker must not inherit its parent's threads)."""
-    return ShardCache(location, folder, max_bytes, ahead)
-
-
-def verified_shard(
-    plan: DataPlan, record: ShardRecord, upcoming: list[ShardRecord] | None = None
-) -> Path:
-    """A local file of the shard, checked against the manifest (size and sha256): for a local
-    cache, pipeline.cache.verify.verify_shard, hashed once per process and file version rather
-    than once per read; for a cache in object storage, a verified local copy
-    (pipeline.cache.shard_cache), with the `upcoming` shards fetched ahead. A rank's bytes are
-    shared by its data-loader workers."""
-    if isinstance(plan.cache_dir, str):
-        cache = _shard_cache(
-            os.getpid(),
-            plan.cache_dir,
-            plan.shard_cache,
-            plan.shard_cache_bytes // plan.consumers_per_rank,
-            plan.read_ahead,
-        )
-        return cache.get(record, upcoming or [])
-    path = Path(plan.cache_dir) / record.file
-    mtime_ns = path.stat().st_mtime_ns if path.exists() else None
-    return _verify_once(str(plan.cache_dir), record, mtime_ns)
-
-
-def verify_local_shards(plan: DataPlan) -> None:
-    """Hash every shard of a local cache now, before the run writes anything: a damaged shard is
-    refused before the first step, not when the stream reaches it. The stream visits every shard
-    each epoch, and the verdicts are remembered (`verified_shard`, inherited by forked data-loader
-    workers), so a run of an epoch or more hashes nothing twice. A cache in object storage is
-    verified as each shard is fetched instead."""
-    if isinstance(plan.cache_dir, str):
-        return
-    for record in plan.shards:
-        verified_shard(plan, record)
 
 
 @dataclass
@@ -154,11 +106,15 @@ def annotate(
     distillation: Distillation | None = None,
     teacher_columns: dict[str, np.ndarray] | None = None,
     target_spans: tuple[np.ndarray, np.ndarray] | None = None,
+    more_teachers: Sequence[TeacherTokens] = (),
+    combine: str = "min",
 ) -> AnnotatedDocuments:
     """Tokenize documents with the student tokenizer and give every token its teacher loss (and
     the distillation's extras, from `teacher_columns`: its cache columns, values per token),
     and, given the documents' `target_spans` (spans [n, 2] and how many per document), whether
-    it is a target (pipeline.corpus.targets.target_tokens).
+    it is a target (pipeline.corpus.targets.target_tokens). Given `more_teachers` (other
+    teachers' tokens of the same documents), the teacher loss is every teacher's, each aligned
+    on its own, combined by the rule `combine`.
 
     Teacher arrays are the cached columns of these documents, flattened in order.
     """
@@ -180,6 +136,14 @@ def annotate(
         num_chunks=num_chunks,
         aggregate=aggregate,
     )
+    teacher_losses = [mapping.teacher_loss] + [
+        student_teacher_loss(
+            student_start, student_end, lengths, other.start, other.end, other.loss,
+            other.lengths, text_lengths, alignment=other.alignment, num_chunks=num_chunks,
+            aggregate=aggregate,
+        ).teacher_loss
+        for other in more_teachers
+    ]  # fmt: skip
     ids = student.ids
     starts = chunk_starts(lengths, num_chunks) if alignment == "chunk" else None
     extras = {}
@@ -203,8 +167,9 @@ def annotate(
     target = None
     if target_spans is not None:
         target = target_tokens(student_start, student_end, lengths, text_lengths, *target_spans)
+    teacher_loss = combine_teacher_losses(teacher_losses, combine)
     return AnnotatedDocuments(
-        ids, mapping.teacher_loss, lengths, chunk_start=starts, extras=extras, target=target
+        ids, teacher_loss, lengths, chunk_start=starts, extras=extras, target=target
     )
 
 
@@ -227,9 +192,7 @@ class DocumentReader:
             first_item = start.item if epoch == start.epoch else 0
             for item in range(first_item, len(items)):
                 resume = epoch == start.epoch and item == start.item
-                ahead = [
-                    plan.shards[shard] for shard, _ in items[item + 1 : item + 1 + plan.read_ahead]
-                ]
+                ahead = [shard for shard, _ in items[item + 1 : item + 1 + plan.read_ahead]]
                 yield from self._read_item(
                     epoch, item, *items[item], start if resume else None, ahead
                 )
@@ -242,11 +205,20 @@ class DocumentReader:
         shard: int,
         part: int,
         resume: StreamPosition | None,
-        ahead: list[ShardRecord],
+        ahead: list[int],
     ) -> Iterator[tuple[AnnotatedDocuments, np.ndarray, int]]:
         plan = self.plan
         record = plan.shards[shard]
-        path = verified_shard(plan, record, ahead)
+        path = verified_shard(plan, record, [plan.shards[i] for i in ahead])
+        feeds = [  # the other teachers' caches, read in step with this one
+            RowFeed(
+                verified_shard(plan, cache.shards[shard], [cache.shards[i] for i in ahead],
+                               cache.location),
+                cache.alignment,
+                READ_ROWS,
+            )
+            for cache in plan.more_caches
+        ]  # fmt: skip
         parts = plan.parts_per_shard
         rows_seen = 0
         columns = READ_COLUMNS + list(plan.distillation_columns)
@@ -255,6 +227,7 @@ class DocumentReader:
         batches = iter_shard_batches(path, columns, READ_ROWS, use_threads=False)
         for read, batch in enumerate(batches):
             first_row, rows_seen = rows_seen, rows_seen + batch.num_rows
+            others = [feed.take(batch.num_rows) for feed in feeds]
             if resume is not None and read < resume.read:
                 continue
             mine = np.flatnonzero((first_row + np.arange(batch.num_rows)) % parts == part)
@@ -265,8 +238,13 @@ class DocumentReader:
                 continue
             own = batch if mine.size == batch.num_rows else batch.take(pa.array(mine))
             # Checked and read in file order, then put in the read's shuffled order with numpy.
+            more = [
+                feed.tokens(own, other, mine, order[skip:], first_row)
+                for feed, other in zip(feeds, others, strict=True)
+            ]
             docs = self._annotate_rows(
-                ReadRows.of(own, check_rows(path, own, first_row + mine), order[skip:], columns)
+                ReadRows.of(own, check_rows(path, own, first_row + mine), order[skip:], columns),
+                more,
             )
             positions = np.empty((rows.size, 4), dtype=np.int64)
             positions[:] = (epoch, item, read, 0)
@@ -277,8 +255,11 @@ class DocumentReader:
                 f"shard {path} has {rows_seen} rows but the manifest says {record.rows}"
             )
 
-    def _annotate_rows(self, rows: ReadRows) -> AnnotatedDocuments:
-        """One read's rows, annotated (a benchmark overrides this to score live)."""
+    def _annotate_rows(
+        self, rows: ReadRows, more: Sequence[TeacherTokens] = ()
+    ) -> AnnotatedDocuments:
+        """One read's rows, annotated, with the other teachers' tokens of them (a benchmark
+        overrides this to score live)."""
         docs = annotate(
             self.tokenizer,
             rows.texts,
@@ -292,6 +273,8 @@ class DocumentReader:
             distillation=self.plan.distillation,
             teacher_columns={name: rows.columns[name] for name in self.plan.distillation_columns},
             target_spans=rows.target_spans,
+            more_teachers=more,
+            combine=self.plan.combine_teachers,
         )
         docs.doc_ids = rows.doc_ids
         return docs

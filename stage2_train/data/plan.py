@@ -35,6 +35,18 @@ from pipeline.storage import as_location
 
 
 @dataclass(frozen=True)
+class TeacherCache:
+    """Another teacher's cache of the plan's corpus: where it is, its shards (shard i holds the
+    documents of the first cache's shard i), its content's fingerprint, and how its tokens align
+    to the student's (token, or identity where the student has its tokenizer)."""
+
+    location: Path | str
+    shards: tuple[ShardRecord, ...]
+    fingerprint: str
+    alignment: str = "token"
+
+
+@dataclass(frozen=True)
 class DataPlan:
     """Everything that fixes the stream; identical on every rank and worker."""
 
@@ -54,6 +66,10 @@ class DataPlan:
     num_workers: int = 0  # stream
     distillation: Distillation | None = None  # its extras ride with every token (documents.py)
     target_spans: bool = False  # the cache's shards say which characters are targets
+    # other teachers' caches of the corpus, read in step (more_teachers), and how their teacher
+    # losses combine with the cache's per token (pipeline.teacher_loss.combine_teacher_losses)
+    more_caches: tuple[TeacherCache, ...] = ()
+    combine_teachers: str = "min"
     # A cache in object storage is read from local copies (pipeline.cache.shard_cache); these
     # say where, how many bytes a rank may hold, and how many shards are fetched ahead. They
     # never change what is read.

@@ -1,0 +1,148 @@
+"""Several teachers' caches of one corpus in one run (--more-caches, docs/several-teachers.md).
+
+The caches are read in step: the stream's plan (its items, reads and shuffles) is the first
+cache's, and each read of the first cache's shard takes the same rows of the same shard of every
+other cache, checked to be the same documents. Each cache is read once and a read's rows are
+held once per cache, so memory per rank grows with the number of caches, not with the corpus.
+The student tokenizes each text once; each teacher's tokens are aligned to the student's on
+their own (pipeline.teacher_loss), and the per-token losses combined by the run's rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.cache.manifest import CacheManifest
+from pipeline.cache.rows import check_rows, list_column, rows_index
+from pipeline.cache.schema import (
+    DOC_ID,
+    LOSS,
+    TEXT,
+    TEXT_SHA256,
+    TOKEN_END,
+    TOKEN_START,
+    iter_shard_batches,
+)
+from pipeline.errors import CacheError
+from pipeline.io import fingerprint
+from stage2_train.data.plan import TeacherCache, cache_fingerprint
+
+COLUMNS = [DOC_ID, TEXT, TEXT_SHA256, TOKEN_START, TOKEN_END, LOSS]
+
+
+@dataclass(frozen=True)
+class TeacherTokens:
+    """One teacher's tokens of a read's documents, rows in the read's order, concatenated."""
+
+    start: np.ndarray
+    end: np.ndarray
+    loss: np.ndarray
+    lengths: np.ndarray  # tokens per document
+    alignment: str
+
+
+def teacher_caches(
+    first: str | Path, manifest: CacheManifest, more: dict[str | Path, CacheManifest], align
+) -> tuple[TeacherCache, ...]:
+    """The `more` caches, each refused in one line unless it scored the first cache's corpus
+    (the same files, sizes and reading options) into the same shards (the same rows per shard);
+    `align(tokenizer)` gives the alignment of a cache with that tokenizer record."""
+    caches = []
+    for location, other in more.items():
+        problem = corpus_difference(manifest.corpus, other.corpus)
+        if problem is None and len(other.shards) != len(manifest.shards):
+            problem = f"{len(other.shards)} shards, not {len(manifest.shards)}"
+        for mine, theirs in zip(manifest.shards, other.shards, strict=False):
+            if problem is None and (mine.rows, mine.index) != (theirs.rows, theirs.index):
+                problem = f"{theirs.file} holds {theirs.rows} documents, not {mine.rows}"
+        if problem is not None:
+            raise CacheError(
+                f"--more-caches {location} is not a cache of --cache {first}'s corpus in the same "
+                f"shards ({problem}): score the same --corpus with the same --docs-per-shard"
+            )
+        caches.append(
+            TeacherCache(location, tuple(other.shards), cache_fingerprint(other), align(other.tokenizer))
+        )
+    return tuple(caches)
+
+
+def corpus_difference(first: dict, other: dict) -> str | None:
+    """The first way two caches' corpus records differ, in words (None: the same corpus)."""
+    files = {s["name"]: s["bytes"] for s in first.get("sources", [])}
+    for source in other.get("sources", []):
+        size = files.pop(source["name"], None)
+        if size is None:
+            return f"it reads {source['name']}, which --cache does not"
+        if size != source["bytes"]:
+            return f"its {source['name']} has {source['bytes']} bytes, --cache's {size}"
+    if files:
+        return f"it does not read {next(iter(files))}"
+    for key in sorted(set(first) | set(other)):
+        if key != "sources" and first.get(key) != other.get(key):
+            return f"its corpus {key} is {other.get(key)!r}, --cache's {first.get(key)!r}"
+    return None
+
+
+def run_cache_fingerprint(manifest: CacheManifest, more: tuple[TeacherCache, ...]) -> str:
+    """What a checkpoint's data came from: the cache's fingerprint, or with --more-caches that
+    of every cache in order."""
+    first = cache_fingerprint(manifest)
+    return fingerprint([first, *(cache.fingerprint for cache in more)]) if more else first
+
+
+class RowFeed:
+    """One other cache's shard, handed out in runs of rows of any length (the caches' Parquet
+    batches need not line up with the first cache's)."""
+
+    def __init__(self, path: Path, alignment: str, batch_rows: int):
+        self.path, self.alignment = path, alignment
+        self._batches = iter_shard_batches(path, COLUMNS, batch_rows, use_threads=False)
+        self._pending = None
+
+    def take(self, rows: int) -> pa.RecordBatch:
+        """The next `rows` rows."""
+        parts, have = [], 0
+        while have < rows:
+            if self._pending is None or self._pending.num_rows == 0:
+                self._pending = next(self._batches, None)
+                if self._pending is None:
+                    raise CacheError(f"shard {self.path} has fewer rows than the first cache's")
+            part = self._pending.slice(0, rows - have)
+            self._pending = self._pending.slice(part.num_rows)
+            parts.append(part)
+            have += part.num_rows
+        return pa.Table.from_batches(parts).combine_chunks().to_batches()[0]
+
+    def tokens(
+        self, first: pa.RecordBatch, batch: pa.RecordBatch, mine: np.ndarray, order: np.ndarray,
+        first_row: int,
+    ) -> TeacherTokens:  # fmt: skip
+        """This teacher's tokens of rows `mine` of a read (`first`: the first cache's rows, whose
+        documents these must be), put in `order` as the first cache's are."""
+        rows = first_row + mine
+        own = batch if mine.size == batch.num_rows else batch.take(pa.array(mine))
+        for name in (DOC_ID, TEXT_SHA256):
+            theirs, expected = own.column(name).to_pylist(), first.column(name).to_pylist()
+            wrong = next(
+                (i for i, (a, b) in enumerate(zip(theirs, expected, strict=True)) if a != b), None
+            )
+            if wrong is not None:
+                raise CacheError(
+                    f"shard {self.path} row {rows[wrong]} is document {theirs[wrong]!r} where "
+                    f"the first cache has {expected[wrong]!r} ({name}): the caches must hold the "
+                    "same documents in the same order"
+                )
+        checked = check_rows(self.path, own, rows)
+        index = rows_index(checked.lengths, order)
+        loss = list_column(own, LOSS, np.float32)[0]
+        return TeacherTokens(
+            checked.token_start[index],
+            checked.token_end[index],
+            loss[index],
+            checked.lengths[order],
+            self.alignment,
+        )
