@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +150,20 @@ def test_a_run_with_two_teachers_records_them_and_resumes_exactly(caches, tmp_pa
     capsys.readouterr()
     assert main(train_args(caches["qwen"], tmp_path / "other", *common)) == 2
     assert "resume with the same cache" in capsys.readouterr().err
+
+
+def test_caches_in_a_bucket_stream_as_the_local_caches_do(caches, tmp_path):
+    """Object storage works as with one cache: both caches read from a real S3-compatible
+    server (verified local copies, tests/object_store.py) give the local run's losses."""
+    pytest.importorskip("moto.server")
+    from tests.object_store import moto_s3, upload_folder
+
+    local = streamed_losses(plan_of(caches["qwen"], caches["smollm2"]))
+    with moto_s3() as bucket:
+        for name in ("qwen", "smollm2"):
+            upload_folder(caches[name], f"{bucket}/{name}")
+        first, other = f"{bucket}/qwen", f"{bucket}/smollm2"
+        remote = streamed_losses(replace(plan_of(first, other), shard_cache=str(tmp_path)))
+    assert remote.keys() == local.keys()
+    for doc_id, losses in local.items():
+        np.testing.assert_array_equal(remote[doc_id], losses)
