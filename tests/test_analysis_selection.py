@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from pipeline.cross_entropy import IGNORE_INDEX
 from pipeline.tokenizer import load_tokenizer
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.streams import consumer_stream
-from tests.cache_fixtures import build_cache
+from tests.cache_fixtures import build_cache, corpus_documents
 from tests.stage1_helpers import make_tiny_teacher
 
 
@@ -174,3 +175,24 @@ def test_a_missing_student_is_one_line(cache_and_student, tmp_path, capsys):
     assert main(args) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot load student" in err[0]
+
+
+def test_the_selection_of_several_teachers_is_stage_2s(cache_and_student, tmp_path):
+    """With --more-caches the diagnostic ranks by the combined teacher loss stage 2 trains on:
+    one teacher twice reports what that teacher does alone; another teacher changes it, and the
+    report names both."""
+    cache, student = cache_and_student
+    shutil.copytree(cache, tmp_path / "copy")
+    build_cache(tmp_path / "other", teacher_tokenizer="smollm2", documents=corpus_documents(8),
+                docs_per_shard=4, seed=3)  # fmt: skip
+    reports = {}
+    for name, more in (("one", []), ("twice", ["copy"]), ("two", ["other"])):
+        extra = ["--more-caches", *(str(tmp_path / m) for m in more)] if more else []
+        args = ["analyze", "selection", "--cache", str(cache), "--student", str(student),
+                "--student-tokenizer", "tinyllama", "--tokens", "1", "--seq-len", "256",
+                "--micro-batch-size", "4", "--out", str(tmp_path / name), *extra]  # fmt: skip
+        assert main(args) == 0
+        reports[name] = json.loads((tmp_path / name / "selection.json").read_text())
+    assert reports["twice"]["statistics"] == reports["one"]["statistics"]
+    assert reports["two"]["statistics"] != reports["one"]["statistics"]
+    assert reports["two"]["resolved"]["more_teachers"] == [load_manifest(tmp_path / "other").teacher]

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.alignment import DEFAULT_AGGREGATION
-from pipeline.choices import Aggregation, OnBadRecord, Packing, UnmappedStrategy
+from pipeline.choices import (
+    Aggregation,
+    OnBadRecord,
+    Packing,
+    TeacherCombination,
+    UnmappedStrategy,
+)
 from pipeline.config import option
 from pipeline.tokenizer import TOKENIZER_SPEC
 
@@ -92,6 +98,8 @@ class SelectionConfig:
         None, help="stage 2's --unmapped; unset: stage 2's default"
     )
     aggregate: Aggregation = option(DEFAULT_AGGREGATION, help="stage 2's --aggregate")
+    more_caches: list[str] = option([], help="stage 2's --more-caches: other teachers' caches")
+    combine_teachers: TeacherCombination = option("min", help="stage 2's --combine-teachers")
     seed: int = option(0, help="stage 2's --seed (data order) and the random selection's seed")
     min_count: int = option(20, help="token types seen fewer times are not listed as seldom kept")
     max_kept_rate: float = option(

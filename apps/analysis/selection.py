@@ -25,6 +25,7 @@ shape: a selection ranks one rank's micro-batch (the default scope), so `--seq-l
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,7 +147,8 @@ def sample_selection(config: SelectionConfig) -> tuple[SelectionSample, dict]:
     from pipeline.tokenizer import load_tokenizer
     from stage2_train.attention import student_logits
     from stage2_train.data.documents import choose_alignment
-    from stage2_train.data.plan import DataPlan, cache_fingerprint, has_target_spans
+    from stage2_train.data.more_teachers import run_cache_fingerprint, teacher_caches
+    from stage2_train.data.plan import DataPlan, has_target_spans
     from stage2_train.data.streams import consumer_stream
 
     defaults = GuidanceSettings()  # stage 2's: the method's selection, `token`
@@ -159,22 +161,26 @@ def sample_selection(config: SelectionConfig) -> tuple[SelectionSample, dict]:
         raise ConfigError(str(exc)) from exc
     control = dataclasses.replace(settings, mode="random")
     manifest = load_manifest(config.cache)
+    more = {location: load_manifest(location) for location in config.more_caches}
     tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
     try:
         model = AutoModelForCausalLM.from_pretrained(config.student).eval()
     except OSError as exc:
         raise ConfigError(f"cannot load student {config.student!r}: {exc}") from exc
+    align = functools.partial(choose_alignment, settings, tokenizer.fingerprint)
     plan = DataPlan(
         cache_dir=config.cache,
         shards=tuple(manifest.shards),
         student_tokenizer=tokenizer.spec,
-        alignment=choose_alignment(settings, tokenizer.fingerprint, manifest.tokenizer),
+        alignment=align(manifest.tokenizer),
         aggregate=config.aggregate,
         packing=config.packing,
         seq_len=config.seq_len,
         micro_batch_size=config.micro_batch_size,
         seed=config.seed,
         target_spans=has_target_spans(manifest),
+        more_caches=teacher_caches(config.cache, manifest, more, align),
+        combine_teachers=config.combine_teachers,
     )
     parts: list[tuple[np.ndarray, ...]] = []
     seen = 0
@@ -205,8 +211,9 @@ def sample_selection(config: SelectionConfig) -> tuple[SelectionSample, dict]:
         "alignment": plan.alignment,
         "student_tokenizer": tokenizer.spec,
         "student_tokenizer_fingerprint": tokenizer.fingerprint,
-        "cache_fingerprint": cache_fingerprint(manifest),
+        "cache_fingerprint": run_cache_fingerprint(manifest, plan.more_caches),
         "teacher": manifest.teacher,
+        "more_teachers": [other.teacher for other in more.values()],
         "one_pass": seen < config.tokens,
     }
     return sample, resolved
