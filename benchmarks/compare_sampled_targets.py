@@ -116,6 +116,8 @@ def main() -> int:
     parser.add_argument("--work", type=Path, required=True, help="runs and results are kept here")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
                         help="the seeds to train and report (the design's are 0 and 1)")  # fmt: skip
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
+                        help="the arms to train and report (the design's are all)")  # fmt: skip
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -126,7 +128,8 @@ def main() -> int:
     texts = [d.text for d in documents]
     results = {}
     for seed in args.seeds:
-        for arm, (tokenizer, _) in ARMS.items():
+        for arm in args.arms:
+            tokenizer = ARMS[arm][0]
             path = args.work / f"{arm.replace('/', '-')}-seed{seed}.json"
             if not path.exists():
                 final = train(arm, seed, caches, args.work)
@@ -135,14 +138,14 @@ def main() -> int:
             print(f"{arm} seed {seed}: done", file=sys.stderr)
     print(f"# {EVAL_DOCS} shipped eval documents; {' '.join(STEPS)}; seeds {args.seeds}")
     for seed in args.seeds:
-        for arm in ARMS:
+        for arm in args.arms:
             r = results[arm, seed]
             kl = f", full KL(s || t) {r['full_kl']:.4f} nats/token" if "full_kl" in r else ""
             print(f"seed {seed} {arm:<15} bits/char {r['bits_per_character']:.4f}{kl}")
         for sampled, top, none in (("kld-sampled", "kld", "none/smollm2"),
                                    ("uld-sampled", "uld", "none/tinyllama")):  # fmt: skip
             for metric in ("bits_per_character", "full_kl"):
-                if metric not in results[top, seed]:
+                if not {sampled, top, none} <= set(args.arms) or metric not in results[top, seed]:
                     continue
                 r = {arm: results[arm, seed] for arm in (sampled, top, none)}
                 print(
