@@ -167,9 +167,9 @@ def annotate(
     target = None
     if target_spans is not None:
         target = target_tokens(student_start, student_end, lengths, text_lengths, *target_spans)
-    teacher_loss = combine_teacher_losses(teacher_losses, combine)
+    combined = combine_teacher_losses(teacher_losses, combine)
     return AnnotatedDocuments(
-        ids, teacher_loss, lengths, chunk_start=starts, extras=extras, target=target
+        ids, combined, lengths, chunk_start=starts, extras=extras, target=target
     )
 
 
@@ -237,11 +237,11 @@ class DocumentReader:
             if rows.size == 0:
                 continue
             own = batch if mine.size == batch.num_rows else batch.take(pa.array(mine))
-            # Checked and read in file order, then put in the read's shuffled order with numpy.
             more = [
                 feed.tokens(own, other, mine, order[skip:], first_row)
                 for feed, other in zip(feeds, others, strict=True)
             ]
+            # Checked and read in file order, then put in the read's shuffled order with numpy.
             docs = self._annotate_rows(
                 ReadRows.of(own, check_rows(path, own, first_row + mine), order[skip:], columns),
                 more,
