@@ -5,6 +5,7 @@
   global step trains on exactly the documents the uninterrupted 4-rank run's step trains on (none
   twice, none lost), with the same losses up to float summation order (the same micro-batches'
   gradients are summed on other ranks);
+- the same with a second teacher's cache (--more-caches), from 2 ranks to 4;
 - `--nnodes 2`: two torchrun launches on one machine meet through a c10d rendezvous, each "node"
   with its own scratch (TMPDIR); one node is SIGKILLed after a checkpoint, both are relaunched,
   and the run resumes bit-identical to an undisturbed single-launch run of the same world size.
@@ -105,6 +106,26 @@ def test_an_fsdp_checkpoint_reshards_from_2_ranks_to_4(cache, tmp_path):
     assert step_documents(out) == step_documents(whole)
     for got, want in zip(read_metrics(out), read_metrics(whole), strict=True):
         assert got["kept_fraction"] == want["kept_fraction"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+
+
+def test_a_two_teacher_run_resumes_on_another_world_size(cache, tmp_path):
+    """--more-caches are read in step with the cache's plan: a 2-rank checkpoint of a run with a
+    second teacher (another tokenizer) continues on 4 ranks with the documents and losses of the
+    undisturbed 4-rank run."""
+    other = tmp_path / "second-teacher"
+    build_cache(other, teacher_tokenizer="smollm2", documents=corpus_documents(12),
+                docs_per_shard=4, seed=7)  # fmt: skip
+    two = (*ELASTIC, "--more-caches", str(other))
+    whole, out = tmp_path / "whole", tmp_path / "2-then-4"
+    undisturbed = torchrun(run_args(cache, whole, *two), nproc=4)
+    finish(torchrun(run_args(cache, out, *two, "--stop-at-step", "4"), nproc=2))
+    finish(undisturbed)
+    finish(torchrun(run_args(cache, out, *two), nproc=4))
+    assert step_documents(out) == step_documents(whole)
+    for got, want in zip(read_metrics(out), read_metrics(whole), strict=True):
+        assert got["kept_fraction"] == want["kept_fraction"]
+        assert got["mapped_fraction"] == want["mapped_fraction"]
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
 
 
