@@ -64,9 +64,8 @@ def teacher_caches(
                 f"--more-caches {location} is not a cache of --cache {first}'s corpus in the same "
                 f"shards ({problem}): score the same --corpus with the same --docs-per-shard"
             )
-        caches.append(
-            TeacherCache(location, tuple(other.shards), cache_fingerprint(other), align(other.tokenizer))
-        )
+        fingerprint_of, alignment = cache_fingerprint(other), align(other.tokenizer)
+        caches.append(TeacherCache(location, tuple(other.shards), fingerprint_of, alignment))
     return tuple(caches)
 
 
