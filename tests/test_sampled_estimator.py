@@ -107,11 +107,11 @@ def assert_unbiased(report: dict) -> None:
 
 def test_sampled_terms_are_unbiased_on_a_tiny_teacher(tmp_path):
     """A random 2-layer teacher of SmolLM2's vocabulary, sharpened (logits x 30, so that its top
-    32 hold most of its mass, as a trained teacher's do), on 6 shipped documents (384
+    32 hold most of its mass, as a trained teacher's do), on 3 shipped documents (192
     positions), against a student near it."""
     teacher = make_tiny_teacher(tmp_path / "teacher", "smollm2", seed=0)
     other = make_tiny_teacher(tmp_path / "student", "smollm2", seed=1)
-    texts = shipped_texts(6)
+    texts = shipped_texts(3)
     logits = 30.0 * next_token_logits(teacher, texts)
     student = near(logits, 30.0 * next_token_logits(other, texts))
     assert_unbiased(estimates(torch.log_softmax(logits, -1), student))

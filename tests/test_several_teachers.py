@@ -152,6 +152,7 @@ def test_a_run_with_two_teachers_records_them_and_resumes_exactly(caches, tmp_pa
     assert "resume with the same cache" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # starts moto's server; one cache in a bucket is in the default suite
 def test_caches_in_a_bucket_stream_as_the_local_caches_do(caches, tmp_path):
     """Object storage works as with one cache: both caches read from a real S3-compatible
     server (verified local copies, tests/object_store.py) give the local run's losses."""
