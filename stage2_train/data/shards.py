@@ -61,5 +61,7 @@ def verify_local_shards(plan: DataPlan) -> None:
     caches = [(plan.cache_dir, plan.shards)]
     caches += [(cache.location, cache.shards) for cache in plan.more_caches]
     for location, shards in caches:
-        for record in shards if not isinstance(location, str) else ():
+        if isinstance(location, str):
+            continue
+        for record in shards:
             verified_shard(plan, record, location=location)
