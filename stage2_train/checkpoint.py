@@ -211,6 +211,7 @@ LEGACY_SETTINGS = {
     "packing_context": 0.5,
     "more_caches": [],
     "combine_teachers": "min",
+    "teacher_weights": [],
 }
 
 def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:

@@ -26,6 +26,7 @@ from pipeline.choices import (
 )
 from pipeline.config import options_of, parse_config, to_dict
 from pipeline.distillation import Distillation
+from pipeline.distillation.teachers import mixture
 from pipeline.errors import ConfigError
 from pipeline.guidance import DEFAULT_GUIDANCE, GuidanceSettings
 from pipeline.guidance_modes import MODES, GuidanceMode
@@ -107,6 +108,9 @@ class TrainConfig:
     combine_teachers: TeacherCombination = GUIDANCE("min", help="--more-caches: a student "
         "token's teacher loss is the smallest of the teachers' (min) or their mean, over the "
         "teachers that map it (the paper has one teacher)")  # fmt: skip
+    teacher_weights: list[float] = GUIDANCE([], help="--more-caches under a distillation mode: "
+        "one positive weight per cache (--cache first), normalized to sum to 1, for the "
+        "weighted sum of the teachers' terms (default: equal)")  # fmt: skip
     num_chunks: int = GUIDANCE(
         32,
         help="equal chunks per document for --guidance chunk and random-chunk (paper Table 2: "
@@ -131,27 +135,19 @@ class TrainConfig:
         help="student tokens with no teacher loss: include (always kept), exclude (never "
         "kept), mean (get the mean teacher loss and compete in the top-k)",
     )
-    aggregate: Aggregation = GUIDANCE(
-        DEFAULT_AGGREGATION,
-        help="how the losses of the teacher tokens covering one student token combine",
-    )
-    selection_scope: SelectionScope = GUIDANCE(
-        DEFAULT_GUIDANCE.scope,
-        help="rank tokens per micro-batch on each rank, or across all ranks' micro-batches at "
-        "once (one threshold, all_gather)",
-    )
-    alm_weight: float = GUIDANCE(
-        1.0,
-        help="--guidance alm: the ALM term's weight beside the cross-entropy (tokenkit's "
-        "large-to-small example sums sft and alm_unconstrained with equal weights)",
-    )
+    aggregate: Aggregation = GUIDANCE(DEFAULT_AGGREGATION, help="how the losses of the teacher "
+        "tokens covering one student token combine")  # fmt: skip
+    selection_scope: SelectionScope = GUIDANCE(DEFAULT_GUIDANCE.scope, help="rank tokens per "
+        "micro-batch on each rank, or across all ranks' micro-batches at once (one threshold, "
+        "all_gather)")  # fmt: skip
+    alm_weight: float = GUIDANCE(1.0, help="--guidance alm: the ALM term's weight beside the "
+        "cross-entropy (tokenkit's large-to-small example sums sft and alm_unconstrained with "
+        "equal weights)")  # fmt: skip
     alm_temperature: float = GUIDANCE(100.0, help="--guidance alm: binary_ce's binarization "
         "temperature (tokenkit: 100)")  # fmt: skip
-    alm_merge_threshold: float = GUIDANCE(
-        0.1,
-        help="--guidance alm: merge a chunk into the next while the teacher's space "
-        "probability after it is at most this (tokenkit's tokenizer_pair_bias_threshold: 0.1)",
-    )
+    alm_merge_threshold: float = GUIDANCE(0.1, help="--guidance alm: merge a chunk into the "
+        "next while the teacher's space probability after it is at most this (tokenkit's "
+        "tokenizer_pair_bias_threshold: 0.1)")  # fmt: skip
     alm_mode: AlmMode = GUIDANCE(
         "merge_by_space_prob+append_space",
         help="--guidance alm: tokenkit's alm_mode (the default is its default); naive: chunk "
@@ -185,16 +181,11 @@ class TrainConfig:
         "a block mask (no T x T mask; trains on a GPU only); dense: a [B, 1, T, T] boolean mask "
         "through SDPA; auto: flex on a GPU, dense on a CPU (see docs/packing.md)",
     )
-    packing_context: float = DATA(
-        0.5,
-        help="--packing documents: the continuation of a document longer than a window "
-        "re-reads this fraction of a window before it as context, without loss",
-    )
-    stop_at_step: int | None = CHECKPOINTING(
-        None,
-        help="stop cleanly after this step with a checkpoint, as a cluster time limit would; "
-        "--resume auto continues the same schedule",
-    )
+    packing_context: float = DATA(0.5, help="--packing documents: the continuation of a "
+        "document longer than a window re-reads this fraction of a window before it as context, "
+        "without loss")  # fmt: skip
+    stop_at_step: int | None = CHECKPOINTING(None, help="stop cleanly after this step with a "
+        "checkpoint, as a cluster time limit would; --resume auto continues the same schedule")  # fmt: skip
     save_every: int = CHECKPOINTING(500, help="save a checkpoint every N steps")
     resume: str = CHECKPOINTING(
         "auto",
@@ -266,10 +257,15 @@ class TrainConfig:
         self.more_caches = [as_location(cache) for cache in self.more_caches]
         if len({str(c) for c in [self.cache, *self.more_caches]}) <= len(self.more_caches):
             raise ValueError("--more-caches names a cache twice, or --cache again")
-        if self.more_caches and MODES[self.guidance].distillation is not None:
+        caches = 1 + len(self.more_caches)
+        if self.teacher_weights and (
+            MODES[self.guidance].distillation is None or caches == 1
+            or len(self.teacher_weights) != caches or min(self.teacher_weights) <= 0
+        ):  # fmt: skip
             raise ValueError(
-                f"--guidance {self.guidance} trains on one cache's distributions: --more-caches "
-                "combines the teacher losses of the selection modes only"
+                f"--teacher-weights {self.teacher_weights}: a distillation mode with --more-caches "
+                f"takes one positive weight per cache ({caches} here; selection modes take "
+                "--combine-teachers)"
             )
         positive = ("max_steps", "num_chunks", "seq_len", "save_every", "global_batch_tokens",
                     "micro_batch_size", "data_consumers")  # fmt: skip
@@ -320,11 +316,14 @@ class TrainConfig:
             chunk_student_aggregate=self.chunk_student_aggregate,
         )
 
-    def distillation(self, cache_settings: Mapping[str, Any]) -> Distillation | None:
-        """The distillation term the mode trains beside the cross-entropy, or None; the cache's
-        settings (its manifest's) size what a term reads of the teacher."""
+    def distillation(self, *cache_settings: Mapping[str, Any]) -> Distillation | None:
+        """The distillation term the mode trains beside the cross-entropy, or None; each cache's
+        settings (its manifest's: --cache's, then each of --more-caches') size what its teacher's
+        term reads, and several teachers' terms are one weighted sum (--teacher-weights)."""
         build = MODES[self.guidance].distillation
-        return None if build is None else build(self, cache_settings)
+        if build is None:
+            return None
+        return mixture([build(self, settings) for settings in cache_settings], self.teacher_weights)
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per rank per optimizer step; the global batch must split evenly."""

@@ -75,31 +75,33 @@ def _check_cache_files(config: TrainConfig, flag: str, location, manifest: Cache
 def check_distillation_cache(
     config: TrainConfig,
     distillation: Distillation | None,
-    manifest: CacheManifest,
+    caches: dict[str | Path, CacheManifest],
     tokenizer: TextTokenizer,
 ) -> None:
-    """The cache holds every column the distillation reads (naming the stage-1 option that adds
-    it), and a same-vocabulary mode (KLD) has the cache's own tokenizer on the student side."""
+    """Each cache (manifests by location: --cache, then --more-caches) holds every column the
+    distillation reads (naming the stage-1 option that adds it), and under a same-vocabulary mode
+    (KLD) was scored with the student's tokenizer."""
     if distillation is None:
         return
-    present = {LOGICAL.get(field.name, field.name) for field in extra_fields(manifest.settings)}
-    missing = [name for name in distillation.cache_columns if name not in present]
-    if missing:
-        options = " and ".join(dict.fromkeys(COLUMN_OPTIONS[name] for name in missing))
-        raise CacheError(
-            f"--guidance {config.guidance} reads the teacher's {', '.join(missing)}, which cache "
-            f"{config.cache} does not hold: score the corpus with stage 1's {options}"
-        )
-    if MODES[config.guidance].same_tokenizer and (
-        manifest.tokenizer.get("fingerprint") != tokenizer.fingerprint
-    ):
-        raise ConfigError(
-            f"--guidance {config.guidance} compares the teacher's and the student's "
-            f"probabilities of the same token ids, but cache {config.cache} was scored with "
-            f"tokenizer {manifest.tokenizer.get('spec')!r} and the student's is "
-            f"{tokenizer.spec!r} (another fingerprint): use the cache's tokenizer for the "
-            "student, or --guidance uld for a teacher with another vocabulary"
-        )
+    for location, manifest in caches.items():
+        present = {LOGICAL.get(field.name, field.name) for field in extra_fields(manifest.settings)}
+        missing = [name for name in distillation.cache_columns if name not in present]
+        if missing:
+            options = " and ".join(dict.fromkeys(COLUMN_OPTIONS[name] for name in missing))
+            raise CacheError(
+                f"--guidance {config.guidance} reads the teacher's {', '.join(missing)}, which "
+                f"cache {location} does not hold: score the corpus with stage 1's {options}"
+            )
+        if MODES[config.guidance].same_tokenizer and (
+            manifest.tokenizer.get("fingerprint") != tokenizer.fingerprint
+        ):
+            raise ConfigError(
+                f"--guidance {config.guidance} compares the teacher's and the student's "
+                f"probabilities of the same token ids, but cache {location} was scored with "
+                f"tokenizer {manifest.tokenizer.get('spec')!r} and the student's is "
+                f"{tokenizer.spec!r} (another fingerprint): use the cache's tokenizer for the "
+                "student, or --guidance uld for a teacher with another vocabulary"
+            )
 
 
 def check_student_fits(config: TrainConfig, model_config, device: torch.device) -> None:

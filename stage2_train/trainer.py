@@ -118,11 +118,12 @@ def _train(
     compute = autocast(runtime, config.dtype)
     manifest = load_manifest(config.cache)
     more = {location: load_manifest(location) for location in config.more_caches}
-    distillation = config.distillation(manifest.settings)  # None unless the mode trains one
+    # None unless the mode trains one; one term per teacher's cache, summed
+    distillation = config.distillation(manifest.settings, *(m.settings for m in more.values()))
     tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
     check_output_and_cache(config, manifest, more)
     check_output_is_a_run(config)
-    check_distillation_cache(config, distillation, manifest, tokenizer)
+    check_distillation_cache(config, distillation, {config.cache: manifest, **more}, tokenizer)
     accumulation = config.accumulation_steps(runtime.world_size)
     align = functools.partial(choose_alignment, settings, tokenizer.fingerprint)
     plan = DataPlan(

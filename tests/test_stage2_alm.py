@@ -324,7 +324,7 @@ def test_a_cache_without_space_logprob_is_refused_unless_naive(caches, tmp_path,
         check_distillation_cache(
             config,
             config.distillation({}),
-            load_manifest(caches["plain"]),
+            {caches["plain"]: load_manifest(caches["plain"])},
             load_tokenizer(config.student_tokenizer),
         )
 

@@ -58,8 +58,9 @@ class Distillation(Protocol):
         """Per student token (first axis = read.student_ids.size), target-aligned."""
 
     def units(self, labels: torch.Tensor, extras: dict[str, torch.Tensor]) -> torch.Tensor:
-        """How many terms this micro-batch adds to the step's distillation mean (0-dim int64,
-        from the data alone, so a step's denominator is known before any forward pass)."""
+        """How many terms this micro-batch adds to the step's distillation mean (0-dim int64;
+        float64 for several teachers' weighted units, pipeline.distillation.teachers), from the
+        data alone, so a step's denominator is known before any forward pass."""
 
     def reads(self, extras: dict[str, torch.Tensor], subset: torch.Tensor | None) -> HeadReads:
         """What `loss_sum` reads of the student's distribution in this micro-batch; `subset` is

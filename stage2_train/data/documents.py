@@ -6,7 +6,8 @@ teacher loss. Under chunk alignment every token also says whether it begins one 
 equal chunks (paper Table 2), so chunk selection can regroup the tokens after packing. Under a
 distillation objective (pipeline.distillation) every token also gets that objective's extras, built
 from the same alignment and the columns the objective reads. With other teachers' caches
-(more_teachers) every token's teacher loss combines each teacher's.
+(more_teachers) every token's teacher loss combines each teacher's, and it gets every teacher's
+extras.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def annotate(
     and, given the documents' `target_spans` (spans [n, 2] and how many per document), whether
     it is a target (pipeline.corpus.targets.target_tokens). Given `more_teachers` (other
     teachers' tokens of the same documents), the teacher loss is every teacher's, each aligned
-    on its own, combined by the rule `combine`.
+    on its own, combined by the rule `combine`, and the distillation (then a TeacherMixture)
+    builds its extras from every teacher's columns.
 
     Teacher arrays are the cached columns of these documents, flattened in order.
     """
@@ -123,51 +125,49 @@ def annotate(
     if not texts:
         return AnnotatedDocuments(student.ids, np.zeros(0, dtype=np.float32), lengths)
     text_lengths = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
-    mapping = student_teacher_loss(
-        student_start,
-        student_end,
-        lengths,
-        teacher_start,
-        teacher_end,
-        teacher_loss,
-        teacher_lengths,
-        text_lengths,
-        alignment=alignment,
-        num_chunks=num_chunks,
-        aggregate=aggregate,
-    )
-    teacher_losses = [mapping.teacher_loss] + [
+    teachers = [
+        TeacherTokens(
+            teacher_start, teacher_end, np.asarray(teacher_loss, dtype=np.float32),
+            np.asarray(teacher_lengths, dtype=np.int64), alignment, teacher_columns or {},
+        ),
+        *more_teachers,
+    ]  # fmt: skip
+    mappings = [
         student_teacher_loss(
-            student_start, student_end, lengths, other.start, other.end, other.loss,
-            other.lengths, text_lengths, alignment=other.alignment, num_chunks=num_chunks,
+            student_start, student_end, lengths, teacher.start, teacher.end, teacher.loss,
+            teacher.lengths, text_lengths, alignment=teacher.alignment, num_chunks=num_chunks,
             aggregate=aggregate,
-        ).teacher_loss
-        for other in more_teachers
+        )
+        for teacher in teachers
     ]  # fmt: skip
     ids = student.ids
     starts = chunk_starts(lengths, num_chunks) if alignment == "chunk" else None
     extras = {}
     if distillation is not None:
-        extras = distillation.extras(
+        reads = [
             AlignedRead(
                 student_ids=ids,
                 student_start=student_start,
                 student_end=student_end,
                 student_lengths=lengths,
-                teacher_start=teacher_start,
-                teacher_end=teacher_end,
-                teacher_lengths=np.asarray(teacher_lengths, dtype=np.int64),
-                teacher_loss=np.asarray(teacher_loss, dtype=np.float32),
+                teacher_start=teacher.start,
+                teacher_end=teacher.end,
+                teacher_lengths=teacher.lengths,
+                teacher_loss=teacher.loss,
                 text_lengths=text_lengths,
                 map_start=mapping.map_start,
                 map_end=mapping.map_end,
-                teacher_columns=teacher_columns or {},
+                teacher_columns=teacher.columns,
             )
-        )
+            for teacher, mapping in zip(teachers, mappings, strict=True)
+        ]
+        # several teachers: a TeacherMixture (pipeline.distillation.teachers) takes every read
+        many = bool(more_teachers)
+        extras = distillation.teacher_extras(reads) if many else distillation.extras(reads[0])
     target = None
     if target_spans is not None:
         target = target_tokens(student_start, student_end, lengths, text_lengths, *target_spans)
-    combined = combine_teacher_losses(teacher_losses, combine)
+    combined = combine_teacher_losses([mapping.teacher_loss for mapping in mappings], combine)
     return AnnotatedDocuments(
         ids, combined, lengths, chunk_start=starts, extras=extras, target=target
     )
@@ -216,6 +216,7 @@ class DocumentReader:
                                cache.location),
                 cache.alignment,
                 READ_ROWS,
+                plan.distillation_columns,
             )
             for cache in plan.more_caches
         ]  # fmt: skip

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.cache.manifest import CacheManifest
-from pipeline.cache.rows import check_rows, list_column, rows_index
+from pipeline.cache.rows import check_rows, list_column, rows_index, token_values
 from pipeline.cache.schema import (
     DOC_ID,
     LOSS,
@@ -43,6 +43,7 @@ class TeacherTokens:
     loss: np.ndarray
     lengths: np.ndarray  # tokens per document
     alignment: str
+    columns: dict[str, np.ndarray]  # a distillation's cache columns, per token (else empty)
 
 
 def teacher_caches(
@@ -97,9 +98,12 @@ class RowFeed:
     """One other cache's shard, handed out in runs of rows of any length (the caches' Parquet
     batches need not line up with the first cache's)."""
 
-    def __init__(self, path: Path, alignment: str, batch_rows: int):
-        self.path, self.alignment = path, alignment
-        self._batches = iter_shard_batches(path, COLUMNS, batch_rows, use_threads=False)
+    def __init__(self, path: Path, alignment: str, batch_rows: int, columns: tuple[str, ...] = ()):
+        """`columns`: the distillation's cache columns, read beside the loss path's."""
+        self.path, self.alignment, self.columns = path, alignment, columns
+        self._batches = iter_shard_batches(
+            path, COLUMNS + list(columns), batch_rows, use_threads=False
+        )
         self._pending = None
 
     def take(self, rows: int) -> pa.RecordBatch:
@@ -144,4 +148,5 @@ class RowFeed:
             loss[index],
             checked.lengths[order],
             self.alignment,
+            {name: token_values(own, name)[index] for name in self.columns},
         )
