@@ -14,8 +14,9 @@ SelectionScope = Literal["microbatch", "global"]
 LossNormalization = Literal["all", "kept"]  # eq. 3: over all target tokens, or the kept ones
 ChunkStudentAggregate = Literal["mean", "max", "sum"]
 Aggregation = Literal["max", "mean", "sum"]
-# how the teacher losses of several caches combine per student token (pipeline.teacher_loss)
-TeacherCombination = Literal["min", "mean"]
+# how the teacher losses of several caches combine per student token (pipeline.teacher_loss);
+# source: each document's loss is its corpus source's named teacher's (--source-teachers)
+TeacherCombination = Literal["min", "mean", "source"]
 TextSplit = Literal["file", "line"]
 # which characters of a record are training targets (pipeline.corpus.targets): all of them, the
 # record's own spans, or the assistant turns of its chat messages rendered by a named template

@@ -95,16 +95,21 @@ def student_teacher_loss(
     return StudentTeacherLoss(map_start, map_end, per_token)
 
 
-def combine_teacher_losses(losses: list[np.ndarray], rule: str) -> np.ndarray:
+def combine_teacher_losses(
+    losses: list[np.ndarray], rule: str, chosen: np.ndarray | None = None
+) -> np.ndarray:
     """One teacher loss per student token from several teachers' (each aligned on its own): the
     smallest (`min`: the token counts as learnable if any teacher finds it easy) or the `mean`,
-    over the teachers that give the token a loss; NaN where none does. One teacher's losses are
-    returned as they are."""
+    over the teachers that give the token a loss, NaN where none does; or (`source`) the loss of
+    the teacher `chosen` names for each token (an index into `losses`), NaN where that teacher
+    gives none. One teacher's losses are returned as they are."""
     if rule not in TEACHER_COMBINATIONS:
         raise ValueError(f"rule must be one of {TEACHER_COMBINATIONS}, not {rule!r}")
     if len(losses) == 1:
         return losses[0]
     stacked = np.stack(losses)
+    if rule == "source":
+        return stacked[chosen, np.arange(stacked.shape[1])]
     given = ~np.isnan(stacked)
     count = given.sum(0)
     if rule == "min":

@@ -211,6 +211,7 @@ LEGACY_SETTINGS = {
     "packing_context": 0.5,
     "more_caches": [],
     "combine_teachers": "min",
+    "source_teachers": [],
     "teacher_weights": [],
 }
 

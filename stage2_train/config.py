@@ -32,6 +32,7 @@ from pipeline.guidance import DEFAULT_GUIDANCE, GuidanceSettings
 from pipeline.guidance_modes import MODES, GuidanceMode
 from pipeline.io import fingerprint
 from pipeline.storage import as_location, is_uri
+from pipeline.teacher_options import source_teachers
 
 SECTION = "stage2"
 DESCRIPTION = (
@@ -107,15 +108,16 @@ class TrainConfig:
     )
     combine_teachers: TeacherCombination = GUIDANCE("min", help="--more-caches: a student "
         "token's teacher loss is the smallest of the teachers' (min) or their mean, over the "
-        "teachers that map it (the paper has one teacher)")  # fmt: skip
+        "teachers that map it, or its document's source's teacher (source; the paper has one "
+        "teacher)")  # fmt: skip
+    source_teachers: list[str] = GUIDANCE([], help="--combine-teachers source: SOURCE=CACHE "
+        "for each source of the corpus (its manifest's names), CACHE being --cache or one of "
+        "--more-caches")  # fmt: skip
     teacher_weights: list[float] = GUIDANCE([], help="--more-caches under a distillation mode: "
         "one positive weight per cache (--cache first), normalized to sum to 1, for the "
         "weighted sum of the teachers' terms (default: equal)")  # fmt: skip
-    num_chunks: int = GUIDANCE(
-        32,
-        help="equal chunks per document for --guidance chunk and random-chunk (paper Table 2: "
-        "8, 16, 32, 64)",
-    )
+    num_chunks: int = GUIDANCE(32, help="equal chunks per document for --guidance chunk and "
+        "random-chunk (paper Table 2: 8, 16, 32, 64)")  # fmt: skip
     chunk_student_aggregate: ChunkStudentAggregate = GUIDANCE(
         DEFAULT_GUIDANCE.chunk_student_aggregate,
         help="how a chunk's student token losses combine into the chunk's student loss for "
@@ -130,11 +132,9 @@ class TrainConfig:
     topk: float = GUIDANCE(
         DEFAULT_GUIDANCE.topk, help="fraction of candidate tokens kept (ceil(topk * n))"
     )
-    unmapped: UnmappedStrategy = GUIDANCE(
-        DEFAULT_GUIDANCE.unmapped,
-        help="student tokens with no teacher loss: include (always kept), exclude (never "
-        "kept), mean (get the mean teacher loss and compete in the top-k)",
-    )
+    unmapped: UnmappedStrategy = GUIDANCE(DEFAULT_GUIDANCE.unmapped, help="student tokens with "
+        "no teacher loss: include (always kept), exclude (never kept), mean (get the mean teacher "
+        "loss and compete in the top-k)")  # fmt: skip
     aggregate: Aggregation = GUIDANCE(DEFAULT_AGGREGATION, help="how the losses of the teacher "
         "tokens covering one student token combine")  # fmt: skip
     selection_scope: SelectionScope = GUIDANCE(DEFAULT_GUIDANCE.scope, help="rank tokens per "
@@ -255,8 +255,7 @@ class TrainConfig:
             )
         self.cache, self.out = as_location(self.cache), Path(self.out)
         self.more_caches = [as_location(cache) for cache in self.more_caches]
-        if len({str(c) for c in [self.cache, *self.more_caches]}) <= len(self.more_caches):
-            raise ValueError("--more-caches names a cache twice, or --cache again")
+        source_teachers(self.cache, self.more_caches, self.combine_teachers, self.source_teachers)
         caches = 1 + len(self.more_caches)
         if self.teacher_weights and (
             MODES[self.guidance].distillation is None or caches == 1

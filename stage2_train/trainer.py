@@ -52,7 +52,7 @@ from stage2_train.checkpoint_trust import trusted_checkpoint
 from stage2_train.config import TrainConfig
 from stage2_train.data.documents import choose_alignment
 from stage2_train.data.loader import batches, make_loader
-from stage2_train.data.more_teachers import run_cache_fingerprint, teacher_caches
+from stage2_train.data.more_teachers import run_cache_fingerprint, teacher_settings
 from stage2_train.data.plan import DataPlan, has_target_spans
 from stage2_train.data.position import DataState
 from stage2_train.data.shards import verify_local_shards
@@ -143,8 +143,7 @@ def _train(
         num_workers=config.num_workers,
         distillation=distillation,
         target_spans=config.completion_only and has_target_spans(manifest),
-        more_caches=teacher_caches(config.cache, manifest, more, align),
-        combine_teachers=config.combine_teachers,
+        **teacher_settings(config, manifest, more, align),
         shard_cache=config.shard_cache,
         shard_cache_bytes=int(config.shard_cache_gib * (1 << 30)),
         read_ahead=config.read_ahead,

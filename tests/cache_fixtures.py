@@ -97,12 +97,14 @@ def build_cache(
     topk_encoding: str = "float16",
     topk_mode: str = "top",
     target_spans: Callable[[str], tuple] | None = None,
+    corpus: dict | None = None,
 ) -> CacheManifest:
     """Write shards and manifest.json into `dest`; returns the manifest. `space_logprob`: with
     that column (seeded random log-probabilities, NaN where the loss is); `topk` > 0 adds the
     top-k columns (random distributions, as `--topk-probs topk` would store real ones), stored
     as `topk_encoding` (pipeline.cache.topk_codec) says; `target_spans` gives each document's
-    spans from its text (stage 1's --targets), stored in the target_spans column."""
+    spans from its text (stage 1's --targets), stored in the target_spans column; `corpus` is
+    the manifest's corpus record (default: the count of documents)."""
     dest = Path(dest)
     documents = documents if documents is not None else corpus_documents(num_documents)
     tokenizer = load_tokenizer(teacher_tokenizer)
@@ -170,7 +172,7 @@ def build_cache(
         teacher=teacher or {"id": "random-losses (tests/cache_fixtures.py)", "seed": seed},
         tokenizer={"spec": teacher_tokenizer, "fingerprint": tokenizer.fingerprint},
         settings=settings,
-        corpus={"documents": len(documents)},
+        corpus=corpus or {"documents": len(documents)},
         shards=shards,
     )
     write_manifest(dest, manifest)

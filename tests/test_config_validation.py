@@ -94,10 +94,16 @@ RIGHT = {
     (PreRegistration, "resamples"): 2000,
     (PreRegistration, "confidence"): 0.9,
     (SelectionConfig, "topk"): 0.5,  # unset by default: stage 2's
+    (TrainConfig, "teacher_weights"): [1.5, 2.5],
+    (TrainConfig, "source_teachers"): ["a.jsonl=cache", "b.jsonl=b"],
+    (SelectionConfig, "source_teachers"): ["a.jsonl=c"],
 }
 # options a right value needs beside it (the config refuses it alone)
 COMPANIONS = {  # a value that needs another option beside it
     (ScoreConfig, "topk_mode"): {"topk_probs": 8},
+    (TrainConfig, "teacher_weights"): {"guidance": "uld", "more_caches": ["b"]},
+    (TrainConfig, "source_teachers"): {"more_caches": ["b"], "combine_teachers": "source"},
+    (SelectionConfig, "source_teachers"): {"more_caches": ["b"], "combine_teachers": "source"},
     (EvalConfig, "targets"): {"accuracy_problems": 0, "answer_problems": 5},
 }
 

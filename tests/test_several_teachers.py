@@ -20,7 +20,7 @@ from pipeline.teacher_loss import combine_teacher_losses
 from pipeline.tokenizer import load_tokenizer
 from stage2_train.config import parse_train_config
 from stage2_train.data.documents import DocumentReader
-from stage2_train.data.more_teachers import teacher_caches
+from stage2_train.data.more_teachers import teacher_caches, teacher_settings
 from stage2_train.data.plan import DataPlan
 from stage2_train.train import main
 from tests.cache_fixtures import build_cache, corpus_documents, read_cache_rows
@@ -165,3 +165,67 @@ def test_caches_in_a_bucket_stream_as_the_local_caches_do(caches, tmp_path):
     assert remote.keys() == local.keys()
     for doc_id, losses in local.items():
         np.testing.assert_array_equal(remote[doc_id], losses)
+
+
+# Two corpus files, as stage 1 names their documents without --id-column: <source>:<record>
+SOURCES = {"sources": [{"name": "a.jsonl", "bytes": 10}, {"name": "b.jsonl", "bytes": 20}],
+           "id_column": None}  # fmt: skip
+SOURCED = [(f"{'ab'[i % 2]}.jsonl:{i // 2}", text) for i, (_, text) in enumerate(DOCUMENTS)]
+
+
+@pytest.fixture(scope="module")
+def sourced(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sourced")
+    for name, seed in (("qwen", 0), ("smollm2", 1)):
+        build_cache(root / name, teacher_tokenizer=name.replace("qwen", "qwen2.5"),
+                    documents=SOURCED, seed=seed, corpus=SOURCES)  # fmt: skip
+    return {name: root / name for name in ("qwen", "smollm2")}
+
+
+def test_a_named_teacher_per_source_gives_each_document_its_teachers_loss(sourced, tmp_path):
+    """--combine-teachers source: a.jsonl's documents get the first teacher's loss, b.jsonl's
+    the second's, each equal to the slow per-token oracle of that teacher alone; a run with it
+    trains (data-loader workers included) and saves the choice."""
+    plan = replace(plan_of(sourced["qwen"], sourced["smollm2"], combine="source"),
+                   source_teachers={"a.jsonl": 0, "b.jsonl": 1})  # fmt: skip
+    streamed = streamed_losses(plan)
+    rows = {name: read_cache_rows(sourced[name]) for name in ("qwen", "smollm2")}
+    student = load_tokenizer("tinyllama")
+    for doc_id, text in SOURCED:
+        teacher = "qwen" if doc_id.startswith("a.jsonl:") else "smollm2"
+        expected = overlap_oracle(student.encode(text, add_eos=True), rows[teacher][doc_id], "max")
+        np.testing.assert_allclose(streamed[doc_id], expected, rtol=1e-6)
+    first, other = str(sourced["qwen"]), str(sourced["smollm2"])
+    chosen = [f"a.jsonl={first}", f"b.jsonl={other}"]
+    assert main(train_args(sourced["qwen"], tmp_path / "run", "--more-caches", other,
+                           "--combine-teachers", "source", "--source-teachers", *chosen)) == 0  # fmt: skip
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["source_teachers"] == chosen
+
+
+def test_source_teachers_are_refused_unless_they_name_every_source(sourced, tmp_path):
+    first, other = str(sourced["qwen"]), str(sourced["smollm2"])
+    base = train_args(sourced["qwen"], tmp_path, "--more-caches", other)
+    with pytest.raises(ConfigError, match="go together"):
+        parse_train_config([*base, "--combine-teachers", "source"])
+    with pytest.raises(ConfigError, match="need SOURCE=CACHE, CACHE one of --cache"):
+        parse_train_config([*base, "--combine-teachers", "source", "--source-teachers", "a.jsonl"])
+    with pytest.raises(ConfigError, match="two teachers for 'a.jsonl'"):
+        parse_train_config([*base, "--combine-teachers", "source", "--source-teachers",
+                            f"a.jsonl={first}", f"a.jsonl={other}"])  # fmt: skip
+    only_a = [*base, "--combine-teachers", "source", "--source-teachers", f"a.jsonl={first}"]
+    assert main(only_a) == 2
+    with pytest.raises(ConfigError, match="each of the corpus's sources, a.jsonl, b.jsonl"):
+        run_settings(parse_train_config(only_a))
+    ids = [tmp_path / "ids-a", tmp_path / "ids-b"]  # ids from a column do not name their source
+    for path in ids:
+        build_cache(path, documents=SOURCED, corpus={**SOURCES, "id_column": "id"})
+    config = parse_train_config([*train_args(ids[0], tmp_path, "--more-caches", str(ids[1])),
+                                 "--combine-teachers", "source", "--source-teachers",
+                                 f"a.jsonl={ids[0]}", f"b.jsonl={ids[1]}"])  # fmt: skip
+    with pytest.raises(ConfigError, match="ids come from its 'id' column: use min or mean"):
+        run_settings(config)
+
+
+def run_settings(config) -> dict:
+    more = {location: load_manifest(location) for location in config.more_caches}
+    return teacher_settings(config, load_manifest(config.cache), more, lambda tokenizer: "token")

@@ -141,10 +141,7 @@ def test_two_caches_of_one_teacher_train_as_that_teacher(caches, tmp_path):
     assert main(train_args(caches["qwen"], tmp_path / "one", *common)) == 0
     two = (*common, "--more-caches", str(caches["qwen-copy"]), "--teacher-weights", "2", "1")
     assert main(train_args(caches["qwen"], tmp_path / "two", *two)) == 0
-    one, both = (
-        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        for name in ("one", "two")
-    )
+    one, both = (read_metrics_lines(tmp_path / name) for name in ("one", "two"))
     for a, b in zip(one, both, strict=True):
         for key in ("loss", "distill_loss"):
             assert b[key] == pytest.approx(a[key], rel=1e-6)
@@ -159,8 +156,18 @@ def test_two_teachers_weights_are_saved_and_resume_exactly(caches, tmp_path):
     assert main(train_args(caches["qwen"], parted, *common, "--stop-at-step", "3")) == 0
     assert main(train_args(caches["qwen"], parted, *common)) == 0
     assert read_metrics(parted) == read_metrics(whole)
-    single = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
-    assert all(np.isfinite(r["distill_loss"]) and r["distill_loss"] > 0 for r in single)
+    plain = read_metrics_lines(whole)
+    assert all(np.isfinite(r["distill_loss"]) and r["distill_loss"] > 0 for r in plain)
+    # the GPU's loss path (row chunks of the head, never the logits) reads the merged top alike
+    chunked = tmp_path / "chunked"
+    assert main(train_args(caches["qwen"], chunked, *common, "--loss-kernel", "chunked")) == 0
+    for a, b in zip(plain, read_metrics_lines(chunked), strict=True):
+        for key in ("loss", "distill_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4)
+
+
+def read_metrics_lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_teacher_weights_outside_a_distillation_with_several_caches_are_refused(caches, tmp_path):

@@ -15,6 +15,7 @@ from pipeline.choices import (
     UnmappedStrategy,
 )
 from pipeline.config import option
+from pipeline.teacher_options import source_teachers
 from pipeline.tokenizer import TOKENIZER_SPEC
 
 
@@ -100,6 +101,7 @@ class SelectionConfig:
     aggregate: Aggregation = option(DEFAULT_AGGREGATION, help="stage 2's --aggregate")
     more_caches: list[str] = option([], help="stage 2's --more-caches: other teachers' caches")
     combine_teachers: TeacherCombination = option("min", help="stage 2's --combine-teachers")
+    source_teachers: list[str] = option([], help="stage 2's --source-teachers")
     seed: int = option(0, help="stage 2's --seed (data order) and the random selection's seed")
     min_count: int = option(20, help="token types seen fewer times are not listed as seldom kept")
     max_kept_rate: float = option(
@@ -110,6 +112,7 @@ class SelectionConfig:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
+        source_teachers(self.cache, self.more_caches, self.combine_teachers, self.source_teachers)
         for name in ("tokens", "seq_len", "micro_batch_size", "min_count", "top"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")

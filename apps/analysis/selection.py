@@ -147,7 +147,7 @@ def sample_selection(config: SelectionConfig) -> tuple[SelectionSample, dict]:
     from pipeline.tokenizer import load_tokenizer
     from stage2_train.attention import student_logits
     from stage2_train.data.documents import choose_alignment
-    from stage2_train.data.more_teachers import run_cache_fingerprint, teacher_caches
+    from stage2_train.data.more_teachers import run_cache_fingerprint, teacher_settings
     from stage2_train.data.plan import DataPlan, has_target_spans
     from stage2_train.data.streams import consumer_stream
 
@@ -179,8 +179,7 @@ def sample_selection(config: SelectionConfig) -> tuple[SelectionSample, dict]:
         micro_batch_size=config.micro_batch_size,
         seed=config.seed,
         target_spans=has_target_spans(manifest),
-        more_caches=teacher_caches(config.cache, manifest, more, align),
-        combine_teachers=config.combine_teachers,
+        **teacher_settings(config, manifest, more, align),
     )
     parts: list[tuple[np.ndarray, ...]] = []
     seen = 0

@@ -43,7 +43,7 @@ from pipeline.errors import CacheError
 from pipeline.guidance import GuidanceSettings
 from pipeline.teacher_loss import combine_teacher_losses, student_teacher_loss
 from pipeline.tokenizer import TextTokenizer, load_tokenizer
-from stage2_train.data.more_teachers import RowFeed, TeacherTokens
+from stage2_train.data.more_teachers import RowFeed, TeacherTokens, document_teachers
 from stage2_train.data.plan import DataPlan, work_items
 from stage2_train.data.position import StreamPosition
 from stage2_train.data.shards import verified_shard
@@ -109,13 +109,15 @@ def annotate(
     target_spans: tuple[np.ndarray, np.ndarray] | None = None,
     more_teachers: Sequence[TeacherTokens] = (),
     combine: str = "min",
+    document_teacher: np.ndarray | None = None,
 ) -> AnnotatedDocuments:
     """Tokenize documents with the student tokenizer and give every token its teacher loss (and
     the distillation's extras, from `teacher_columns`: its cache columns, values per token),
     and, given the documents' `target_spans` (spans [n, 2] and how many per document), whether
     it is a target (pipeline.corpus.targets.target_tokens). Given `more_teachers` (other
     teachers' tokens of the same documents), the teacher loss is every teacher's, each aligned
-    on its own, combined by the rule `combine`, and the distillation (then a TeacherMixture)
+    on its own, combined by the rule `combine` (`source`: the teacher `document_teacher` names for
+    each document, an index into the cache's and then `more_teachers`), and the distillation (then a TeacherMixture)
     builds its extras from every teacher's columns.
 
     Teacher arrays are the cached columns of these documents, flattened in order.
@@ -167,7 +169,8 @@ def annotate(
     target = None
     if target_spans is not None:
         target = target_tokens(student_start, student_end, lengths, text_lengths, *target_spans)
-    combined = combine_teacher_losses([mapping.teacher_loss for mapping in mappings], combine)
+    chosen = None if document_teacher is None else np.repeat(document_teacher, lengths)
+    combined = combine_teacher_losses([m.teacher_loss for m in mappings], combine, chosen)
     return AnnotatedDocuments(
         ids, combined, lengths, chunk_start=starts, extras=extras, target=target
     )
@@ -276,6 +279,11 @@ class DocumentReader:
             target_spans=rows.target_spans,
             more_teachers=more,
             combine=self.plan.combine_teachers,
+            document_teacher=(
+                document_teachers(rows.doc_ids, self.plan.source_teachers)
+                if self.plan.source_teachers
+                else None
+            ),
         )
         docs.doc_ids = rows.doc_ids
         return docs

@@ -5,7 +5,9 @@ cache's, and each read of the first cache's shard takes the same rows of the sam
 other cache, checked to be the same documents. Each cache is read once and a read's rows are
 held once per cache, so memory per rank grows with the number of caches, not with the corpus.
 The student tokenizes each text once; each teacher's tokens are aligned to the student's on
-their own (pipeline.teacher_loss), and the per-token losses combined by the run's rule.
+their own (pipeline.teacher_loss), and the per-token losses combined by the run's rule: under
+`source`, each document's teacher is the one --source-teachers names for its corpus source, which
+its id names (stage 1 calls a document `<source>:<record>` unless the corpus has --id-column).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from pipeline.cache.schema import (
     TOKEN_START,
     iter_shard_batches,
 )
-from pipeline.errors import CacheError
+from pipeline.errors import CacheError, ConfigError
 from pipeline.io import fingerprint
+from pipeline.teacher_options import source_teachers
 from stage2_train.data.plan import TeacherCache, cache_fingerprint
 
 COLUMNS = [DOC_ID, TEXT, TEXT_SHA256, TOKEN_START, TOKEN_END, LOSS]
@@ -68,6 +71,52 @@ def teacher_caches(
         fingerprint_of, alignment = cache_fingerprint(other), align(other.tokenizer)
         caches.append(TeacherCache(location, tuple(other.shards), fingerprint_of, alignment))
     return tuple(caches)
+
+
+def teacher_settings(config, manifest: CacheManifest, more: dict, align) -> dict:
+    """DataPlan's settings for a run's other teachers (`config`: stage 2's or
+    `vocagno analyze selection`'s options; `more`: --more-caches' manifests by location)."""
+    chosen = source_teachers(
+        config.cache, config.more_caches, config.combine_teachers, config.source_teachers
+    )
+    return {
+        "more_caches": teacher_caches(config.cache, manifest, more, align),
+        "combine_teachers": config.combine_teachers,
+        "source_teachers": source_indices(chosen, manifest, [config.cache, *more]),
+    }
+
+
+def source_indices(chosen: dict[str, str], manifest: CacheManifest, caches: list) -> dict:
+    """--source-teachers as corpus source -> index of its teacher's cache in `caches`, refused in
+    one line unless it names every source of the corpus and the documents' ids name theirs."""
+    if not chosen:
+        return {}
+    corpus = manifest.corpus
+    if corpus.get("id_column"):
+        raise ConfigError(
+            f"--combine-teachers source reads each document's source from its id, and the "
+            f"corpus's ids come from its {corpus['id_column']!r} column: use min or mean"
+        )
+    names = [source["name"] for source in corpus.get("sources", [])]
+    if sorted(chosen) != sorted(names):
+        raise ConfigError(
+            f"--source-teachers names {', '.join(sorted(chosen))}: it must name a teacher for "
+            f"each of the corpus's sources, {', '.join(names)}"
+        )
+    locations = [str(location) for location in caches]
+    return {name: locations.index(chosen[name]) for name in names}
+
+
+def document_teachers(doc_ids: list[str], teachers: dict[str, int]) -> np.ndarray:
+    """Per document, the index of its source's teacher (`teachers`: source_indices')."""
+    chosen = [teachers.get(doc_id.rpartition(":")[0], -1) for doc_id in doc_ids]
+    if -1 in chosen:
+        doc_id = doc_ids[chosen.index(-1)]
+        raise CacheError(
+            f"document {doc_id!r} names no source of the corpus (stage 1 names a document "
+            "<source>:<record>): --combine-teachers source cannot choose its teacher"
+        )
+    return np.asarray(chosen, dtype=np.int64)
 
 
 def corpus_difference(first: dict, other: dict) -> str | None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +70,8 @@ class DataPlan:
     # losses combine with the cache's per token (pipeline.teacher_loss.combine_teacher_losses)
     more_caches: tuple[TeacherCache, ...] = ()
     combine_teachers: str = "min"
+    # combine_teachers source: each corpus source's teacher, 0 for the cache, i for more_caches[i-1]
+    source_teachers: dict[str, int] = field(default_factory=dict)
     # A cache in object storage is read from local copies (pipeline.cache.shard_cache); these
     # say where, how many bytes a rank may hold, and how many shards are fetched ahead. They
     # never change what is read.
