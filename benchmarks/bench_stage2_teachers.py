@@ -6,9 +6,11 @@ Caches of the shipped GSM-style corpus by teachers of three tokenizers (qwen2.5,
 deepseek; seeded random losses: the cost does not depend on their values), streamed by one
 consumer exactly as a worker does (bench_stage2_data.steady_epoch: one epoch in steady state,
 student targets delivered per second). Each extra cache adds its Parquet read, its row checks and
-its alignment; the student tokenizes each text once.
+its alignment; the student tokenizes each text once. With --topk K the caches hold the
+teacher's top-K view and the plans distill (`--guidance uld`, one term per teacher,
+pipeline.distillation.teachers): each extra cache then also adds its top-k columns and extras.
 
-    python benchmarks/bench_stage2_teachers.py [--docs 2000] [--student tinyllama]
+    python benchmarks/bench_stage2_teachers.py [--docs 2000] [--student tinyllama] [--topk 32]
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from bench_stage2_data import steady_epoch  # noqa: E402
 from timing import best_times, print_header, print_load_average  # noqa: E402
 
 from pipeline.cache.manifest import load_manifest  # noqa: E402
+from pipeline.distillation.teachers import mixture  # noqa: E402
+from pipeline.distillation.uld import UniversalLogitDistillation  # noqa: E402
 from stage2_train.data.more_teachers import teacher_caches  # noqa: E402
 from stage2_train.data.plan import DataPlan  # noqa: E402
 from tests.cache_fixtures import build_cache, corpus_documents  # noqa: E402
@@ -44,6 +48,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5, help="timings per figure (best kept)")
+    parser.add_argument("--topk", type=int, default=0, help="top-K columns, distilled (0: none)")
     args = parser.parse_args()
 
     documents = corpus_documents(args.docs)
@@ -51,7 +56,7 @@ def main() -> None:
         folders = [Path(tmp) / teacher for teacher in TEACHERS]
         for seed, (folder, teacher) in enumerate(zip(folders, TEACHERS, strict=True)):
             build_cache(folder, teacher_tokenizer=teacher, documents=documents, seed=seed,
-                        docs_per_shard=max(1, args.docs // 4))  # fmt: skip
+                        docs_per_shard=max(1, args.docs // 4), topk=args.topk)  # fmt: skip
         manifests = {folder: load_manifest(folder) for folder in folders}
         plans = {}
         for count in range(1, len(folders) + 1):
@@ -62,6 +67,7 @@ def main() -> None:
                 seq_len=args.seq_len,
                 micro_batch_size=args.micro_batch_size,
                 more_caches=teacher_caches(folders[0], manifests[folders[0]], more, lambda t: "token"),
+                distillation=mixture([UniversalLogitDistillation()] * count) if args.topk else None,
             )  # fmt: skip
         times = {count: [] for count in plans}
         tokens = {}
@@ -74,6 +80,7 @@ def main() -> None:
         f"{args.docs} documents per cache, teachers {', '.join(TEACHERS)}, student "
         f"{args.student}; documents packing {args.micro_batch_size} x {args.seq_len}; one "
         f"thread per tokenizer; best of {args.repeats}"
+        + (f"; top-{args.topk} columns, --guidance uld from each cache" if args.topk else "")
     )
     print()
     print_header(f"{'caches':<8} {'tokens/s':>10} {'relative':>9} {'tokens/CPU-s':>13} "
