@@ -203,9 +203,13 @@ def test_a_sampled_cache_is_verified_and_a_rerun_draws_the_same_bytes(
 ):
     """`--topk-mode sampled` through the job and its workers: the manifest names the mode and
     the seed, `cache verify` passes, and a second run into another folder with other batches
-    draws the same ids, of the same ranks (their log-probabilities round with the batch)."""
+    draws the same ids, of the same ranks (their log-probabilities round with the batch). Four
+    documents in two shards: drawing over the tinyllama head is slow on a CPU (24 took 44 s;
+    tests/test_sampled_cache.py holds more draws to the batching)."""
+    corpus = write_jsonl_corpus(tmp_path / "few.jsonl", shipped_documents(4))
     outs = [tmp_path / "first", tmp_path / "second"]
-    drawn = ("--topk-probs", "8", "--topk-mode", "sampled", "--sample-seed", "5")
+    drawn = ("--topk-probs", "8", "--topk-mode", "sampled", "--sample-seed", "5",
+             "--docs-per-shard", "2")  # fmt: skip
     assert main(args(teacher, corpus, outs[0], *drawn)) == 0
     assert main([*args(teacher, corpus, outs[1], *drawn), "--batch-tokens", "256"]) == 0
     manifest, problems = verify_cache(outs[0])
