@@ -87,8 +87,9 @@ class TrainConfig:
     out: Path = CHECKPOINTING(help="output folder: checkpoints, metrics.jsonl, TensorBoard, final model")
     max_steps: int = OPTIMIZER(help="optimizer steps in the schedule (the cosine decays over these)")
     more_caches: list[str] = DATA([], help="other teachers' caches of the same corpus (stage 1 "
-        "with the same --corpus and --docs-per-shard), read in step: each token's teacher loss "
-        "combines every cache's by --combine-teachers (docs/several-teachers.md)")  # fmt: skip
+        "with the same --corpus and --docs-per-shard), read in step: their teacher losses combine "
+        "by --combine-teachers, a distillation's terms by --teacher-weights "
+        "(docs/several-teachers.md)")  # fmt: skip
     student_tokenizer: str | None = MODEL(
         None,
         help="student tokenizer spec (shipped name, tokenizer.json, folder, hub id); default: "
