@@ -186,7 +186,8 @@ class TrainConfig:
         "document longer than a window re-reads this fraction of a window before it as context, "
         "without loss")  # fmt: skip
     stop_at_step: int | None = CHECKPOINTING(None, help="stop cleanly after this step with a "
-        "checkpoint, as a cluster time limit would; --resume auto continues the same schedule")  # fmt: skip
+        "checkpoint, as a cluster time limit would; --resume auto continues the same "
+        "schedule")  # fmt: skip
     save_every: int = CHECKPOINTING(500, help="save a checkpoint every N steps")
     resume: str = CHECKPOINTING(
         "auto",

@@ -197,8 +197,8 @@ def test_a_named_teacher_per_source_gives_each_document_its_teachers_loss(source
         np.testing.assert_allclose(streamed[doc_id], expected, rtol=1e-6)
     first, other = str(sourced["qwen"]), str(sourced["smollm2"])
     chosen = [f"a.jsonl={first}", f"b.jsonl={other}"]
-    assert main(train_args(sourced["qwen"], tmp_path / "run", "--more-caches", other,
-                           "--combine-teachers", "source", "--source-teachers", *chosen)) == 0  # fmt: skip
+    run = ("--more-caches", other, "--combine-teachers", "source", "--source-teachers", *chosen)
+    assert main(train_args(sourced["qwen"], tmp_path / "run", *run)) == 0
     assert json.loads((tmp_path / "run" / "config.json").read_text())["source_teachers"] == chosen
 
 

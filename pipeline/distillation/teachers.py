@@ -100,13 +100,14 @@ class TeacherMixture:
         total, offset = 0.0, 0
         for i, (term, reads) in enumerate(zip(self.terms, self._reads(extras, None), strict=True)):
             width = 0 if reads.ids is None else reads.ids.shape[-1]
+            top = min(reads.top, student.vocabulary)
             own = HeadOutputs(
-                student.loss,
-                student.vocabulary,
-                student.subset_logprob,
-                student.log_z,
-                None if reads.ids is None else student.at_ids[..., offset : offset + width],
-                None if not reads.top else student.top[..., : min(reads.top, student.vocabulary)],
+                loss=student.loss,
+                vocabulary=student.vocabulary,
+                subset_logprob=student.subset_logprob,
+                log_z=student.log_z,
+                at_ids=None if reads.ids is None else student.at_ids[..., offset : offset + width],
+                top=None if not reads.top else student.top[..., :top],
             )
             offset += width
             total = total + self.weights[i] * term.loss_sum(own, labels, self._own(extras, i))

@@ -117,8 +117,8 @@ def annotate(
     it is a target (pipeline.corpus.targets.target_tokens). Given `more_teachers` (other
     teachers' tokens of the same documents), the teacher loss is every teacher's, each aligned
     on its own, combined by the rule `combine` (`source`: the teacher `document_teacher` names for
-    each document, an index into the cache's and then `more_teachers`), and the distillation (then a TeacherMixture)
-    builds its extras from every teacher's columns.
+    each document, an index into the cache's and then `more_teachers`), and the distillation
+    (then a TeacherMixture) builds its extras from every teacher's columns.
 
     Teacher arrays are the cached columns of these documents, flattened in order.
     """
