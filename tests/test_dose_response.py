@@ -75,8 +75,34 @@ def test_the_report_gives_each_difference_per_warm_start_and_seed_and_states_the
     # 4.2 at step 6 (the last at or before 3/4 of 8) -> 4.15: a 1.19% fall, under 2%
     assert "Plateau test passed (held-out loss 4.2000 at step 6 -> 4.1500 at step 8" in text
     assert "longest warm start (8 steps) is below zero in every seed with its interval" in text
-    assert "`token-none` is smaller at the longest warm start than at the shortest (-0.3000" in text
+    assert "`token-none` is smaller at the longest warm start than at the shortest (4 steps; " \
+        "-0.3000 between their means)" in text
     assert "| 8 | 4.1500 |" in text and (tmp_path / "dose.png").stat().st_size > 0
+
+    # A later run of one longer rung reads this one's points as `earlier`: its longest is set
+    # against their shortest, and none of theirs counts as its own.
+    later = DoseConfig(out=tmp_path / "later", warm_start_ladder=[16], longest_seeds=[0],
+                       arms=config.arms, earlier=[str(tmp_path / DOSE_NAME)])  # fmt: skip
+    rung = rung_folder(later.out, 16)
+    history = [{"step": s, "loss": 1.0, "heldout_loss": h} for s, h in ((8, 4.0), (16, 3.99))]
+    atomic_write_json(rung / "warm-start" / "warm_start.json", {"history": history})
+    atomic_write_json(rung / "selection" / "selection.json", selection(0.5))
+    for name, per_char in (("warm-start", 0.0), ("none-seed0", 0.0), ("token-seed0", 0.05),
+                           ("random-seed0", 0.0)):  # fmt: skip
+        atomic_write_json(rung / "eval" / f"{name}.json",
+                          evaluation(base + per_char * characters, characters))  # fmt: skip
+    text = write_dose_report(later, tmp_path / "m.toml", prereg, {}).read_text()
+    mine = json.loads((later.out / DOSE_NAME).read_text())["points"]
+    assert {p["warm_start_steps"] for p in mine} == {16} and len(mine) == 2
+    assert "longest warm start (16 steps) is above zero in every seed" in text
+    assert "`token-none` is smaller at the longest warm start than at the shortest (4 steps, " \
+        "an earlier run's; -0.1500 between their means)" in text
+    assert "- Warm start 4" not in text  # the earlier run's rungs are its own report's
+
+
+def test_a_missing_earlier_run_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ValueError, match="earlier names no dose.json at"):
+        DoseConfig(out=tmp_path, earlier=[str(tmp_path / "nowhere" / DOSE_NAME)])
 
 
 def test_the_plateau_test_fails_when_the_loss_still_falls():

@@ -42,6 +42,11 @@ class DoseConfig(DemoConfig):
         help="a stage-1 cache made elsewhere (on a CPU, say) to train every arm from; unset: "
         "the teacher scores train_docs here",
     )
+    earlier: list[str] = option(
+        [],
+        help="dose.json of earlier runs of this design: their warm starts join the plot and the "
+        "longest-against-shortest comparison (a rung this run also has is this run's)",
+    )
     arm_lrs: list[float] = option(
         [],
         help="peak learning rates each arm is trained at ([stage2] min_lr scaled alike), each arm "
@@ -59,6 +64,9 @@ class DoseConfig(DemoConfig):
                 raise ValueError(f"{name} must name at least one seed, each once")
         if any(lr <= 0 for lr in self.arm_lrs) or len(set(self.arm_lrs)) != len(self.arm_lrs):
             raise ValueError(f"arm_lrs must be distinct positive rates, not {self.arm_lrs}")
+        missing = [path for path in self.earlier if not Path(path).is_file()]
+        if missing:
+            raise ValueError(f"earlier names no dose.json at {', '.join(missing)}")
         if self.heldout_docs < 1 or self.heldout_every < 1 or self.selection_tokens < 1:
             raise ValueError("heldout_docs, heldout_every and selection_tokens must be >= 1")
         if WARM_START_OFFSET + self.warm_start_docs + self.heldout_docs > TRAIN_SPLIT_DOCUMENTS:

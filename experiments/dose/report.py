@@ -116,8 +116,11 @@ def dose_points(config: DoseConfig, prereg: PreRegistration, results: dict) -> l
     return points
 
 
-def findings(config: DoseConfig, prereg: PreRegistration, points: list[dict], flat: dict):
-    """The sentences the manifest fixed, in its order."""
+def findings(
+    config: DoseConfig, prereg: PreRegistration, points: list[dict], flat: dict, earlier: list[dict]
+):
+    """The sentences the manifest fixed, in its order; `earlier`: the points of earlier runs'
+    warm starts (`[dose] earlier`), whose shortest may be the one the longest is set against."""
     confidence = round(100 * prereg.confidence)
     lines = []
     for steps in config.warm_start_ladder:
@@ -129,7 +132,8 @@ def findings(config: DoseConfig, prereg: PreRegistration, points: list[dict], fl
             established = sum(p["excludes_zero"] for p in mine)
             parts.append(f"`{comparison}` {mean:+.4f} ({established} of {len(mine)} excluding 0)")
         lines.append(f"- Warm start {steps}: " + "; ".join(parts) + ".")
-    longest, shortest = config.warm_start_ladder[-1], config.warm_start_ladder[0]
+    longest = config.warm_start_ladder[-1]
+    shortest = min(p["warm_start_steps"] for p in [*points, *earlier])
     if flat["tested"]:
         verb = "passed" if flat["flattened"] else "failed: the plateau was not reached"
         lines.append(
@@ -140,7 +144,7 @@ def findings(config: DoseConfig, prereg: PreRegistration, points: list[dict], fl
         )
     else:
         lines.append("- Plateau test not possible: no held-out loss before the last quarter.")
-    at = {steps: [p for p in points if p["warm_start_steps"] == steps
+    at = {steps: [p for p in [*points, *earlier] if p["warm_start_steps"] == steps
                   and p["comparison"] == "token-none"] for steps in (shortest, longest)}  # fmt: skip
     if at[longest]:
         helped = all(p["high"] < 0 for p in at[longest])
@@ -153,12 +157,15 @@ def findings(config: DoseConfig, prereg: PreRegistration, points: list[dict], fl
             else f"not established either way at {confidence}% in every seed"
         )
         lines.append(f"- `token-none` at the longest warm start ({longest} steps) is {said}.")
+    if at[longest] and at[shortest] and shortest != longest:
         change = np.mean([p["difference"] for p in at[longest]]) - np.mean(
             [p["difference"] for p in at[shortest]]
         )
+        source = "" if shortest in config.warm_start_ladder else ", an earlier run's"
         lines.append(
             f"- `token-none` is {'smaller' if change < 0 else 'not smaller'} at the longest warm "
-            f"start than at the shortest ({change:+.4f} between their means)."
+            f"start than at the shortest ({shortest} steps{source}; {change:+.4f} between their "
+            "means)."
         )
     return lines
 
@@ -236,21 +243,30 @@ def rung_rows(config: DoseConfig, prereg: PreRegistration, results: dict, points
     return lines
 
 
+def earlier_points(config: DoseConfig) -> list[dict]:
+    """The points of `[dose] earlier` runs at warm starts this run does not have."""
+    points = []
+    for path in config.earlier:
+        points += json.loads(Path(path).read_text())["points"]
+    return [p for p in points if p["warm_start_steps"] not in config.warm_start_ladder]
+
+
 def write_dose_report(
     config: DoseConfig, manifest: Path, prereg: PreRegistration, timings: dict
 ) -> Path:
     results = load_results(config)
     points = dose_points(config, prereg, results)
+    earlier = earlier_points(config)
     longest = config.warm_start_ladder[-1]
     flat = plateau(results[longest]["heldout"], config.plateau_tolerance)
     atomic_write_json(
         config.out / DOSE_NAME,
         {"points": points, "plateau": flat, "timings": timings,
          "heldout": {steps: r["heldout"] for steps, r in results.items()},
-         "arm_lrs": config.arm_lrs,
+         "arm_lrs": config.arm_lrs, "earlier": config.earlier,
          "selection": {steps: r["selection"] for steps, r in results.items()}},
     )  # fmt: skip
-    plot_dose(points, prereg.primary, config.out / "dose.png")
+    plot_dose([*earlier, *points], prereg.primary, config.out / "dose.png")
     seconds = sum(v for k, v in timings.items() if k != "cpu")
     lines = [
         "# vocagno dose-response",
@@ -258,7 +274,7 @@ def write_dose_report(
         f"Manifest: `{manifest}` (pre-registered before the first run). Everything below was "
         f"measured by this run. Primary metric: {METRICS[prereg.primary].label}.",
         "",
-        *findings(config, prereg, points, flat),
+        *findings(config, prereg, points, flat, earlier),
         "",
         *rung_rows(config, prereg, results, points),
         "",
