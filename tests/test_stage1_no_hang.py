@@ -44,9 +44,12 @@ from tests.test_fault_stage1 import frozen, gone_within, wait_for
 REPO = Path(__file__).resolve().parents[1]
 RUN = REPO / "stage1_score" / "run.py"
 NUM_DOCS = 12
-# Issue #26's bound for a refusal; Ray's own behaviour at a dead address is minutes of retries
-# (its first attempt alone takes 41 s). Measured: 2 s, or PROBE_SECONDS more where packets drop.
-REFUSAL_SECONDS = 30.0
+# A deadline for a refusal that tells it from a hang: Ray's own behaviour at a dead address is
+# minutes of retries (its first attempt alone takes 41 s). Measured: 2 s on a quiet machine, or
+# PROBE_SECONDS more where packets drop; a run started beside a busy experiment took over 30 s
+# to import and exit, so the bound is loose and the refusal's path is what each test checks (its
+# line, PROBE_SECONDS in it, and no Ray retry in the log).
+REFUSAL_SECONDS = 120.0
 # From SIGTERM to the exit; measured 3 to 7 s on 2 cores under a load of about 10.
 STOP_SECONDS = 15.0
 INTERRUPTED = "stage1: interrupted; rerun the same command to resume"
@@ -222,6 +225,7 @@ def test_a_ray_address_that_drops_connections_is_refused_after_the_probe(
     line = last_line(log)
     assert line.startswith(f"stage1: error: no Ray cluster answers at {black_hole} "), line
     assert f"no answer in {PROBE_SECONDS:.0f} s" in line, line
+    assert "Failed to connect" not in log.read_text()  # no Ray retry ran
     assert not out.exists()
     print(f"refused in {seconds:.1f} s: {line}")
 
