@@ -179,10 +179,11 @@ def plot_dose(points: list[dict], metric: str, dest: Path) -> None:
         x = np.array([p["heldout_loss"] for p in mine]) + 0.01 * (index - len(comparisons) / 2)
         y = np.array([p["difference"] for p in mine])
         error = np.array([[p["difference"] - p["low"], p["high"] - p["difference"]] for p in mine])
-        ax.errorbar(x, y, yerr=error.T, fmt="o", ms=4, capsize=2, label=comparison)
+        bars = ax.errorbar(x, y, yerr=error.T, fmt="o", ms=4, capsize=2, label=comparison)
         losses = sorted({p["heldout_loss"] for p in mine}, reverse=True)
         means = [np.mean([p["difference"] for p in mine if p["heldout_loss"] == h]) for h in losses]
-        ax.plot(np.array(losses) + 0.01 * (index - len(comparisons) / 2), means, "-", lw=1)
+        shifted = np.array(losses) + 0.01 * (index - len(comparisons) / 2)
+        ax.plot(shifted, means, "-", lw=1, color=bars[0].get_color())  # the markers' colour
     ax.axhline(0.0, color="grey", lw=0.8)
     ax.invert_xaxis()  # left to right: longer warm starts
     ax.set_xlabel("warm start's held-out loss (nats/token; right: trained longer)", fontsize=8)
