@@ -98,6 +98,8 @@ def test_the_report_gives_each_difference_per_warm_start_and_seed_and_states_the
     assert "`token-none` is smaller at the longest warm start than at the shortest (4 steps, " \
         "an earlier run's; -0.1500 between their means)" in text
     assert "- Warm start 4" not in text  # the earlier run's rungs are its own report's
+    assert f"The plot also draws the warm starts of earlier runs, each measured by its own run: " \
+        f"`{tmp_path / DOSE_NAME}`." in text
 
 
 def test_a_missing_earlier_run_is_refused_before_anything_runs(tmp_path):

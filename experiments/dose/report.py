@@ -274,6 +274,8 @@ def write_dose_report(
         "",
         f"Manifest: `{manifest}` (pre-registered before the first run). Everything below was "
         f"measured by this run. Primary metric: {METRICS[prereg.primary].label}.",
+        *(["", "The plot also draws the warm starts of earlier runs, each measured by its own run: "
+           + ", ".join(f"`{path}`" for path in config.earlier) + "."] if earlier else []),
         "",
         *findings(config, prereg, points, flat, earlier),
         "",
