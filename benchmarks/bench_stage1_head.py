@@ -7,7 +7,8 @@ with each `--head-kernel`'s columns, on one batch of scored positions, as the sc
 
 Each row: milliseconds per batch (the best of --repeats synchronized passes after one warm-up) and
 its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mask of a random 40% of
-the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations' column.
+the vocabulary: its sum's cost does not depend on which ids), `+topk 32` the distillations' column,
+`plain sampled 32` `--topk-mode sampled`'s 32 draws from each row's softmax with their ranks.
 `onepass ...` rows (where Triton runs: CUDA) are `--head-kernel onepass`, `auto`'s choice there,
 fused's logits reduced by a kernel that reads each once (the space mask's sum in the same read);
 `fused loss, one-read form` (where the fused pass compiles: CUDA) is the fused loss as runs 7 and 8
@@ -57,13 +58,16 @@ from pipeline.scoring.head_kernels import (  # noqa: E402
 
 # (hidden size, vocabulary, scored positions per batch): Qwen2.5-1.5B and -7B, one batch of
 # bench_gpu.py's 16,384 tokens; tiny for a CPU.
-SHAPES = {"1.5b": (1536, 151936, 16384), "7b": (3584, 152064, 16384), "tiny": (64, 1000, 256)}
+# vocab32k: a tiny hidden size and TinyLlama's vocabulary, where the columns (not the matmul) cost.
+SHAPES = {"1.5b": (1536, 151936, 16384), "7b": (3584, 152064, 16384), "tiny": (64, 1000, 256),
+          "vocab32k": (64, 32000, 512)}  # fmt: skip
 SIDES = (  # label, --head-kernel, top-k, with the space column
     ("fused loss", "fused", 0, False),
     ("fused +space", "fused", 0, True),
     ("fused +topk 32", "fused", 32, False),
     ("plain loss", "plain", 0, False),
     ("plain +space", "plain", 0, True),
+    ("plain +topk 32", "plain", 32, False),
     ("onepass loss", "onepass", 0, False),
     ("onepass +space", "onepass", 0, True),
     ("onepass +topk 32", "onepass", 32, False),
@@ -161,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: not measured: {exc}")
             continue
         measure(label, functools.partial(columns.of_batch, hidden, head, targets, rows))
+    # --topk-mode sampled: 32 ids drawn from each row's fp32 softmax, with their ranks
+    sampled = HeadColumns(HeadExtras(topk=32, sampled=True), vocab, device, "plain")
+    uniforms = torch.rand(positions, 32, generator=generator, device=device, dtype=torch.float64)
+    measure("plain sampled 32", functools.partial(
+        sampled.of_batch, hidden, head, targets, rows, uniforms))  # fmt: skip
     for label, form in EARLIER_FORMS if compiles_on(device) else ():
         earlier = compile_head_pass(form)  # compiled as the scorer compiles fused
 
