@@ -41,6 +41,30 @@ def scored(folder, batch_tokens: int = 64, extras: HeadExtras = EXTRAS, **switch
     return tokenizer, ids, scorer.score_columns(ids)
 
 
+def vocabulary_ranks(logprobs: torch.Tensor) -> torch.Tensor:
+    """Every id's rank [n, V] by a stable descending sort: the definition draws.drawn_ranks
+    counts without sorting."""
+    order = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
+    return rank
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 7, 1000, 151_665])
+def test_drawn_ranks_are_the_sorted_vocabularys_with_ties_to_the_lower_id(vocab):
+    """bf16-rounded logits tie often (as a bf16 teacher's do), a row holds -inf, one is all equal,
+    and an id is drawn twice: each drawn id's rank is its place in the stable sort."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(16, vocab, generator=generator)).bfloat16().float()
+    logits[:3, : vocab // 2] = float("-inf")
+    logits[5] = 1.0
+    logprobs = torch.log_softmax(logits, -1)
+    ids = torch.randint(0, vocab, (16, K), generator=generator)
+    ids[:, 1] = ids[:, 0]
+    expected = vocabulary_ranks(logprobs).gather(-1, ids)
+    assert torch.equal(draws.drawn_ranks(logprobs, ids), expected)
+
+
 def test_the_draws_are_the_teachers_softmax_inverted_at_the_documents_uniforms(teacher):
     _, ids, columns = scored(teacher)
     model = load_model(teacher)
@@ -58,7 +82,7 @@ def test_the_draws_are_the_teachers_softmax_inverted_at_the_documents_uniforms(t
         same = drawn[1:] == expected
         picked = np.take_along_axis(reference.numpy(), drawn[1:], axis=1)
         np.testing.assert_allclose(logprob[1:], picked, atol=1e-5)
-        ranks = draws.ranks(reference).numpy()
+        ranks = vocabulary_ranks(reference).numpy()
         assert (np.take_along_axis(ranks, drawn[1:], axis=1)[same] == rank[1:][same]).all()
         assert (drawn[0] == -1).all() and np.isnan(logprob[0]).all() and np.isnan(loss[0])
 

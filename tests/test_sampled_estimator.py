@@ -16,6 +16,7 @@ from pipeline.scoring import draws
 from pipeline.tokenizer import load_tokenizer
 from tests.stage1_helpers import SHIPPED_CORPUS, load_model, make_tiny_teacher
 from tests.test_distillation_topk import boizard_uld
+from tests.test_sampled_cache import vocabulary_ranks
 
 K, SEEDS = 32, 300
 
@@ -55,7 +56,7 @@ def estimates(teacher: torch.Tensor, student: torch.Tensor) -> dict[str, dict[st
     t, s = teacher.float(), student.float()
     exact = {"kld": full_kl(s, t).mean(), "uld": boizard_uld(s.exp(), t.exp()).mean()}
     student_sorted = torch.sort(s.exp(), dim=-1, descending=True).values
-    cdf, rank = draws.cumulative(teacher), draws.ranks(t)
+    cdf, rank = draws.cumulative(teacher), vocabulary_ranks(t)
     zeros = torch.zeros(len(t))  # the log normalizer of log-probabilities
     runs = {"kld": [], "uld": [], "kld unweighted": [], "uld unweighted": []}
     for seed in range(SEEDS):
@@ -127,7 +128,7 @@ def test_the_sampled_uld_pads_the_smaller_vocabulary(student_vocab):
     student = torch.log_softmax(3 * torch.randn(64, student_vocab, generator=generator), -1)
     exact = boizard_uld(student.exp(), teacher.exp()).mean()
     student_top = torch.sort(student, dim=-1, descending=True).values[:, :40]
-    cdf, rank = draws.cumulative(teacher), draws.ranks(teacher)
+    cdf, rank = draws.cumulative(teacher), vocabulary_ranks(teacher)
     runs = []
     for _ in range(200):
         ids = draws.draw_ids(cdf, torch.rand(64, K, generator=generator, dtype=torch.float64))

@@ -98,7 +98,7 @@ def sampled_columns(
         "loss": loss,
         SAMPLE_IDS: ids,
         SAMPLE_LOGPROBS: log_probs.gather(-1, ids),
-        SAMPLE_RANKS: draws.ranks(log_probs).gather(-1, ids),
+        SAMPLE_RANKS: draws.drawn_ranks(log_probs, ids),
     }
     if space is not None:
         columns[SPACE_LOGPROB] = space_logprob(log_probs, space)
