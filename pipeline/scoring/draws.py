@@ -43,19 +43,23 @@ def drawn_ranks(teacher_logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tens
     Each log-probability becomes an int64 key that orders as that rule does (its fp32 bits made
     monotone, with the reversed id below them), so keys are distinct, and the counts of keys
     above the K drawn ones come from one searchsorted and a histogram: O(V log K) a row where a
-    sort is O(V log V). On a 2-core CPU and a 32k vocabulary the sampled head took 792 ms a
-    batch against the sort's 1,085 (benchmarks/results/2026-12-03/head-sampled-*.txt)."""
+    sort is O(V log V). On a 2-core CPU and a 32k vocabulary the sampled head took 626-635 ms a
+    batch against the sort's 1,044-1,140 (benchmarks/results/2026-12-03/head-sampled-ranks.txt)."""
     vocab = teacher_logprobs.shape[-1]
     id_bits = max(vocab - 1, 1).bit_length()
-    bits = (teacher_logprobs.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 sorts as 0.0 does
-    monotone = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # negative floats count downwards
-    lower_first = (1 << id_bits) - 1 - torch.arange(vocab, device=ids.device)
-    keys = (monotone << id_bits) | lower_first
-    drawn = keys.gather(-1, ids)
-    thresholds, order = torch.sort(drawn, dim=-1)
+    # + 0.0: -0.0 sorts as 0.0 does; in place from here, two int64 values a logit at the most
+    keys = (teacher_logprobs.float() + 0.0).view(torch.int32).long()
+    sign = keys >> 31  # negative floats count downwards: their bits made monotone
+    keys ^= sign.bitwise_and_(0x7FFFFFFF)
+    del sign
+    keys <<= id_bits
+    keys |= (1 << id_bits) - 1 - torch.arange(vocab, device=ids.device)  # lower ids first
+    thresholds, order = torch.sort(keys.gather(-1, ids), dim=-1)
     # below[v]: how many drawn keys are below key v; key v is above drawn key j iff j < below[v]
     below = torch.searchsorted(thresholds, keys)
+    del keys
     counts = torch.zeros(len(ids), ids.shape[-1] + 1, dtype=torch.long, device=ids.device)
-    counts.scatter_add_(-1, below, torch.ones_like(below))
+    one = torch.ones((), dtype=torch.long, device=ids.device)
+    counts.scatter_add_(-1, below, one.expand_as(below))
     above = counts.flip(-1).cumsum(-1).flip(-1)[:, 1:]  # keys above each threshold
     return torch.empty_like(ids).scatter_(-1, order, above)
