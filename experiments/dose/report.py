@@ -132,8 +132,8 @@ def findings(
             established = sum(p["excludes_zero"] for p in mine)
             parts.append(f"`{comparison}` {mean:+.4f} ({established} of {len(mine)} excluding 0)")
         lines.append(f"- Warm start {steps}: " + "; ".join(parts) + ".")
-    longest = config.warm_start_ladder[-1]
-    shortest = min(p["warm_start_steps"] for p in [*points, *earlier])
+    longest, every = config.warm_start_ladder[-1], [*points, *earlier]
+    shortest = min(p["warm_start_steps"] for p in every)
     if flat["tested"]:
         verb = "passed" if flat["flattened"] else "failed: the plateau was not reached"
         lines.append(
@@ -144,7 +144,7 @@ def findings(
         )
     else:
         lines.append("- Plateau test not possible: no held-out loss before the last quarter.")
-    at = {steps: [p for p in [*points, *earlier] if p["warm_start_steps"] == steps
+    at = {steps: [p for p in every if p["warm_start_steps"] == steps
                   and p["comparison"] == "token-none"] for steps in (shortest, longest)}  # fmt: skip
     if at[longest]:
         helped = all(p["high"] < 0 for p in at[longest])

@@ -61,5 +61,5 @@ def drawn_ranks(teacher_logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tens
     counts = torch.zeros(len(ids), ids.shape[-1] + 1, dtype=torch.long, device=ids.device)
     one = torch.ones((), dtype=torch.long, device=ids.device)
     counts.scatter_add_(-1, below, one.expand_as(below))
-    above = counts.flip(-1).cumsum(-1).flip(-1)[:, 1:]  # keys above each threshold
+    above = vocab - counts.cumsum(-1)[:, :-1]  # keys above each threshold: all but those below
     return torch.empty_like(ids).scatter_(-1, order, above)
