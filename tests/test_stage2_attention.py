@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.document_attention import FLEX
 from pipeline.errors import ConfigError
 from pipeline.tokenizer import load_tokenizer
-from stage2_train.attention import resolve_attention, student_logits, use_attention
+from stage2_train.attention import CAST, resolve_attention, student_logits, use_attention
 
 CPU = torch.device("cpu")
 # A 150-token row over two 128-token blocks: three documents, one across the block boundary,
@@ -42,7 +43,7 @@ def test_flex_gives_each_packed_document_its_logits_alone_and_equals_dense():
     with torch.no_grad():
         dense = student_logits(model, batch, CPU)
         use_attention(model, "flex")
-        assert model.config._attn_implementation == "flex_attention"
+        assert model.config._attn_implementation == CAST[FLEX]
         flex = student_logits(model, batch, CPU)
         model.set_attn_implementation("sdpa")
         start = 0
@@ -59,3 +60,34 @@ def test_auto_is_flex_on_a_gpu_and_dense_on_a_cpu_where_flex_is_refused():
     assert resolve_attention("auto", CPU) == resolve_attention("dense", CPU) == "dense"
     with pytest.raises(ConfigError, match="--attention flex trains on a GPU only"):
         resolve_attention("flex", CPU)
+
+
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+def test_q_k_and_v_reach_the_kernel_in_the_autocast_dtype(attention, monkeypatch):
+    """Under bf16 autocast with float32 weights (a GPU run without --fsdp), q and k leave RoPE in
+    float32 and v its projection in bf16: each kernel is handed all three in bf16, with and
+    without the document mask. A spy stands in for the kernel (CPU autocast here; PyTorch has no
+    flex backward on a CPU, and the spy needs none)."""
+    import transformers.integrations.flex_attention as flex_module
+
+    from pipeline.models.student import build_student
+
+    received = []
+
+    def spy(query, key, value, *args, **kwargs):
+        received.append((query.dtype, key.dtype, value.dtype))
+        return torch.zeros_like(query)  # [B, H, T, D], as both kernels return it
+
+    if attention == "flex":
+        monkeypatch.setattr(flex_module, "compile_friendly_flex_attention", spy)
+    else:
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = build_student("llama-tiny", load_tokenizer("tinyllama"), seed=0, seq_len=256)
+    use_attention(model, attention)
+    packed = packed_row()
+    stream = {"input_ids": packed["input_ids"]}  # --packing stream: no mask, no segment ids
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for batch in (packed, stream):
+            student_logits(model, batch, CPU)
+    layers = model.config.num_hidden_layers
+    assert received == [(torch.bfloat16,) * 3] * (2 * layers)
