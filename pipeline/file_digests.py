@@ -14,10 +14,13 @@ digest is also their identity in the manifest's fingerprint.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import xxhash
+
+from pipeline.errors import CacheError
 
 DIGEST = "xxh3_128"
 READ_BYTES = 8 << 20  # per read while hashing
@@ -66,6 +69,34 @@ def share_problems(folder: Path, recorded: dict[str, dict], rank: int, world: in
         except OSError as exc:
             problems.append(f"{path} cannot be read ({exc.strerror or exc})")
     return problems
+
+
+def parse_record(path: Path) -> object:
+    """A record's JSON; CacheError naming it where it does not parse (cut off, overwritten): a
+    damaged record is damage, never a record from before digests."""
+    try:
+        return json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise CacheError(f"{path} is damaged: it does not parse ({exc})") from None
+
+
+def recorded_files(record: object, path: Path) -> dict[str, dict]:
+    """The files a parsed record (at `path`) lists, each with its size and digest; CacheError
+    naming `path` where any is not so."""
+    files = record.get("files") if isinstance(record, dict) else None
+    whole = (
+        isinstance(files, dict)
+        and record.get("digest") == DIGEST
+        and all(
+            isinstance(entry, dict)
+            and isinstance(entry.get("bytes"), int)
+            and isinstance(entry.get(DIGEST), str)
+            for entry in files.values()
+        )
+    )
+    if not whole:
+        raise CacheError(f"{path} is damaged: it does not record each file's size and {DIGEST}")
+    return files
 
 
 def damage_summary(problems: list[str]) -> str:

@@ -25,18 +25,22 @@ def trusted_checkpoint(config: TrainConfig, newest: Path | None, runtime: Runtim
     if config.resume == "auto":
         candidates = [folder for _, folder in reversed(complete_checkpoints(config.out))]
     for folder in candidates:
-        recorded = recorded_digests(folder)
-        if recorded is None:
-            warnings.warn(
-                f"checkpoint {folder} records no digests (written before they were): resuming "
-                "from it unverified",
-                stacklevel=2,
+        try:
+            recorded = recorded_digests(folder)
+        except CacheError as exc:  # a damaged marker: damage, as a damaged file is
+            problems = [str(exc)]
+        else:
+            if recorded is None:
+                warnings.warn(
+                    f"checkpoint {folder} records no digests (written before they were): "
+                    "resuming from it unverified",
+                    stacklevel=2,
+                )
+                return folder
+            shares = runtime.all_gather_objects(
+                share_problems(folder, recorded, runtime.rank, runtime.world_size)
             )
-            return folder
-        shares = runtime.all_gather_objects(
-            share_problems(folder, recorded, runtime.rank, runtime.world_size)
-        )
-        problems = sorted(problem for share in shares for problem in share)
+            problems = sorted(problem for share in shares for problem in share)
         if not problems:
             if folder != newest and runtime.is_main:
                 print(f"stage 2: resuming from {folder}, the newest whole checkpoint",

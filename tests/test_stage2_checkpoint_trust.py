@@ -137,6 +137,29 @@ def test_a_checkpoint_from_before_digests_resumes_with_a_warning(cache, stopped,
     assert read_metrics(stopped) == read_metrics(uninterrupted)
 
 
+def test_a_marker_cut_in_half_is_damage_not_a_checkpoint_from_before_digests(
+    cache, stopped, uninterrupted, tmp_path, capsys
+):
+    """Before: a COMPLETE cut in half did not parse, was read as a marker from before digests,
+    and its damaged files were resumed unverified. Only `step N` may resume unverified."""
+    marker = step_dir(stopped, 4) / MARKER
+    marker.write_bytes(marker.read_bytes()[: marker.stat().st_size // 2])
+    flip_two_bytes(state_file(step_dir(stopped, 4)))  # what the marker can no longer tell
+    checkpoint = tmp_path / "copy"
+    shutil.copytree(step_dir(stopped, 4), checkpoint)
+    assert export([str(checkpoint), "--out", str(tmp_path / "model")]) == 2
+    assert f"{checkpoint / MARKER} is damaged: it does not parse" in capsys.readouterr().err
+    args = train_args(cache, stopped, *OPTIONS, "--resume", str(step_dir(stopped, 4)))
+    assert train(args) == 2
+    assert f"{marker} is damaged: it does not parse" in capsys.readouterr().err
+    assert train(train_args(cache, stopped, *OPTIONS)) == 0
+    err = capsys.readouterr().err
+    said = f"stage 2: checkpoint {step_dir(stopped, 4)} is damaged: {marker} is damaged"
+    assert said in err
+    assert f"resuming from {step_dir(stopped, 2)}, the newest whole checkpoint" in err
+    assert read_metrics(stopped) == read_metrics(uninterrupted)
+
+
 def test_export_refuses_a_damaged_checkpoint(stopped, tmp_path, capsys):
     checkpoint = tmp_path / "copy"
     shutil.copytree(step_dir(stopped, 4), checkpoint)
@@ -171,7 +194,7 @@ def test_a_model_folder_records_its_files_and_eval_refuses_one_damaged_since(
     err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(err) == 1, err
     assert f"the folder is damaged: {model / 'model.safetensors'} does not match its recorded" in err[0]
-    del provenance["files"]  # a folder written before digests: loaded, with one warning
+    del provenance["files"], provenance["digest"]  # as before digests: loaded, with a warning
     (model / PROVENANCE_NAME).write_text(json.dumps(provenance))
     shutil.copy(uninterrupted / "final" / "model.safetensors", model / "model.safetensors")
     assert vocagno(evaluate) == 0
@@ -187,3 +210,20 @@ def test_a_cut_off_metrics_log_is_repaired_on_resume_with_one_line(cache, stoppe
     assert len(said) == 1
     assert "kept the records of steps up to 3; no record of step 4 (trained, not logged)" in said[0]
     assert [record["step"] for record in read_metrics(stopped)] == [1, 2, 3, 5, 6]
+
+
+def test_a_cut_off_vocagno_json_is_damage_not_a_folder_from_before_digests(
+    uninterrupted, tmp_path, capsys
+):
+    """Before: a vocagno.json cut off did not parse and its folder was "loaded unverified"."""
+    from apps.cli import main as vocagno
+    from pipeline.models.model_folder import PROVENANCE_NAME
+
+    model = tmp_path / "final"
+    shutil.copytree(uninterrupted / "final", model)
+    record = model / PROVENANCE_NAME
+    record.write_bytes(record.read_bytes()[: record.stat().st_size // 2])
+    assert vocagno(["eval", "--model", str(model), "--num-docs", "1", "--answer-problems", "0",
+                    "--accuracy-problems", "0"]) == 2  # fmt: skip
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and f"{record} is damaged: it does not parse" in err[0], err

@@ -5,10 +5,17 @@ writes OUT/final so, and stage2_train/export.py a checkpoint."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from pipeline.file_digests import DIGEST, digest_share, folder_files, share_problems
+from pipeline.errors import CacheError
+from pipeline.file_digests import (
+    DIGEST,
+    digest_share,
+    folder_files,
+    parse_record,
+    recorded_files,
+    share_problems,
+)
 from pipeline.io import atomic_write_json, staged_folder
 from pipeline.models.hf_tokenizer import save_tokenizer
 
@@ -30,11 +37,16 @@ def write_model_folder(
 
 def model_folder_problems(folder: Path) -> list[str] | None:
     """What is wrong with the files a model folder's vocagno.json records (empty: whole); None
-    where it records none (a folder vocagno did not write, or wrote before digests)."""
+    where there is no vocagno.json, or one from before digests (it lists no files). A vocagno.json
+    that does not parse or lists its files wrongly is damage, said as the first problem."""
+    path = folder / PROVENANCE_NAME
+    if not path.exists():
+        return None
     try:
-        provenance = json.loads((folder / PROVENANCE_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(provenance, dict) or not isinstance(provenance.get("files"), dict):
-        return None
-    return share_problems(folder, provenance["files"], 0, 1)
+        provenance = parse_record(path)
+        if isinstance(provenance, dict) and not {"files", "digest"} & provenance.keys():
+            return None
+        files = recorded_files(provenance, path)
+    except CacheError as exc:
+        return [str(exc)]
+    return share_problems(folder, files, 0, 1)
