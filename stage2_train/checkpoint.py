@@ -48,6 +48,7 @@ from pipeline.io import (
     space_checked,
 )
 from stage2_train.checkpoint_digests import MARKER, checkpoint_files, marker_text
+from stage2_train.checkpoint_reader import load_state
 from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState
@@ -278,24 +279,25 @@ def load_checkpoint(
 ) -> DataState:
     """Restore model, optimizer, scheduler and (same world size) this rank's RNG; returns the
     positions of this rank's consumers."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _model_and_optimizer_state(model, optimizer)
     with single_process_is_intended():
-        dcp.load(state, checkpoint_id=folder / "state", no_dist=not runtime.distributed)
+        load_state(state, folder / "state", no_dist=not runtime.distributed)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
-    scheduler.load_state_dict(torch.load(folder / "trainer.pt", weights_only=True)["scheduler"])
+    scheduler.load_state_dict(_load_tensors(folder / "trainer.pt")["scheduler"])
     saved_world = json.loads((folder / "checkpoint.json").read_text())["world_size"]
-    ranks = [_load_rank_state(folder / f"rank-{rank}.pt") for rank in range(saved_world)]
+    ranks = [_load_tensors(folder / f"rank-{rank}.pt") for rank in range(saved_world)]
     if saved_world == runtime.world_size:
         _set_rng_state(ranks[runtime.rank]["rng"])
     return DataState.take(plan, runtime.rank, [DataState.from_dict(r["data"]) for r in ranks])
 
 
-def _load_rank_state(path: Path) -> dict:
+def _load_tensors(path: Path) -> dict:
+    """A file of tensors and plain data (`rank-R.pt`, `trainer.pt`), read by the unpickler that
+    builds nothing else."""
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError:

@@ -106,7 +106,6 @@ def export_refusal(checkpoint: Path, dest: Path, overwrite: bool) -> str | None:
 def export_checkpoint(checkpoint: Path, dest: Path, *, overwrite: bool = False) -> Path:
     """Write `checkpoint`'s student to `dest` (published whole, or not at all); ConfigError on a
     folder that is no complete checkpoint, or on a `dest` it may not write (`export_refusal`)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from pipeline.models.model_folder import write_model_folder
@@ -114,6 +113,7 @@ def export_checkpoint(checkpoint: Path, dest: Path, *, overwrite: bool = False) 
     from pipeline.tokenizer import load_tokenizer
     from pipeline.versions import software_versions
     from stage2_train.checkpoint import MARKER, single_process_is_intended
+    from stage2_train.checkpoint_reader import load_state
 
     checkpoint, dest = Path(checkpoint), Path(dest)
     if not (checkpoint / MARKER).is_file():
@@ -134,7 +134,7 @@ def export_checkpoint(checkpoint: Path, dest: Path, *, overwrite: bool = False) 
     # the trainer saved get_state_dict's names, which leave out compile and DDP/FSDP wrappers
     state = {"model": get_model_state_dict(student)}
     with single_process_is_intended():
-        dcp.load(state, checkpoint_id=checkpoint / "state", no_dist=True)
+        load_state(state, checkpoint / "state", no_dist=True)
     set_model_state_dict(student, state["model"])
     provenance = {
         "config": config,

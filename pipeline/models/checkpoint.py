@@ -91,9 +91,17 @@ def _tensor_names(path: Path) -> set[str]:
 
         with safe_open(str(path), framework="pt") as handle:
             return set(handle.keys())
+    import pickle
+
     import torch
 
-    return set(torch.load(path, map_location="meta", weights_only=True, mmap=True))
+    try:  # the unpickler that builds only tensors, as transformers' own load of the file
+        return set(torch.load(path, map_location="meta", weights_only=True, mmap=True))
+    except pickle.UnpicklingError:
+        raise ModelError(
+            f"{path} holds objects other than tensors, which could run code when loaded: "
+            "refusing it unloaded"
+        ) from None
 
 
 def check_checkpoint(model, folder: Path, what: str) -> None:
@@ -108,6 +116,8 @@ def check_checkpoint(model, folder: Path, what: str) -> None:
         log.warning(f"{what}: its {PROVENANCE_NAME} records no digests: loaded unverified")
     try:
         names = checkpoint_tensor_names(folder)
+    except ModelError:
+        raise
     except Exception as exc:
         raise ModelError(f"cannot read the weights of {what}: {exc}") from exc
     if names is None:
