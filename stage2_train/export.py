@@ -6,10 +6,12 @@ tokenizer, and vocagno.json saying what produced it, so that `vocagno eval` (or 
 a run's intermediate steps, which a curve over the token budget needs. Only the model's part of
 the checkpoint is read, not the optimizer's.
 
-Export writes only where it may: a new or empty --out, or (with --overwrite) an earlier export,
-which it replaces whole. A folder holding a stage-2 run, a checkpoint (its own source included), a
-cache, a model it did not export or anyone's files is refused in one line, --overwrite or not, and
-so is a folder inside the checkpoint's run (which would then hold files stage 2 did not write)."""
+Export writes only where it may: a new or empty --out, or (with --overwrite) an earlier export
+holding only what an export wrote (the files its vocagno.json records), which it replaces. A
+folder holding a stage-2 run, a checkpoint (its own source included), a cache, a model it did not
+export or anyone's files is refused in one line, --overwrite or not, and so is an earlier export
+beside files of yours, and a folder inside the checkpoint's run (which would then hold files
+stage 2 did not write)."""
 
 from __future__ import annotations
 
@@ -70,8 +72,35 @@ def _holds(folder: Path) -> str:
         return "a model stage 2 wrote (a run's final/)"
     if RUN_CONFIG in names:
         return "a model"
-    shown = ", ".join(sorted(names)[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return f"files export did not write ({shown})"
+    return f"files export did not write ({_listed(sorted(names))})"
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _not_exported(folder: Path) -> list[str]:
+    """What an earlier export's folder holds beyond the files its vocagno.json records (all of it
+    where that records none: an export from before digests, or a damaged record)."""
+    import os
+
+    from pipeline.errors import CacheError
+    from pipeline.file_digests import parse_record, recorded_files
+    from pipeline.models.model_folder import PROVENANCE_NAME
+
+    try:
+        path = folder / PROVENANCE_NAME
+        written = {PROVENANCE_NAME, *recorded_files(parse_record(path), path)}
+    except CacheError:
+        written = set()
+    # the folders that hold a written file are the export's too
+    written |= {str(parent) for name in written for parent in Path(name).parents} - {"."}
+    present = [
+        os.path.relpath(os.path.join(root, name), folder)
+        for root, folders, files in os.walk(folder)
+        for name in folders + files
+    ]
+    return sorted(name for name in present if name not in written)
 
 
 def export_refusal(checkpoint: Path, dest: Path, overwrite: bool) -> str | None:
@@ -94,9 +123,18 @@ def export_refusal(checkpoint: Path, dest: Path, overwrite: bool) -> str | None:
         return None
     holds = _holds(target)
     if holds == EARLIER_EXPORT:
-        if overwrite:
-            return None
-        return f"--out {dest} holds an earlier export; choose another folder, or pass --overwrite"
+        if not overwrite:
+            return (
+                f"--out {dest} holds an earlier export; choose another folder, or pass --overwrite"
+            )
+        others = _not_exported(target)
+        if others:
+            return (
+                f"--out {dest} holds an earlier export and files it did not write "
+                f"({_listed(others)}): --overwrite replaces only what an export wrote; move them, "
+                "or choose another folder"
+            )
+        return None
     return (
         f"--out {dest} holds {holds}, not an earlier export: export never replaces it, "
         "--overwrite or not; choose a new or empty folder"

@@ -135,3 +135,25 @@ def test_a_file_at_out_is_refused_and_an_empty_folder_is_written(run, tmp_path, 
     (tmp_path / "empty").mkdir()
     assert export([str(step_dir(run, 4)), "--out", str(tmp_path / "empty")]) == 0
     assert (tmp_path / "empty" / PROVENANCE_NAME).exists()
+
+
+def test_overwrite_replaces_an_earlier_export_only_when_it_holds_nothing_else(
+    run, tmp_path, capsys
+):
+    """Before: --overwrite onto an earlier export deleted the user's files in it (notes.txt,
+    eval_results/). It replaces only what the export wrote (the files its vocagno.json records)
+    and refuses, naming them, where the folder holds others."""
+    dest = tmp_path / "model"
+    assert export([str(step_dir(run, 2)), "--out", str(dest)]) == 0
+    (dest / "notes.txt").write_text("mine")
+    (dest / "eval_results").mkdir()
+    before = tree(dest)
+    capsys.readouterr()
+    assert export([str(step_dir(run, 4)), "--out", str(dest), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "files it did not write (eval_results, notes.txt)" in err[0], err
+    assert tree(dest) == before and (dest / "eval_results").is_dir()
+    (dest / "notes.txt").unlink()
+    (dest / "eval_results").rmdir()
+    assert export([str(step_dir(run, 4)), "--out", str(dest), "--overwrite"]) == 0
+    assert json.loads((dest / PROVENANCE_NAME).read_text())["step"] == 4
