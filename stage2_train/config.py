@@ -50,6 +50,7 @@ RESUMABLE_CHANGES = frozenset(
         "out",
         "stop_at_step",
         "save_every",
+        "save_at_end",
         "resume",
         "record_documents",
         "num_workers",
@@ -189,6 +190,8 @@ class TrainConfig:
         "checkpoint, as a cluster time limit would; --resume auto continues the same "
         "schedule")  # fmt: skip
     save_every: int = CHECKPOINTING(500, help="save a checkpoint every N steps")
+    save_at_end: bool = CHECKPOINTING(True, help="save a checkpoint and final/ at the run's last "
+        "step; --no-save-at-end: only what --save-every asks for (a benchmark's runs)")  # fmt: skip
     resume: str = CHECKPOINTING(
         "auto",
         help="auto: continue from the newest complete checkpoint in OUT if any; never: start "
@@ -288,6 +291,10 @@ class TrainConfig:
             )
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
             raise ValueError(f"--stop-at-step must be in [1, --max-steps], not {self.stop_at_step}")
+        if self.stop_at_step is not None and not self.save_at_end:
+            raise ValueError(
+                "--stop-at-step saves a checkpoint to resume from: drop --no-save-at-end"
+            )
         if not 0 <= self.packing_context < 1:
             raise ValueError(f"--packing-context must be in [0, 1), not {self.packing_context}")
         if not 0 < self.min_lr <= self.lr:

@@ -96,7 +96,7 @@ def save_final(
 
 def train(config: TrainConfig) -> Path | None:
     """Run (or continue) the schedule up to --stop-at-step or --max-steps; returns OUT/final when
-    the schedule is complete (on rank 0; None on the others)."""
+    the schedule is complete and saved (on rank 0; None on the others, or --no-save-at-end)."""
     runtime = Runtime.start()
     try:
         with StopRequest() as stop, contextlib.ExitStack() as output:
@@ -319,7 +319,8 @@ def _train(
             progress.update()
 
         # save
-        if stop_votes or step % config.save_every == 0 or step == stop_step:
+        at_end = step == stop_step and config.save_at_end
+        if stop_votes or step % config.save_every == 0 or at_end:
             saved = save_checkpoint(
                 config, step, model, optimizer, scheduler, data_state, meta, runtime
             )
@@ -336,7 +337,7 @@ def _train(
             "to resume from it",
             stop.exit_signal,
         )
-    if stop_step < config.max_steps:
+    if stop_step < config.max_steps or not config.save_at_end:
         return None
     provenance = {
         "config": to_dict(config),

@@ -104,6 +104,19 @@ def test_metrics_and_final_model(uninterrupted, cache):
     assert any((uninterrupted / "tensorboard").iterdir())
 
 
+def test_no_save_at_end_saves_only_what_save_every_asks_for(cache, uninterrupted, tmp_path):
+    """--no-save-at-end (a benchmark's runs): the same steps, no checkpoint at the last step and
+    no final/ (a TinyLlama-sized student's are 17 GB), the checkpoints --save-every asks for kept;
+    with --stop-at-step, which saves to resume from, it is refused in one line."""
+    out = tmp_path / "out"
+    assert main(train_args(cache, out, *RESUME_ARGS, "--no-save-at-end", "--save-every", "4")) == 0
+    assert read_metrics(out) == read_metrics(uninterrupted)
+    assert [path.name for path in (out / "checkpoints").iterdir()] == ["step-4"]
+    assert not (out / "final").exists()
+    with pytest.raises(ConfigError, match="--stop-at-step saves a checkpoint to resume from"):
+        parse_train_config(train_args(cache, out, "--no-save-at-end", "--stop-at-step", "2"))
+
+
 def test_guidance_none_keeps_every_token(cache, tmp_path):
     out = tmp_path / "out"
     assert (
