@@ -48,7 +48,7 @@ def resolve_attention(choice: str, device: torch.device) -> str:
     return attention
 
 
-# transformers' kernel -> the name of the same kernel behind the cast (registered by `use_attention`)
+# transformers' kernel -> the same kernel behind the cast (registered by `use_attention`)
 CAST = {FLEX: "vocagno_flex_attention", "sdpa": "vocagno_sdpa"}
 
 

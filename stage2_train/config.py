@@ -168,7 +168,7 @@ class TrainConfig:
         "auto",
         help="chunked: the per-token loss from the last hidden states and the head's weight in "
         "row chunks, never the whole micro-batch's logits (Llama, Mistral, Qwen2/3 students, "
-        "not with --fsdp); plain: the model's logits, then the loss; "
+        "with or without --fsdp); plain: the model's logits, then the loss; "
         "auto: chunked on a GPU where it applies (docs/gpu-path.md)",
     )
     compile: CompileLayers = KERNELS(

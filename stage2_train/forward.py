@@ -6,9 +6,10 @@
   (float32 log-softmax over the whole micro-batch's logits).
 - chunked: the decoder's last hidden states and the head's weight go to
   `pipeline.chunked_loss.chunked_head_outputs`, which never holds more than one chunk's logits.
+  It runs inside the model's forward pass, as the decoder's output leaves it: there --fsdp's
+  sharded head weight is whole, and its gradient reaches FSDP's reduce-scatter like any other.
   It needs a model whose logits are the bare product of a bias-free linear head (the families in
-  `CHUNKED_FAMILIES`) and no --fsdp (whose sharded head weight exists whole only inside the
-  model's forward pass).
+  `CHUNKED_FAMILIES`).
 - auto (default): chunked on a GPU where it applies, plain otherwise.
 
 The distillation's extras of a micro-batch (`extras_of`) go to the device here too.
@@ -33,10 +34,8 @@ from stage2_train.parallel import unwrapped
 CHUNKED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def chunked_loss_blocker(config: TrainConfig, student: nn.Module) -> str | None:
-    """Why the chunked loss cannot train this run, or None."""
-    if config.fsdp:
-        return "--fsdp shards the head's weight outside the model's forward pass"
+def chunked_loss_blocker(student: nn.Module) -> str | None:
+    """Why the chunked loss cannot train this student, or None."""
     head = student.get_output_embeddings()
     family = student.config.model_type
     if family not in CHUNKED_FAMILIES or type(head) is not nn.Linear or head.bias is not None:
@@ -49,7 +48,7 @@ def chunked_loss_blocker(config: TrainConfig, student: nn.Module) -> str | None:
 
 def resolve_loss_kernel(config: TrainConfig, student: nn.Module, device: torch.device) -> str:
     """`chunked` or `plain` for `--loss-kernel`; a chunked that cannot apply is refused."""
-    blocker = chunked_loss_blocker(config, student)
+    blocker = chunked_loss_blocker(student)
     if config.loss_kernel == "chunked" and blocker:
         raise ConfigError(f"--loss-kernel chunked: {blocker}; use --loss-kernel plain")
     return on_device(config.loss_kernel, device, gpu="plain" if blocker else "chunked", cpu="plain")
@@ -70,21 +69,19 @@ def student_forward(
         with compute:
             logits = student_logits(model, batch, device)
         return head_outputs(logits, labels, reads)
-    captured = []  # the decoder's output, caught on its way to the head
-    hook = (
-        unwrapped(model)
-        .get_decoder()
-        .register_forward_hook(
-            lambda module, args, output: captured.append(output.last_hidden_state)
-        )
-    )
+    head, outputs = unwrapped(model).get_output_embeddings(), []
+
+    def on_decoder_output(module, args, output) -> None:
+        # inside the model's forward pass, where an FSDP-sharded head's weight is whole
+        outputs.append(chunked_head_outputs(output.last_hidden_state, head.weight, labels, reads))
+
+    hook = unwrapped(model).get_decoder().register_forward_hook(on_decoder_output)
     try:
         with compute:
             # the head runs on no position: its weight is used by the chunked pass instead
             none = torch.empty(0, dtype=torch.long, device=device)
             model(**model_inputs(model, batch, device), logits_to_keep=none)
-            head = unwrapped(model).get_output_embeddings().weight
-            return chunked_head_outputs(captured[0], head, labels, reads)
+        return outputs[0]
     finally:
         hook.remove()
 

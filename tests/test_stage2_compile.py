@@ -37,7 +37,9 @@ def deep_student(folder: Path) -> Path:
     return config
 
 
-def test_a_compiled_deep_student_compiles_one_graph_for_all_its_layers(cache, tmp_path, monkeypatch):
+def test_a_compiled_deep_student_compiles_one_graph_for_all_its_layers(
+    cache, tmp_path, monkeypatch
+):
     from torch._dynamo.utils import counters
 
     compile_module = nn.Module.compile

@@ -136,6 +136,45 @@ def runs(tmp_path_factory) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory) -> dict:
+    """FSDP with the plain path, and with its layers compiled and the chunked loss, whole and
+    stopped at step 4 then resumed (their own cache: `runs`'s launches need not run with them)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    cache = root / "cache"
+    build_cache(cache, documents=corpus_documents(6), docs_per_shard=3)
+    fast = ("--fsdp", "--compile", "layers", "--loss-kernel", "chunked")
+    plain, whole, parts = root / "plain", root / "whole", root / "parts"
+    for process in [
+        torchrun(epoch_args(cache, plain, "--fsdp")),
+        torchrun(epoch_args(cache, whole, *fast)),
+        torchrun(epoch_args(cache, parts, *fast, "--stop-at-step", "4")),
+    ]:
+        finish(process)
+    finish(torchrun(epoch_args(cache, parts, *fast)))
+    return {"plain": plain, "whole": whole, "parts": parts}
+
+
+def test_fsdp_with_compiled_layers_and_the_chunked_loss_trains_and_resumes_bit_for_bit(
+    fsdp_runs,
+):
+    """--fsdp --compile layers --loss-kernel chunked (the chunked loss runs inside the model's
+    forward pass, where the sharded head's weight is whole): the plain FSDP run's trajectory up
+    to float rounding, the same tokens kept, and stopped at step 4 and resumed it equals its
+    uninterrupted self bit for bit."""
+    fast, plain = read_metrics(fsdp_runs["whole"]), read_metrics(fsdp_runs["plain"])
+    for a, b in zip(fast, plain, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["kept_fraction"] == b["kept_fraction"]
+    saved = json.loads((fsdp_runs["whole"] / "config.json").read_text())
+    assert [saved["resolved_compile"], saved["resolved_loss_kernel"]] == ["layers", "chunked"]
+    assert read_metrics(fsdp_runs["parts"]) == fast
+    assert (fsdp_runs["parts"] / "final" / "model.safetensors").read_bytes() == (
+        fsdp_runs["whole"] / "final" / "model.safetensors"
+    ).read_bytes()
+
+
 def test_stopped_and_resumed_2_rank_run_is_bit_identical(runs):
     assert len(runs["stopped_metrics"].splitlines()) == 4
     assert [m["step"] for m in read_metrics(runs["whole"])] == list(range(1, 9))

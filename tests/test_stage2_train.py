@@ -573,8 +573,9 @@ def test_a_compiled_run_trains_what_eager_does_and_resumes_bit_for_bit(
 def test_the_chunked_loss_trains_what_the_full_logits_do(cache, uninterrupted, tmp_path, capsys):
     """--loss-kernel chunked (auto's choice on a GPU) on the CPU: the run's per-step losses and
     gradient norms as the plain run's, within float32 rounding, and stopped at step 3 and resumed
-    its own exactly; where it cannot apply (--fsdp) it is refused in one line. (The distillation terms' chunked runs: test_stage2_distillation.py,
-    test_stage2_alm.py.)"""
+    its own exactly; where it cannot apply (a student whose logits are not a bare linear head's)
+    it is refused in one line. (The distillation terms' chunked runs:
+    test_stage2_distillation.py, test_stage2_alm.py; under --fsdp: test_stage2_torchrun.py.)"""
     out = tmp_path / "chunked"
     assert main(train_args(cache, out, *RESUME_ARGS, "--loss-kernel", "chunked")) == 0
     assert json.loads((out / "config.json").read_text())["resolved_loss_kernel"] == "chunked"
@@ -584,10 +585,14 @@ def test_the_chunked_loss_trains_what_the_full_logits_do(cache, uninterrupted, t
     chunked = ("--loss-kernel", "chunked")
     assert_resumes_bit_for_bit(cache, tmp_path / "resumed", read_metrics(out), *chunked)
     capsys.readouterr()
-    refused = tmp_path / "refused"
-    assert main(train_args(cache, refused, "--loss-kernel", "chunked", "--fsdp")) == 2
+    refused, gpt2 = tmp_path / "refused", tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 32000, "n_embd": 32,
+                                "n_layer": 1, "n_head": 2}))  # fmt: skip
+    args = train_args(cache, refused, "--loss-kernel", "chunked")
+    args[args.index("--student") + 1] = str(gpt2)
+    assert main(args) == 2
     assert capsys.readouterr().err.strip().endswith(
-        "--loss-kernel chunked: --fsdp shards the head's weight outside the model's forward "
-        "pass; use --loss-kernel plain"
+        "--loss-kernel chunked: a 'gpt2' student's logits are not known to be a bias-free linear "
+        "head's product (supported: llama, mistral, qwen2, qwen3); use --loss-kernel plain"
     )
     assert not refused.exists()
