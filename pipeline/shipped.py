@@ -8,15 +8,23 @@ from pathlib import Path
 
 # The package is installed from a source tree or a wheel, never zipped: a real folder.
 ASSETS = Path(str(resources.files("pipeline") / "assets"))
-CORPUS_SPLITS = ("train", "eval", "chat-train", "chat-eval")
+CORPUS_FILES = {
+    "train": "gsm_symbolic-train.jsonl.zst",
+    "eval": "gsm_symbolic-eval.jsonl.zst",
+    "chat-train": "gsm_symbolic-chat-train.jsonl.zst",
+    "chat-eval": "gsm_symbolic-chat-eval.jsonl.zst",
+    "kjv": "kjv-chapters.jsonl.zst",
+}
+CORPUS_SPLITS = tuple(CORPUS_FILES)
 
 
 def shipped_corpus(split: str) -> Path:
-    """The GSM-style math corpus (`train`: 20,000 documents, `eval`: 1,000 held out), and its
-    first 2,000 and 200 as chat records (`chat-train`, `chat-eval`: `--targets chat`)."""
+    """The GSM-style math corpus (`train`: 20,000 documents, `eval`: 1,000 held out), its
+    first 2,000 and 200 as chat records (`chat-train`, `chat-eval`: `--targets chat`), and real
+    prose: the King James Bible, one document per chapter (`kjv`: 1,189; docs/regime.md)."""
     if split not in CORPUS_SPLITS:
         raise ValueError(f"shipped corpus split must be one of {CORPUS_SPLITS}, not {split!r}")
-    return ASSETS / "corpus" / f"gsm_symbolic-{split}.jsonl.zst"
+    return ASSETS / "corpus" / CORPUS_FILES[split]
 
 
 def shipped_tokenizer_file(file_name: str) -> Path:

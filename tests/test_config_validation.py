@@ -333,14 +333,16 @@ def test_the_known_manifest_tables_are_the_commands_sections():
     import apps.evaluation.config
     import experiments.curve.config
     import experiments.dose.config
+    import experiments.regime.config
     import stage1_score.config
     import stage2_train.config
     from pipeline.config import MANIFEST_TABLES
 
     modules = (apps.commands.analyze, apps.demo.config, apps.evaluation.config,
-               experiments.curve.config, experiments.dose.config, stage1_score.config,
-               stage2_train.config)  # fmt: skip
+               experiments.curve.config, experiments.dose.config, experiments.regime.config,
+               stage1_score.config, stage2_train.config)  # fmt: skip
     read = {module.SECTION for module in modules} | {apps.demo.config.PREREGISTERED}
+    read |= {experiments.regime.config.ARMS}
     assert set(MANIFEST_TABLES) == read
     sections = re.findall(r'^SECTION = "(\w+)"', "\n".join(
         p.read_text() for p in Path(__file__).parents[1].glob("[a-z]*/**/*.py")

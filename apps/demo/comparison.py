@@ -31,6 +31,9 @@ METRICS = {
     "bits_per_character": Metric(
         "bits_per_character", "bits per character, whole documents", True, "{:.4f}"
     ),
+    "last_word_accuracy": Metric(
+        "last_word_accuracy", "greedy last-word accuracy (line ends)", False, "{:.4f}"
+    ),
 }
 
 
@@ -48,6 +51,11 @@ def per_item(result: dict, metric: str) -> tuple[np.ndarray, np.ndarray]:
         bits = np.asarray(bpc["per_document_bits"], dtype=np.float64)
         chars = np.asarray(bpc["per_document_characters"], dtype=np.float64)
         return bits / chars, chars
+    if metric == "last_word_accuracy":
+        lwa = result["last_word_accuracy"]
+        words = np.asarray(lwa["per_document_words"], dtype=np.float64)
+        correct = np.asarray(lwa["per_document_correct"], dtype=np.float64)
+        return correct / np.maximum(words, 1), words
     raise ValueError(f"unknown metric {metric!r}")
 
 
@@ -75,10 +83,14 @@ class Row:
         return self.a if a_better else self.b
 
 
-def compare(results: dict[str, dict], prereg: PreRegistration) -> list[Row]:
+def compare(
+    results: dict[str, dict], prereg: PreRegistration, pairs: list[tuple[str, str]] | None = None
+) -> list[Row]:
+    """Each metric's difference for each pair (`pairs`; default: the comparisons of guidance
+    modes) that both results measured."""
     rows = []
     for metric in (prereg.primary, *prereg.secondary):
-        for a, b in prereg.pairs():
+        for a, b in prereg.pairs() if pairs is None else pairs:
             if metric not in _present(results[a]) or metric not in _present(results[b]):
                 continue
             xa, w = per_item(results[a], metric)

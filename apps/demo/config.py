@@ -12,7 +12,7 @@ from pipeline.guidance_modes import GUIDANCE_MODES, GuidanceMode
 
 SECTION = "demo"
 # What `vocagno eval` reports per problem or document, so the report can bootstrap over them.
-Metric = Literal["answer_bits", "answer_accuracy", "bits_per_character"]
+Metric = Literal["answer_bits", "answer_accuracy", "bits_per_character", "last_word_accuracy"]
 PREREGISTERED = "preregistered"
 WARM_START_OFFSET = 10_000  # warm-start documents start here in the 20,000-document train split
 
@@ -75,22 +75,27 @@ class PreRegistration:
     confidence: float = option(0.95, help="confidence of the bootstrap interval")
 
     def __post_init__(self) -> None:
-        for pair in self.comparisons:
-            _arm_pair(pair)
+        self.check_arm_names()
         if self.resamples < 100 or not 0 < self.confidence < 1:
             raise ValueError("resamples must be >= 100 and confidence in (0, 1)")
 
-    def pairs(self) -> list[tuple[str, str]]:
-        return [_arm_pair(pair) for pair in self.comparisons]
+    def check_arm_names(self) -> None:
+        """The demo's arms are guidance modes (an experiment with arms of its own names checks
+        them against its arms instead)."""
+        self.pairs()
+
+    def pairs(self, arms: tuple[str, ...] = GUIDANCE_MODES) -> list[tuple[str, str]]:
+        """The comparisons as (a, b) pairs of `arms` (an experiment names its own arms)."""
+        return [_arm_pair(pair, arms) for pair in self.comparisons]
 
 
-def _arm_pair(pair: str) -> tuple[str, str]:
+def _arm_pair(pair: str, arms: tuple[str, ...]) -> tuple[str, str]:
     """'token-none' -> ('token', 'none'); arm names may hold '-' themselves (random-chunk)."""
     splits = [
         (pair[:i], pair[i + 1 :])
         for i, char in enumerate(pair)
-        if char == "-" and pair[:i] in GUIDANCE_MODES and pair[i + 1 :] in GUIDANCE_MODES
+        if char == "-" and pair[:i] in arms and pair[i + 1 :] in arms
     ]
     if len(splits) != 1:
-        raise ValueError(f"comparisons: {pair!r} is not 'arm-arm' of {GUIDANCE_MODES}")
+        raise ValueError(f"comparisons: {pair!r} is not 'arm-arm' of {', '.join(arms)}")
     return splits[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,23 @@ from pipeline.io import staged_folder
 from pipeline.log import get_logger
 
 log = get_logger("demo").info
+
+
+@dataclass(frozen=True)
+class PlateauStop:
+    """Stop once the held-out loss fell by less than `tolerance` (a share) over the last quarter
+    of the steps, tested at every multiple of `every` steps of at least `min_steps` (`every` a
+    multiple of 4 held-out intervals, so that 3/4 of the step was measured too)."""
+
+    tolerance: float
+    every: int
+    min_steps: int = 0
+
+    def reached(self, heldout_at: dict[int, float], step: int) -> bool:
+        quarter = step * 3 // 4
+        if step < self.min_steps or step % self.every or quarter not in heldout_at:
+            return False
+        return (heldout_at[quarter] - heldout_at[step]) / heldout_at[quarter] < self.tolerance
 
 
 def lr_at(step: int, steps: int, warmup: int, lr: float, min_lr: float) -> float:
@@ -81,9 +99,13 @@ def train_warm_start(
     threads: int = 2,
     heldout: list[str] | None = None,
     heldout_every: int = 0,
+    plateau: PlateauStop | None = None,
 ) -> Path:
     """`heldout`: documents whose mean loss is recorded in the history every `heldout_every`
-    steps and at the end (how far the warm start got; the dose-response's plateau test)."""
+    steps and at the end (how far the warm start got; the dose-response's plateau test), with the
+    mean loss of as many rows of the training documents beside it (train against held-out: how
+    much of a fall is memorizing text seen before). `plateau`: stop early, at the first step the
+    rule passes (`steps` is then the most it may take)."""
     from pipeline.models.hf_tokenizer import save_tokenizer
     from pipeline.models.student import build_student
     from pipeline.tokenizer import load_tokenizer
@@ -94,10 +116,12 @@ def train_warm_start(
     model = build_student(student, tokenizer, seed, seq_len).to(device).train()
     encodings = tokenizer.encode_batch(texts, add_eos=True)
     rows = torch.from_numpy(pack(np.concatenate([e.ids for e in encodings]), seq_len)).long()
-    heldout_rows = None
+    heldout_rows = train_sample = None
     if heldout:
         held = tokenizer.encode_batch(heldout, add_eos=True)
         heldout_rows = torch.from_numpy(pack(np.concatenate([e.ids for e in held]), seq_len)).long()
+        sample = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + 1))
+        train_sample = rows[sample[: len(heldout_rows)]]
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -107,7 +131,7 @@ def train_warm_start(
     )
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(rows), generator=generator)
-    cursor, losses, heldout_at, started = 0, [], {}, time.monotonic()
+    cursor, losses, heldout_at, train_at, started = 0, [], {}, {}, time.monotonic()
     for step in range(steps):
         if cursor + batch_sequences > len(order):  # next epoch, reshuffled
             order, cursor = torch.randperm(len(rows), generator=generator), 0
@@ -121,14 +145,27 @@ def train_warm_start(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())  # read on the host every 20 steps, not every step
+        stop = False
         if heldout_rows is not None and ((step + 1) % heldout_every == 0 or step + 1 == steps):
             heldout_at[step + 1] = round(mean_loss(model, heldout_rows, batch_sequences), 4)
+            train_at[step + 1] = round(mean_loss(model, train_sample, batch_sequences), 4)
+            log(f"warm start step {step + 1}: held-out loss {heldout_at[step + 1]:.4f}, "
+                f"on training rows {train_at[step + 1]:.4f}")  # fmt: skip
+            stop = plateau is not None and plateau.reached(heldout_at, step + 1)
         if (step + 1) % 20 == 0 or step + 1 == steps:
             log(f"warm start step {step + 1}/{steps}: loss {loss.item():.3f} "
                 f"({time.monotonic() - started:.0f} s)")  # fmt: skip
+        if stop:
+            log(f"warm start: the plateau test passed at step {step + 1}")
+            break
+    steps = len(losses)
     history = [
         {"step": step, "loss": round(value, 4)}
-        | ({"heldout_loss": heldout_at[step]} if step in heldout_at else {})
+        | (
+            {"heldout_loss": heldout_at[step], "train_rows_loss": train_at[step]}
+            if step in heldout_at
+            else {}
+        )
         for step, value in enumerate(torch.stack(losses).tolist(), start=1)
     ]
     with staged_folder(folder) as partial:

@@ -41,12 +41,22 @@ def context_prefix(tokenizer: TextTokenizer) -> list[int]:
     return [tokenizer.eos_id]
 
 
-def bits_per_character(scorer, tokenizer: TextTokenizer, texts: list[str]) -> BitsPerCharacter:
-    """`scorer` is a stage-1 scorer (`score(list[token ids]) -> list[losses]`)."""
+def score_documents(scorer, tokenizer: TextTokenizer, texts: list[str]) -> tuple[list, dict]:
+    """Each text's encoding and the scorer's columns for its tokens (the context prefix's rows
+    dropped): one scoring pass that every per-document metric can read."""
     prefix = context_prefix(tokenizer)
     encodings = tokenizer.encode_batch(texts)
     sequences = [np.concatenate((np.asarray(prefix, dtype=np.int32), e.ids)) for e in encodings]
-    losses = [loss[len(prefix) :] for loss in scorer.score(sequences)]
+    columns = scorer.score_columns(sequences)
+    return encodings, {name: [c[len(prefix) :] for c in cs] for name, cs in columns.items()}
+
+
+def bits_per_character(
+    scorer, tokenizer: TextTokenizer, texts: list[str], scored: tuple | None = None
+) -> BitsPerCharacter:
+    """`scorer` is a stage-1 scorer; `scored`: score_documents' result, if already computed."""
+    encodings, columns = scored or score_documents(scorer, tokenizer, texts)
+    losses = columns["loss"]
     nats, tokens, unscored_chars = 0.0, 0, 0
     doc_bits, doc_chars = [], []
     for text, encoding, loss in zip(texts, encodings, losses, strict=True):

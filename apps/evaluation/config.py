@@ -33,6 +33,11 @@ class EvalConfig:
     )
     chat_template: ChatTemplate = option("chatml", help="--targets chat: as stage 1's")
     num_docs: int = option(200, help="held-out documents for bits per character (0: skip)")
+    last_words: bool = option(
+        False,
+        help="also the greedy accuracy of the last word of each line of those documents "
+        "(LAMBADA-style; apps/evaluation/last_word.py)",
+    )
     answer_problems: int = option(
         0, help="held-out problems for answer bits per character given the question (0: skip)"
     )
@@ -63,6 +68,8 @@ class EvalConfig:
                 "answer accuracy reads 'Question: ... Answer:' problems, not target spans: with "
                 f"--targets {self.targets} pass --accuracy-problems 0 (answer bits use the spans)"
             )
+        if self.last_words and not self.num_docs:
+            raise ValueError("last_words reads the num_docs documents: give num_docs > 0")
         if self.num_docs == 0 and self.answer_problems == 0 and self.accuracy_problems == 0:
             raise ValueError(
                 "nothing to do: num_docs, answer_problems and accuracy_problems are all 0"

@@ -9,11 +9,13 @@ import sys
 
 from apps.evaluation.answer_accuracy import answer_accuracy, problem_from_document
 from apps.evaluation.answer_bits import answer_bits
-from apps.evaluation.bits_per_character import bits_per_character
+from apps.evaluation.bits_per_character import bits_per_character, score_documents
 from apps.evaluation.config import EvalConfig
+from apps.evaluation.last_word import last_word_accuracy
 from pipeline.config import to_dict
 from pipeline.corpus import Corpus, CorpusOptions, Document
 from pipeline.io import atomic_write_json
+from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.hf import HFScorer
 from pipeline.scoring.teacher import (
     check_model_weights,
@@ -57,6 +59,7 @@ def evaluate(config: EvalConfig) -> dict:
         max_length=max_length,
         stride=max_length // 2,
         batch_tokens=config.batch_tokens,
+        extras=HeadExtras(topk=1) if config.last_words else None,  # the greedy token's id
     )
     report: dict = {"model": config.model, "tokenizer": tokenizer.spec, "config": to_dict(config)}
     data = config.data or str(shipped_corpus("eval"))
@@ -73,7 +76,14 @@ def evaluate(config: EvalConfig) -> dict:
     if config.num_docs:
         texts = [d.text for d in documents[: config.num_docs]]
         print(f"eval: bits per character over {len(texts)} documents", file=sys.stderr)
-        report["bits_per_character"] = bits_per_character(scorer, tokenizer, texts).to_json()
+        scored = score_documents(scorer, tokenizer, texts)
+        report["bits_per_character"] = bits_per_character(
+            scorer, tokenizer, texts, scored
+        ).to_json()
+        if config.last_words:
+            print(f"eval: last-word accuracy over {len(texts)} documents", file=sys.stderr)
+            accuracy = last_word_accuracy(scorer, tokenizer, texts, scored)
+            report["last_word_accuracy"] = accuracy.to_json()
     if config.answer_problems:
         problems = docs[: config.answer_problems]
         texts = [d.text for d in problems]

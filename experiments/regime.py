@@ -1,0 +1,45 @@
+"""The method in its own regime: a student trained to its plateau on real prose (the King James
+Bible, shipped), guided by a teacher that stays far stronger (manifests/regime.toml,
+pre-registered; docs/regime.md).
+
+Splits the corpus by seed, scores the continual-pretraining part with the teacher, trains the
+student plainly until its plateau test passes, checks the regime gate (plateau, and the teacher
+at least 15% better on the test part) before any arm runs, then trains every arm from the warm
+start at two rates, chooses each arm's rate on the validation part, runs the other seeds, and
+writes OUT/report.md, OUT/regime.json and OUT/regime.png. A rerun continues where the last one
+stopped.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.regime.config import SECTION, RegimeConfig  # noqa: E402
+from pipeline.config import parse_config  # noqa: E402
+from pipeline.errors import exit_code  # noqa: E402
+from pipeline.log import configure  # noqa: E402
+from scripts.demo import manifest_argument  # noqa: E402
+
+DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "regime.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return exit_code("regime", lambda: _regime(argv))
+
+
+def _regime(argv: list[str]) -> None:
+    argv, manifest = manifest_argument(argv, DEFAULT_MANIFEST)
+    config = parse_config(RegimeConfig, argv, __doc__, SECTION)
+    configure(separated=True)  # Ray's and torchrun's output runs between the experiment's lines
+    from experiments.regime.run import run_regime
+
+    run_regime(config, manifest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The regime experiment's steps (manifests/regime.toml, docs/regime.md): the seeded splits, the
+teacher and one stage-1 cache of the continual-pretraining part, the teacher's evaluation on the
+test part, a plain warm start trained until its plateau test passes, the regime gate, the
+selection diagnostic, then every arm at each rate (seed 0), each arm's rate chosen on the
+validation part, the other seeds at it, and the report. A rerun redoes nothing finished."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from apps.demo.run import StepTimings, cache_done, run_stage2, score_with_ray
+from apps.evaluation.config import SECTION as EVAL_SECTION
+from apps.evaluation.config import EvalConfig
+from experiments.regime.config import ARMS, RegimeConfig, RegimePreRegistration
+from experiments.regime.report import gate, write_regime_report
+from pipeline.config import from_dict, load_manifest_section
+from pipeline.errors import ConfigError
+from pipeline.io import atomic_path, atomic_write_json, open_binary_stream
+from pipeline.log import get_logger
+from pipeline.shipped import CORPUS_SPLITS, shipped_corpus
+from stage2_train.config import TrainConfig
+
+log = get_logger("regime").info
+PARTS = ("test", "validation", "cpt", "warm")
+
+
+def check_tables(config: RegimeConfig, manifest: Path):
+    """Every table checked as its reader will check it, before anything runs: stage 1's, each
+    arm's stage-2 options over [stage2], [eval], and the comparisons' arm names."""
+    from stage1_score.config import ScoreConfig
+
+    def table(section: str) -> tuple[dict, str]:
+        return load_manifest_section(manifest, section), f"{manifest} [{section}]"
+
+    stage1, where = table("stage1")
+    teacher = config.teacher or "SmolLM2-135M-Instruct"
+    from_dict(ScoreConfig, {**stage1, "teacher": teacher, "corpus": "cpt.jsonl", "out": "cache"},
+              where)  # fmt: skip
+    stage2, where = table("stage2")
+    arm_tables, _ = table(ARMS)
+    missing = [arm for arm in config.arms if not isinstance(arm_tables.get(arm), dict)]
+    if missing:
+        raise ConfigError(f"{manifest}: no [arms.{missing[0]}] table for arm {missing[0]!r}")
+    given = {"cache": "cache", "student": config.student, "out": "arm", "max_steps": 1000,
+             "student_tokenizer": config.student_tokenizer}  # fmt: skip
+    arms = {}
+    for arm in config.arms:
+        arms[arm] = arm_tables[arm]
+        from_dict(TrainConfig, {**stage2, **given, **arms[arm]}, f"{manifest} [arms.{arm}]")
+    settings, where = table(EVAL_SECTION)
+    from_dict(EvalConfig, {**settings, "model": teacher}, where)
+    prereg = from_dict(RegimePreRegistration, *table("preregistered"))
+    try:
+        prereg.pairs(tuple(config.arms))
+    except ValueError as exc:
+        raise ConfigError(f"{manifest} [preregistered]: {exc}") from None
+    return from_dict(TrainConfig, {**stage2, **given}), settings, prereg, arms
+
+
+def write_splits(config: RegimeConfig) -> dict[str, Path]:
+    """The corpus's lines in a seeded order, cut into the parts (test, validation, cpt, warm),
+    each written as it came; `splits.json` lists each part's ids."""
+    folder = config.out / "corpus"
+    paths = {part: folder / f"{part}.jsonl" for part in PARTS}
+    if all(path.exists() for path in paths.values()):
+        return paths
+    source = shipped_corpus(config.corpus) if config.corpus in CORPUS_SPLITS else config.corpus
+    with open_binary_stream(source) as stream:
+        lines = [line for line in stream if line.strip()]
+    sizes = (config.test_docs, config.validation_docs, config.cpt_docs)
+    if sum(sizes) >= len(lines):
+        raise ConfigError(f"{source} has {len(lines)} documents: too few for test, validation "
+                          f"and continual-pretraining parts of {sizes} and a warm start")  # fmt: skip
+    order = np.random.default_rng(config.split_seed).permutation(len(lines))
+    bounds = np.cumsum((0, *sizes, len(lines)))
+    ids = {}
+    for part, begin, end in zip(PARTS, bounds[:-1], bounds[1:], strict=True):
+        chosen = [lines[i] for i in order[begin:end]]
+        with atomic_path(paths[part]) as tmp:
+            tmp.write_bytes(b"".join(line.rstrip(b"\n") + b"\n" for line in chosen))
+        ids[part] = [json.loads(line).get("id", int(i)) for line, i in
+                     zip(chosen, order[begin:end], strict=True)]  # fmt: skip
+    atomic_write_json(folder / "splits.json", {"source": str(source), "seed": config.split_seed,
+                                               "ids": ids})  # fmt: skip
+    return paths
+
+
+def texts_of(path: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in path.read_text().splitlines()]
+
+
+def evaluate_on(config: RegimeConfig, settings: dict, model: Path, part: str, parts: dict,
+                name: str) -> dict:  # fmt: skip
+    """`vocagno eval` of `model` on a part's documents: bits per character, and on the test part
+    the last-word accuracy too; kept at OUT/eval/NAME-PART.json."""
+    from apps.evaluation.run import evaluate
+
+    dest = config.out / "eval" / f"{name}-{part}.json"
+    if not dest.exists():
+        log(f"evaluating {name} on the {part} part")
+        count = config.test_docs if part == "test" else config.validation_docs
+        evaluate(from_dict(EvalConfig, {
+            **settings, "model": str(model), "data": str(parts[part]), "num_docs": count,
+            "answer_problems": 0, "accuracy_problems": 0, "last_words": part == "test",
+            "out": dest,
+        }))  # fmt: skip
+    return json.loads(dest.read_text())
+
+
+def make_warm_start(config: RegimeConfig, stage2: TrainConfig, parts: dict) -> Path:
+    from apps.demo.warm_start import PlateauStop, train_warm_start
+
+    folder = config.out / "warm-start"
+    if (folder / "config.json").exists():
+        return folder
+    return train_warm_start(
+        folder, config.student, config.student_tokenizer, texts_of(parts["warm"]),
+        seed=stage2.seed, seq_len=stage2.seq_len,
+        batch_sequences=stage2.global_batch_tokens // stage2.seq_len,
+        steps=config.warm_start_max_steps, lr=config.warm_start_lr, min_lr=config.warm_start_lr,
+        warmup_steps=config.warm_start_warmup, weight_decay=stage2.weight_decay,
+        threads=config.nproc_per_node, heldout=texts_of(parts["validation"]),
+        heldout_every=config.heldout_every,
+        plateau=PlateauStop(config.plateau_tolerance, config.plateau_every,
+                            config.plateau_min_steps),
+    )  # fmt: skip
+
+
+def selection_diagnostic(config: RegimeConfig, stage2: TrainConfig, cache: Path, student: Path):
+    from apps.analysis.configs import SelectionConfig
+    from apps.analysis.selection import run_selection_report
+
+    run_selection_report(SelectionConfig(
+        cache=str(cache), student=str(student), student_tokenizer=config.student_tokenizer,
+        tokens=config.selection_tokens, seq_len=stage2.seq_len,
+        micro_batch_size=stage2.micro_batch_size, packing=stage2.packing, topk=stage2.topk,
+        unmapped=stage2.unmapped, aggregate=stage2.aggregate, out=config.out / "selection",
+    ))  # fmt: skip
+
+
+def arm_steps(config: RegimeConfig, stage2: TrainConfig, parts: dict) -> int:
+    """One pass over the continual-pretraining part: its student tokens (with each document's
+    EOS) // the tokens of a step."""
+    from pipeline.tokenizer import load_tokenizer
+
+    encodings = load_tokenizer(config.student_tokenizer).encode_batch(
+        texts_of(parts["cpt"]), add_eos=True
+    )
+    return sum(len(e.ids) for e in encodings) // stage2.global_batch_tokens
+
+
+def run_name(arm: str, lr: float, seed: int) -> str:
+    return f"{arm}-lr{lr:g}-seed{seed}"
+
+
+def train_arm(config: RegimeConfig, manifest: Path, cache: Path, student: Path, arm: str,
+              table: dict, lr: float, seed: int, max_steps: int) -> Path:  # fmt: skip
+    """One arm's stage 2 under torchrun at peak `lr` (min_lr a tenth of it); its checkpoints
+    are removed once the final model is written (disk)."""
+    out = config.out / "arms" / run_name(arm, lr, seed)
+    if not (out / "final" / "config.json").exists():
+        options = [f"--{key.replace('_', '-')}={value}" for key, value in table.items()
+                   if key != "guidance"]  # fmt: skip
+        run_stage2(config, manifest, cache, student, table["guidance"], out, "--seed", str(seed),
+                   "--lr", str(lr), "--min-lr", str(lr / 10), "--max-steps", str(max_steps),
+                   *options)  # fmt: skip
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    return out / "final"
+
+
+def chosen_rate(config: RegimeConfig, settings: dict, parts: dict, arm: str) -> float:
+    """The rate whose seed-0 model has the lower validation bits per character (first on a tie)."""
+    values = {}
+    for lr in config.rates:
+        name = run_name(arm, lr, config.rate_seed)
+        final = config.out / "arms" / name / "final"
+        result = evaluate_on(config, settings, final, "validation", parts, name)
+        values[lr] = result["bits_per_character"]["bits_per_character"]
+    return min(config.rates, key=values.__getitem__)
+
+
+def run_regime(config: RegimeConfig, manifest: Path) -> Path:
+    from pipeline.models.teacher_assets import prepare_smollm2_teacher
+
+    stage2, settings, prereg, arms = check_tables(config, manifest)
+    config.out.mkdir(parents=True, exist_ok=True)
+    steps = StepTimings(config.out)
+    parts = write_splits(config)
+    log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
+    teacher = (
+        Path(config.teacher)
+        if config.teacher
+        else steps.timed("teacher", False, prepare_smollm2_teacher)
+    )
+    log(f"stage 1: scoring the {config.cpt_docs} continual-pretraining documents")
+    cache = steps.timed(
+        "stage1", cache_done(config), score_with_ray, config, manifest, teacher, parts["cpt"]
+    )
+    done = (config.out / "eval" / "teacher-test.json").exists()
+    steps.timed("eval-teacher", done, evaluate_on, config, settings, teacher, "test", parts,
+                "teacher")  # fmt: skip
+    log(f"warm start: {config.student} until its plateau test passes "
+        f"(at most {config.warm_start_max_steps} steps)")  # fmt: skip
+    student = steps.timed("warm-start", (config.out / "warm-start" / "config.json").exists(),
+                          make_warm_start, config, stage2, parts)  # fmt: skip
+    for part in ("test", "validation"):
+        done = (config.out / "eval" / f"warm-start-{part}.json").exists()
+        steps.timed(f"eval-warm-start-{part}", done, evaluate_on, config, settings, student, part,
+                    parts, "warm-start")  # fmt: skip
+    verdict = gate(config, prereg)
+    if not verdict["passed"]:
+        log("the regime gate failed: no arm is trained (the report says why)")
+        return write_regime_report(config, manifest, prereg, steps.seconds)
+    done = (config.out / "selection" / "selection.json").exists()
+    steps.timed("selection", done, selection_diagnostic, config, stage2, cache, student)
+    max_steps = arm_steps(config, stage2, parts)
+    log(f"arms: {max_steps} steps each (one pass over the continual-pretraining part)")
+    for arm in config.arms:  # every arm at every rate, seed 0, then the rate it is compared at
+        for lr in config.rates:
+            name = run_name(arm, lr, config.rate_seed)
+            done = (config.out / "eval" / f"{name}-validation.json").exists()
+            steps.timed(name, done, lambda a=arm, r=lr, n=name: evaluate_on(
+                config, settings, train_arm(config, manifest, cache, student, a, arms[a], r,
+                                            config.rate_seed, max_steps),
+                "validation", parts, n))  # fmt: skip
+    for seed in config.seeds:
+        for arm in config.arms:
+            if seed not in config.seeds_of(arm):
+                continue
+            lr = chosen_rate(config, settings, parts, arm)
+            name = run_name(arm, lr, seed)
+            done = (config.out / "eval" / f"{name}-test.json").exists()
+            steps.timed(f"{name}-test", done, lambda a=arm, r=lr, s=seed, n=name: evaluate_on(
+                config, settings, train_arm(config, manifest, cache, student, a, arms[a], r, s,
+                                            max_steps),
+                "test", parts, n))  # fmt: skip
+    return write_regime_report(config, manifest, prereg, steps.seconds)
