@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import tomllib
 import types
 import typing
@@ -129,9 +130,7 @@ def build_parser(cls: type, description: str, section: str) -> argparse.Argument
 # Every table some command reads (each command's SECTION, and the demo's pre-registration);
 # tests/test_config_validation.py holds this list to those constants. A table outside it is
 # refused, so that a misspelled one ([stage_1]) is not ignored without a word.
-MANIFEST_TABLES = (
-    "stage1", "stage2", "eval", "analyze", "demo", "curve", "dose", "regime", "arms", "preregistered"
-)
+MANIFEST_TABLES = ("stage1", "stage2", "eval", "analyze", "demo", "curve", "dose", "preregistered")
 
 
 def load_manifest_section(path: Path, section: str) -> dict[str, Any]:
@@ -229,7 +228,7 @@ def _checked(hint: Any, value: Any) -> Any:
             return value
     elif hint is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            return finite(float(value))
     elif hint is str:
         if isinstance(value, str):
             return value
@@ -238,6 +237,26 @@ def _checked(hint: Any, value: Any) -> Any:
             return Path(value)
     kind = "is not allowed" if _scalar_type(hint) is type(value) else f"is {_kind_of(value)}"
     raise _Refused(f"{_show(value)} {kind}; expected {_expected(hint)}")
+
+
+def finite(value: float) -> float:
+    """Every float option's rule: NaN and infinities are refused, as no option means them (and
+    NaN passes every range check: `nan <= 0` is false)."""
+    if not math.isfinite(value):
+        raise _Refused(f"{value} is not allowed; expected a finite number")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """`type=` for a float option of a command parsed by argparse alone."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    try:
+        return finite(value)
+    except _Refused as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def check_options(

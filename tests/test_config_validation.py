@@ -413,3 +413,37 @@ def test_a_manifest_may_group_a_stages_options_in_sub_tables(tmp_path):
     bad.write_text('[eval]\nmodel = "m"\n[eval.data]\nnum_docs = 2\n')
     with pytest.raises(ConfigError, match=r"no option group \[data\]; its options are not grouped"):
         parse_config(EvalConfig, ["--manifest", str(bad)], "", "eval")
+
+
+def _float_options():
+    from experiments.curve.config import SECTION as CURVE, CurveConfig
+    from experiments.dose.config import SECTION as DOSE, DoseConfig
+
+    sections = {**{cls: CONFIGS[cls][0] for cls in CONFIGS}, DoseConfig: DOSE, CurveConfig: CURVE}
+    for cls, section in sections.items():
+        for field, hint in _fields(cls):
+            kind = _scalar_type(hint)
+            if float in (kind, *typing.get_args(kind)):
+                yield pytest.param(cls, section, field.name, kind is not float,
+                                   id=f"{cls.__name__}-{field.name}")  # fmt: skip
+
+
+@pytest.mark.parametrize(("cls", "section", "name", "listed"), list(_float_options()))
+def test_every_float_option_refuses_nan_and_infinities(
+    cls, section, name, listed, tmp_path, capsys
+):
+    """One rule for every float option of every command, flag or manifest: NaN and infinities are
+    refused (before: `--uld-lambda nan` and `--teacher-weights inf 1` passed the range checks,
+    which NaN passes, and trained a NaN model that exited 0)."""
+    required = CONFIGS.get(cls, (section, {}))[1]
+    for spelled in ("nan", "inf", "-inf"):
+        value = f"[{spelled}]" if listed else spelled
+        manifest = tmp_path / "m.toml"
+        extra = "".join(f"{key} = {json.dumps(v)}\n" for key, v in required.items())
+        manifest.write_text(f"[{section}]\n{extra}{name} = {value}\n")
+        flags = ["--manifest", str(manifest)]
+        for argv in (flags, [*flags, f"--{name.replace('_', '-')}={spelled}"]):
+            code = exit_code("prog", lambda argv=argv: parse_config(cls, argv, "", section))
+            err = capsys.readouterr().err
+            assert code == 2 and err.count("\n") == 1, err
+            assert f"{spelled} is not allowed; expected a finite number" in err, err

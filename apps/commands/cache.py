@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from pipeline.config import finite_float
 from pipeline.storage import as_location
 
 CACHE_HELP = (
@@ -67,7 +68,8 @@ def _add_inspect(actions) -> None:
     which.add_argument("--doc-id", default=None, help="the document's doc_id")
     which.add_argument("--index", type=int, default=0, help="the document's position in the cache")
     inspect.add_argument(
-        "--topk", type=float, default=DEFAULT_GUIDANCE.topk, help="fraction of mapped tokens kept"
+        "--topk", type=finite_float, default=DEFAULT_GUIDANCE.topk,
+        help="fraction of mapped tokens kept",
     )
     inspect.add_argument(
         "--unmapped", choices=UNMAPPED_STRATEGIES, default=DEFAULT_GUIDANCE.unmapped
