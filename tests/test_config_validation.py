@@ -416,10 +416,11 @@ def test_a_manifest_may_group_a_stages_options_in_sub_tables(tmp_path):
 
 
 def _float_options():
-    from experiments.curve.config import SECTION as CURVE, CurveConfig
-    from experiments.dose.config import SECTION as DOSE, DoseConfig
+    from experiments.curve import config as curve
+    from experiments.dose import config as dose
 
-    sections = {**{cls: CONFIGS[cls][0] for cls in CONFIGS}, DoseConfig: DOSE, CurveConfig: CURVE}
+    sections = {cls: section for cls, (section, _) in CONFIGS.items()}
+    sections |= {dose.DoseConfig: dose.SECTION, curve.CurveConfig: curve.SECTION}
     for cls, section in sections.items():
         for field, hint in _fields(cls):
             kind = _scalar_type(hint)
