@@ -26,6 +26,10 @@ class ConfigError(VocagnoError):
     """Invalid options or manifest."""
 
 
+class TrainingDiverged(VocagnoError):
+    """A run's loss or gradient norm turned NaN or infinite; it stops before saving that step."""
+
+
 class StoppedBySignal(VocagnoError):
     """A run stopped on SIGINT/SIGTERM after saving its work; exits 128 + the signal's number."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from pipeline.cache.manifest import load_manifest
 from pipeline.config import to_dict
 from pipeline.cross_entropy import IGNORE_INDEX
 from pipeline.distillation import vocabulary_subset_on
-from pipeline.errors import StoppedBySignal
+from pipeline.errors import StoppedBySignal, TrainingDiverged
 from pipeline.flops import StepRate, flop_parameters
 from pipeline.guidance import guided_loss, loss_denominator, mapped_tokens
 from pipeline.head_outputs import HeadReads
@@ -44,6 +45,7 @@ from pipeline.versions import software_versions
 from stage2_train.attention import use_attention
 from stage2_train.checkpoint import (
     check_resumable,
+    complete_checkpoints,
     load_checkpoint,
     resume_from,
     save_checkpoint,
@@ -94,9 +96,20 @@ def save_final(
     return final
 
 
+def diverged(config: TrainConfig, step: int, loss: float, grad_norm: float) -> str:
+    """The line a run stops with once its loss or gradient norm is NaN or infinite."""
+    kept = complete_checkpoints(config.out)
+    said = f"its checkpoints up to step {kept[-1][0]} are kept" if kept else "no checkpoint is kept"
+    return (
+        f"step {step}'s loss ({loss:.4g}) or gradient norm ({grad_norm:.4g}) is not finite: "
+        f"stopped before saving it; {said} and no final/ is written. A lower --lr or a "
+        "--grad-clip (in a new --out) may keep it finite"
+    )
+
+
 def train(config: TrainConfig) -> Path | None:
     """Run (or continue) the schedule up to --stop-at-step or --max-steps; returns OUT/final when
-    the schedule is complete and saved (on rank 0; None on the others, or --no-save-at-end)."""
+    the schedule is complete (on rank 0; None on the others)."""
     runtime = Runtime.start()
     try:
         with StopRequest() as stop, contextlib.ExitStack() as output:
@@ -287,19 +300,23 @@ def _train(
         logged = torch.cat((runtime.all_reduce_sum(totals), grad_norm.detach().double().view(1)))
         (kept_loss, all_loss, kept, mapped, valid_count, stop_votes, distill_sum, distill_units,
          grad_norm) = logged.tolist()  # fmt: skip
+        if not all(map(math.isfinite, (kept_loss, all_loss, distill_sum, grad_norm))):
+            raise TrainingDiverged(diverged(config, step, kept_loss / max(kept, 1), grad_norm))
         step_tokens += int(valid_count)
+        # a completion-only step may hold no answer token: no loss to log, not a loss of 0
+        targets = valid_count > 0
         record = {
             "step": step,
-            "loss": kept_loss / max(kept, 1),
-            "loss_all": all_loss / max(valid_count, 1),
-            "kept_fraction": kept / max(valid_count, 1),
-            "mapped_fraction": mapped / max(valid_count, 1),
+            "loss": kept_loss / max(kept, 1) if targets else None,
+            "loss_all": all_loss / valid_count if targets else None,
+            "kept_fraction": kept / valid_count if targets else None,
+            "mapped_fraction": mapped / valid_count if targets else None,
             "tokens": step * config.global_batch_tokens,
             "lr": lr,
             "grad_norm": grad_norm,
         }
         if distillation is not None:  # the term's mean over its units (before its weight)
-            record["distill_loss"] = distill_sum / max(distill_units, 1)
+            record["distill_loss"] = distill_sum / distill_units if distill_units else None
         if documents is not None:
             documents.append(
                 {"step": step, "documents": [d for b in micro_batches for d in b["documents"]]}
@@ -308,19 +325,25 @@ def _train(
             rates = step_rate.fields(int(valid_count), config.global_batch_tokens)
             metrics.append({**record, **rates})
             for key in (*METRIC_KEYS, "lr", "grad_norm"):
-                writer.add_scalar(f"train/{key}", record[key], step)
+                if record[key] is not None:
+                    writer.add_scalar(f"train/{key}", record[key], step)
+            if not targets:
+                progress.write(
+                    f"stage 2: step {step} held no target token (--completion-only: no answer "
+                    "fell in its sequences); no loss logged for it",
+                    file=sys.stderr,
+                )
             rate = step_tokens / max(time.monotonic() - started, 1e-9)
             progress.set_postfix(
-                loss=f"{record['loss']:.3f}",
-                kept=f"{record['kept_fraction']:.2f}",
+                loss=f"{record['loss']:.3f}" if targets else "-",
+                kept=f"{record['kept_fraction']:.2f}" if targets else "-",
                 tok_s=f"{rate:,.0f}",
                 refresh=False,
             )
             progress.update()
 
         # save
-        at_end = step == stop_step and config.save_at_end
-        if stop_votes or step % config.save_every == 0 or at_end:
+        if stop_votes or step % config.save_every == 0 or step == stop_step:
             saved = save_checkpoint(
                 config, step, model, optimizer, scheduler, data_state, meta, runtime
             )
@@ -337,7 +360,7 @@ def _train(
             "to resume from it",
             stop.exit_signal,
         )
-    if stop_step < config.max_steps or not config.save_at_end:
+    if stop_step < config.max_steps:
         return None
     provenance = {
         "config": to_dict(config),

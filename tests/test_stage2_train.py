@@ -596,3 +596,21 @@ def test_the_chunked_loss_trains_what_the_full_logits_do(cache, uninterrupted, t
         "head's product (supported: llama, mistral, qwen2, qwen3); use --loss-kernel plain"
     )
     assert not refused.exists()
+
+
+def test_a_run_whose_gradients_turn_non_finite_stops_keeping_its_last_good_checkpoint(
+    cache, tmp_path, capsys
+):
+    """A learning rate of 1e30 makes step 2's gradient norm NaN. Before: the run trained on and
+    wrote a final/ of NaN tensors, exit 0. It stops at that step, in one line naming it, before
+    saving it: the step-1 checkpoint is the last, and no final/ is written."""
+    out = tmp_path / "out"
+    args = train_args(cache, out, "--lr", "1e30", "--min-lr", "1e29", "--save-every", "1",
+                      "--num-workers", "0")  # fmt: skip
+    assert main(args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "step 2's loss" in err[0] and "is not finite" in err[0], err
+    assert "its checkpoints up to step 1 are kept and no final/ is written" in err[0]
+    assert [step for step, _ in complete_checkpoints(out)] == [1]
+    assert not (out / "final").exists()
+    assert [record["step"] for record in read_metrics(out)] == [1]

@@ -281,3 +281,22 @@ def test_answer_bits_read_the_records_spans():
         tokens = by_definition(enc.start, enc.end, doc.target_spans).sum()
         assert bits == pytest.approx(tokens / np.log(2))
         assert characters == sum(b - a for a, b in doc.target_spans)
+
+
+def test_a_step_that_holds_no_target_logs_no_loss_and_says_so(tmp_path, capsys):
+    """Only each document's last character is a target, so most 32-token steps hold none.
+    Before: such a step was logged as loss 0.0, a loss no token had. It is logged with no loss
+    (null), and one line says it held no target."""
+    cache = tmp_path / "cache"
+    build_cache(cache, teacher_tokenizer="qwen2.5", num_documents=4,
+                target_spans=lambda text: ((len(text) - 1, len(text)),))  # fmt: skip
+    out = tmp_path / "out"
+    assert main(train_args(cache, out, "--num-workers", "0", "--max-steps", "4")) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    empty = [r["step"] for r in records if r["loss_all"] is None]
+    assert empty and all(r["loss"] is None and r["kept_fraction"] is None for r in records
+                         if r["step"] in empty)  # fmt: skip
+    assert len(empty) < 4 and all(r["loss"] > 0 for r in records if r["step"] not in empty)
+    err = capsys.readouterr().err
+    for step in empty:
+        assert f"stage 2: step {step} held no target token" in err
