@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,3 +96,190 @@ def test_the_experiment_runs_end_to_end_and_a_rerun_redoes_nothing(tmp_path):
     rerun = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "stage 2" not in rerun.stderr and "Ray cluster up" not in rerun.stderr
+
+
+# --- fast: the pieces, from made-up evaluations --------------------------------------------
+
+
+def test_the_last_word_of_each_line_is_its_last_run_of_letters():
+    from apps.evaluation.last_word import last_word_spans
+
+    text = "And God said, Let there be light: and there was light.\n\nthe LORD'S own.\n12 34"
+    spans = last_word_spans(text)
+    assert [text[s:e] for s, e in spans] == ["light", "own"]  # a blank line and digits: none
+
+
+def test_a_word_counts_only_when_every_token_covering_it_is_the_greedy_one():
+    from apps.evaluation.last_word import words_predicted
+
+    # tokens: "And"(0,3) " the"(3,7) " LO"(7,10) "RD"(10,12) "."(12,13)
+    start, end = np.array([0, 3, 7, 10, 12]), np.array([3, 7, 10, 12, 13])
+    spans = np.array([[8, 12], [4, 7], [13, 13]])  # LORD (two tokens), the, nothing covered
+    both = np.array([True, True, True, True, False])
+    assert words_predicted(start, end, both, spans).tolist() == [True, True, False]
+    second_missed = np.array([True, True, True, False, True])
+    assert words_predicted(start, end, second_missed, spans).tolist() == [False, True, False]
+
+
+def test_the_greedy_ids_the_eval_reads_are_the_models_argmax_at_each_position(tmp_path):
+    """The metric reads stage 1's top-1 column as 'the token the model predicts at j given the
+    tokens before j': the same as an argmax over a plain forward pass, window for window."""
+    import torch
+
+    from apps.evaluation.bits_per_character import score_documents
+    from apps.evaluation.last_word import last_word_accuracy
+    from pipeline.models.hf_tokenizer import save_tokenizer
+    from pipeline.models.student import build_student
+    from pipeline.scoring.head import HeadExtras
+    from pipeline.scoring.hf import HFScorer
+    from pipeline.scoring.teacher import resolve_teacher
+    from pipeline.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("tinyllama")
+    model = build_student("llama-tiny", tokenizer, seed=0, seq_len=64)
+    model.save_pretrained(tmp_path)
+    save_tokenizer(tokenizer, tmp_path)
+    scorer = HFScorer(resolve_teacher(str(tmp_path)), dtype="float32", max_length=512,
+                      stride=256, batch_tokens=2048, extras=HeadExtras(topk=1))  # fmt: skip
+    texts = ["In the beginning God created the heaven and the earth.\nAnd the earth was void.",
+             "Jesus wept.\nThe the the the the the the the"]  # fmt: skip
+    encodings, columns = score_documents(scorer, tokenizer, texts)
+    for encoding, top in zip(encodings, columns["topk_ids"], strict=True):
+        ids = torch.as_tensor(encoding.ids, dtype=torch.long)[None]
+        with torch.no_grad():
+            argmax = model(input_ids=ids).logits[0].argmax(-1).numpy()
+        assert np.array_equal(np.asarray(top)[1:, 0], argmax[:-1])  # token 0: no prediction
+    accuracy = last_word_accuracy(scorer, tokenizer, texts)
+    assert accuracy.words == 4 and accuracy.per_document_words == (2, 2)
+
+
+def test_the_plateau_stop_tests_the_last_quarter_at_its_steps_only():
+    from apps.demo.warm_start import PlateauStop
+
+    stop = PlateauStop(tolerance=0.02, every=400, min_steps=800)
+    flat = {300: 2.00, 400: 1.99, 600: 1.98, 800: 1.97}
+    assert not stop.reached(flat, 400)  # before min_steps
+    assert stop.reached(flat, 800)  # 1.98 -> 1.97: 0.5% over 600..800
+    falling = {600: 2.0, 800: 1.9}
+    assert not stop.reached(falling, 800)  # 5%
+    assert not stop.reached(flat | {1000: 1.9}, 1000)  # not a multiple of `every`
+
+
+def test_the_splits_are_disjoint_fixed_by_their_seed_and_cover_the_corpus(tmp_path):
+    from experiments.regime.config import RegimeConfig
+    from experiments.regime.run import PARTS, write_splits
+
+    ids = {}
+    for name in ("a", "b"):
+        config = RegimeConfig(out=tmp_path / name, test_docs=100, validation_docs=60, cpt_docs=160)
+        write_splits(config)
+        ids[name] = json.loads((tmp_path / name / "corpus" / "splits.json").read_text())["ids"]
+    assert ids["a"] == ids["b"]
+    sizes = {part: len(ids["a"][part]) for part in PARTS}
+    assert sizes == {"test": 100, "validation": 60, "cpt": 160, "warm": 1189 - 320}
+    every = [i for part in PARTS for i in ids["a"][part]]
+    assert len(set(every)) == 1189 and ids["a"]["test"][0].startswith("kjv:")
+    other = RegimeConfig(out=tmp_path / "c", split_seed=1)
+    write_splits(other)
+    assert json.loads((tmp_path / "c" / "corpus" / "splits.json").read_text())["ids"] != ids["a"]
+
+
+def _evaluation(bits: np.ndarray, characters: np.ndarray, correct=None, words=None) -> dict:
+    result = {"bits_per_character": {"per_document_bits": bits.tolist(),
+                                     "per_document_characters": characters.tolist()}}  # fmt: skip
+    if correct is not None:
+        result["last_word_accuracy"] = {"per_document_correct": correct.tolist(),
+                                        "per_document_words": words.tolist()}  # fmt: skip
+    return result
+
+
+def _made_up_run(out: Path, teacher_bpc: float, curve: list[tuple[int, float]]):
+    """A finished warm start and the teacher's and warm start's test evaluations."""
+    from pipeline.io import atomic_write_json
+
+    rng = np.random.default_rng(0)
+    characters = rng.integers(2000, 6000, 40).astype(float)
+    base = rng.uniform(1.3, 1.5, 40) * characters
+    history = [{"step": s, "loss": h, "heldout_loss": h, "train_rows_loss": h - 0.1}
+               for s, h in curve]  # fmt: skip
+    atomic_write_json(out / "warm-start" / "warm_start.json", {
+        "history": history, "steps": curve[-1][0], "tokens_trained": 1000,
+        "tokens_available": 500})  # fmt: skip
+    words = rng.integers(10, 30, 40).astype(float)
+    atomic_write_json(out / "eval" / "warm-start-test.json",
+                      _evaluation(base, characters, words * 0.3, words))  # fmt: skip
+    atomic_write_json(out / "eval" / "teacher-test.json",
+                      _evaluation(characters * teacher_bpc, characters, words * 0.5, words))
+    return base, characters, words
+
+
+def test_the_gate_fails_on_a_teacher_too_close_and_says_what_would_pass_it(tmp_path):
+    from experiments.regime.config import RegimeConfig, RegimePreRegistration
+    from experiments.regime.report import gate, write_regime_report
+
+    config = RegimeConfig(out=tmp_path)
+    prereg = RegimePreRegistration(comparisons=["token-none"], resamples=200)
+    _made_up_run(tmp_path, 1.30, [(400, 2.0), (600, 1.9), (800, 1.89)])  # plateau passes
+    verdict = gate(config, prereg)
+    assert verdict["plateau"]["flattened"] and not verdict["passed"]
+    assert 0 < verdict["relative_gap"] < 0.15
+    assert "a teacher at most" in verdict["would_pass_with"][0]
+    report = write_regime_report(config, Path("m.toml"), prereg, {}).read_text()
+    assert "**The gate failed.**" in report and "No arm was trained" in report
+    assert "## The pre-registered comparisons" not in report
+
+
+def test_the_report_compares_each_arm_at_its_validation_chosen_rate_per_seed_and_over_seeds(
+    tmp_path,
+):
+    from experiments.regime.config import RegimeConfig, RegimePreRegistration
+    from experiments.regime.report import write_regime_report
+    from experiments.regime.run import run_name
+    from pipeline.io import atomic_write_json
+
+    config = RegimeConfig(out=tmp_path, arms=["none", "token", "uld"], seeded_arms=["none",
+                          "token"], seeds=[0, 1])  # fmt: skip
+    prereg = RegimePreRegistration(primary="bits_per_character",
+                                   secondary=["last_word_accuracy"],
+                                   comparisons=["token-none", "uld-none"], resamples=500)
+    base, chars, words = _made_up_run(tmp_path, 1.0, [(400, 2.0), (600, 1.9), (800, 1.89)])
+    # validation: 1e-3 wins for token (3e-3 for the others); the losing rate is made much
+    # better on the test part, which must not matter
+    shift = {"none": 0.0, "token": -0.05, "uld": 0.01}
+    for arm in config.arms:
+        best = 1e-3 if arm == "token" else 3e-3
+        for lr in config.rates:
+            bpc = 1.4 if lr == best else 1.5
+            atomic_write_json(tmp_path / "eval" / f"{run_name(arm, lr, 0)}-validation.json",
+                              _evaluation(chars * bpc, chars))  # fmt: skip
+            for seed in config.seeds_of(arm):
+                test_shift = shift[arm] if lr == best else -1.0
+                atomic_write_json(
+                    tmp_path / "eval" / f"{run_name(arm, lr, seed)}-test.json",
+                    _evaluation(base + chars * (test_shift + 0.001 * seed), chars,
+                                words * 0.4, words),
+                )  # fmt: skip
+    report = write_regime_report(config, Path("m.toml"), prereg, {"warm-start": 1.0})
+    regime = json.loads((tmp_path / "regime.json").read_text())
+    assert regime["chosen"]["token"]["lr"] == 1e-3 and regime["chosen"]["none"]["lr"] == 3e-3
+    rows = {(r["a"], r["seeds"], r["metric"]): r for r in regime["comparisons"]}
+    assert set(rows) == {(a, s, m) for a, ss in (("token", ("seed 0", "seed 1", "over seeds")),
+                                                 ("uld", ("seed 0",)))
+                         for s in ss for m in ("bits_per_character", "last_word_accuracy")}
+    over = rows[("token", "over seeds", "bits_per_character")]
+    assert over["difference"] == pytest.approx(-0.05, abs=1e-9) and over["excludes_zero"]
+    text = report.read_text()
+    assert "`token` − `none` = -0.0500" in text and "the cache's arm helped" in text
+    assert "`uld` − `none` = +0.0100" in text and "the cache's arm hurt" in text
+
+
+def test_a_design_naming_an_arm_without_a_table_is_refused_before_anything_runs(tmp_path):
+    manifest = tiny_manifest(tmp_path, tmp_path / "no-teacher", arms=["none", "token", "rho2"],
+                             seeded_arms=["none"])  # fmt: skip
+    command = [sys.executable, "experiments/regime.py", f"--manifest={manifest}"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"regime: error: {manifest}: no [arms.rho2] table for arm 'rho2'"
+    ]
+    assert not (tmp_path / "regime").exists()
