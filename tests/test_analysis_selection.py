@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,7 +175,48 @@ def test_a_missing_student_is_one_line(cache_and_student, tmp_path, capsys):
             "--student-tokenizer", "tinyllama", "--out", str(tmp_path / "r")]  # fmt: skip
     assert main(args) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot load student" in err[0]
+    assert len(err) == 1 and f"student '{tmp_path / 'none'}' is not a preset" in err[0], err
+
+
+def _vocagno_folder(student: Path, dest: Path) -> Path:
+    """A copy of `student` recording its files' digests in a vocagno.json, as final/ does."""
+    from pipeline.file_digests import DIGEST, digest_share, folder_files
+    from pipeline.models.model_folder import PROVENANCE_NAME
+
+    shutil.copytree(student, dest)
+    files = digest_share(dest, folder_files(dest, leave_out=PROVENANCE_NAME), 0, 1)
+    (dest / PROVENANCE_NAME).write_text(json.dumps({"digest": DIGEST, "files": files}))
+    return dest
+
+
+def test_both_readers_of_a_student_refuse_a_damaged_folder_and_a_checkpoint(
+    cache_and_student, tmp_path, capsys
+):
+    """`analyze selection --student` and `cache inspect --student` load through the loader
+    stage 2 uses (its digests and header checks first). Before: a final/ with flipped bytes gave
+    numbers, and a stage-2 checkpoint folder a transformers traceback."""
+    cache, student = cache_and_student
+    damaged = _vocagno_folder(student, tmp_path / "damaged")
+    weights = damaged / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    checkpoint = tmp_path / "step-2"  # what a stage-2 checkpoint holds beside its state/
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"student": "llama-tiny", "seed": 0}))
+    commands = {
+        "selection": ["analyze", "selection", "--cache", str(cache), "--student-tokenizer",
+                      "tinyllama", "--out", str(tmp_path / "r"), "--student"],
+        "inspect": ["cache", "inspect", str(cache), "--student-tokenizer", "tinyllama", "--out",
+                    str(tmp_path / "page.html"), "--student"],
+    }  # fmt: skip
+    for command in commands.values():
+        for folder, said in ((damaged, f"{weights} does not match its recorded digest"),
+                             (checkpoint, "is not a model's configuration")):  # fmt: skip
+            assert main([*command, str(folder)]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and said in err[0], err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "page.html").exists()
 
 
 def test_the_selection_of_several_teachers_is_stage_2s(cache_and_student, tmp_path):

@@ -136,14 +136,13 @@ def sample_selection(config: SelectionConfig) -> tuple[SelectionSample, dict]:
     selected as stage 2 selects, until `config.tokens` targets (or one pass over the cache).
     Returns the sample and the resolved settings that made it."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from pipeline.cache.manifest import load_manifest
     from pipeline.cross_entropy import IGNORE_INDEX
     from pipeline.errors import ConfigError
     from pipeline.guidance import GuidanceSettings, select_tokens
     from pipeline.head_outputs import HeadReads, head_outputs
-    from pipeline.models.student import student_tokenizer_spec
+    from pipeline.models.student import load_trained_student, student_tokenizer_spec
     from pipeline.tokenizer import load_tokenizer
     from stage2_train.attention import student_logits
     from stage2_train.data.documents import choose_alignment
@@ -163,10 +162,7 @@ def sample_selection(config: SelectionConfig) -> tuple[SelectionSample, dict]:
     manifest = load_manifest(config.cache)
     more = {location: load_manifest(location) for location in config.more_caches}
     tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
-    try:
-        model = AutoModelForCausalLM.from_pretrained(config.student).eval()
-    except OSError as exc:
-        raise ConfigError(f"cannot load student {config.student!r}: {exc}") from exc
+    model = load_trained_student(config.student)
     align = functools.partial(choose_alignment, settings, tokenizer.fingerprint)
     plan = DataPlan(
         cache_dir=config.cache,

@@ -133,11 +133,10 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM
-
     from apps.analysis.guidance_page import find_document, guided_tokens, write_guidance_page
     from pipeline.errors import ConfigError
     from pipeline.guidance import GuidanceSettings
+    from pipeline.models.student import load_trained_student
     from pipeline.tokenizer import load_tokenizer
 
     if args.out.is_dir():  # before any work: the page's write would fail at the end
@@ -147,11 +146,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     document = find_document(args.cache_dir, args.doc_id, args.index)
+    model = load_trained_student(args.student)
     tokenizer = load_tokenizer(args.student_tokenizer or args.student)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(args.student).eval()
-    except OSError as exc:
-        raise ConfigError(f"cannot load student {args.student!r}: {exc}") from exc
     tokens = guided_tokens(document, model, tokenizer, settings, args.aggregate)
     title = f"{Path(args.student).name}: teacher guidance on {document.doc_id}"
     write_guidance_page(args.out, document, tokens, title)

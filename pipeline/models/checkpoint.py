@@ -42,6 +42,22 @@ class ModelError(VocagnoError):
     """A model's config or checkpoint cannot give the model it is used as."""
 
 
+def check_model_config(path: Path) -> None:
+    """ModelError for a config.json that is valid JSON but no model's (a stage-2 run's or
+    checkpoint's settings, which transformers would reject in a traceback); a missing or
+    unreadable one is left to the checks that name those problems."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(data, dict) and "model_type" not in data and "architectures" not in data:
+        raise ModelError(
+            f"{path} is not a model's configuration (no model_type or architectures): a "
+            "stage-2 checkpoint or run folder? use the run's final/ folder, or a checkpoint "
+            "exported by stage2_train/export.py"
+        )
+
+
 def check_causal_lm(config, what: str):
     """The model AutoModelForCausalLM builds from `config`, on the meta device; ModelError if
     that is no causal language model. `what` names the model in messages."""

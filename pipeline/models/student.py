@@ -10,7 +10,7 @@ from torch import nn
 
 from pipeline.errors import ConfigError
 from pipeline.hub import is_hub_id
-from pipeline.models.checkpoint import WEIGHT_FILES, check_causal_lm_weights
+from pipeline.models.checkpoint import WEIGHT_FILES, check_causal_lm_weights, check_model_config
 from pipeline.tokenizer import TextTokenizer
 
 # Llama-architecture students for training from scratch; the vocabulary comes from the tokenizer.
@@ -68,10 +68,12 @@ def student_kind(spec: str) -> str:
         return "preset"
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".json":
+        check_model_config(path)
         return "config"
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ConfigError(f"student folder {path} has no config.json")
+        check_model_config(path / "config.json")
         return "pretrained" if any((path / f).exists() for f in WEIGHT_FILES) else "config"
     if path.exists() or not is_hub_id(spec):
         raise ConfigError(
@@ -98,13 +100,7 @@ def build_student(spec: str, tokenizer: TextTokenizer, seed: int, seq_len: int) 
 
     kind = student_kind(spec)
     if kind == "pretrained":
-        folder = Path(spec).expanduser()
-        if folder.is_dir():  # a hub id's weights are downloaded by from_pretrained itself
-            check_causal_lm_weights(AutoConfig.from_pretrained(folder), folder, f"student {spec!r}")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
-        except OSError as exc:
-            raise ConfigError(f"cannot load student {spec!r}: {exc}") from exc
+        model = _pretrained(spec)
     else:
         if kind == "preset":
             config = LlamaConfig(
@@ -125,3 +121,32 @@ def build_student(spec: str, tokenizer: TextTokenizer, seed: int, seq_len: int) 
             f"student's embedding only {model.config.vocab_size}"
         )
     return model
+
+
+def load_trained_student(spec: str) -> nn.Module:
+    """A trained student (a model folder or hub id) to measure, in eval mode: loaded as stage 2
+    loads one, its folder checked first (config, digests, weights against the model)."""
+    if student_kind(spec) != "pretrained":
+        raise ConfigError(
+            f"student {spec!r} has no weights: give a trained model (a run's final/, an export "
+            "or a hub id)"
+        )
+    return _pretrained(spec).eval()
+
+
+def _pretrained(spec: str) -> nn.Module:
+    """The one load of a student with weights: a local folder's config and checkpoint are checked
+    (pipeline.models.checkpoint) before transformers reads any weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(spec).expanduser()
+    if folder.is_dir():  # a hub id's weights are downloaded by from_pretrained itself
+        try:
+            config = AutoConfig.from_pretrained(folder)
+        except Exception as exc:  # transformers raises ValueError, KeyError, OSError, ...
+            raise ConfigError(f"cannot read the config of student {spec!r}: {exc}") from None
+        check_causal_lm_weights(config, folder, f"student {spec!r}")
+    try:
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
+    except OSError as exc:
+        raise ConfigError(f"cannot load student {spec!r}: {exc}") from exc

@@ -17,7 +17,7 @@ from pipeline.choices import TORCH_DTYPES
 from pipeline.errors import TokenizerError, VocagnoError
 from pipeline.hub import is_hub_id
 from pipeline.io import sha256_file, sha256_text
-from pipeline.models.checkpoint import check_causal_lm_weights
+from pipeline.models.checkpoint import check_causal_lm_weights, check_model_config
 from pipeline.tokenizer import (
     TOKENIZER_FILES,
     TOKENIZER_SPEC,
@@ -55,12 +55,7 @@ class TeacherSource:
 def resolve_teacher(spec: str, revision: str | None = None, role: str = "teacher") -> TeacherSource:
     path = Path(spec).expanduser()
     if path.is_dir():
-        if not _is_model_config(path / "config.json"):
-            raise TeacherError(
-                f"{path}/config.json is not a model's configuration (no model_type or "
-                "architectures): a stage-2 "
-                "checkpoint or run folder? use the run's final/ folder, the saved student"
-            )
+        check_model_config(path / "config.json")
         if not (path / "config.json").exists() and not list(path.glob("*.gguf")):
             raise TeacherError(f"{role} folder {path} has no config.json: not a model folder")
         return TeacherSource(spec, "folder", path.resolve(), role=role)
@@ -73,16 +68,6 @@ def resolve_teacher(spec: str, revision: str | None = None, role: str = "teacher
     if not is_hub_id(spec):
         raise TeacherError(f"{role} {spec!r} does not exist (and is not a hub id owner/name)")
     return TeacherSource(spec, "hub", None, revision, role)
-
-
-def _is_model_config(path: Path) -> bool:
-    """False for a config.json that is valid JSON but no model's (a training run's settings);
-    a missing or unreadable one is left to the checks that name those problems."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return True
-    return not isinstance(data, dict) or "model_type" in data or "architectures" in data
 
 
 def _folder_digest(folder: Path) -> str:
