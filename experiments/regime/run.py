@@ -186,7 +186,10 @@ def chosen_rate(config: RegimeConfig, settings: dict, parts: dict, arm: str) -> 
 def run_regime(config: RegimeConfig, manifest: Path) -> Path:
     from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
-    stage2, settings, prereg, arms = check_tables(config, manifest)
+    stage2, teacher_settings, prereg, arms = check_tables(config, manifest)
+    # A student is evaluated in windows of the length it trained on (half-overlapping), never
+    # past it: its RoPE positions beyond seq_len were never trained. The teacher keeps [eval]'s.
+    settings = {**teacher_settings, "max_length": stage2.seq_len}
     config.out.mkdir(parents=True, exist_ok=True)
     steps = StepTimings(config.out)
     parts = write_splits(config)
@@ -201,8 +204,8 @@ def run_regime(config: RegimeConfig, manifest: Path) -> Path:
         "stage1", cache_done(config), score_with_ray, config, manifest, teacher, parts["cpt"]
     )
     done = (config.out / "eval" / "teacher-test.json").exists()
-    steps.timed("eval-teacher", done, evaluate_on, config, settings, teacher, "test", parts,
-                "teacher")  # fmt: skip
+    steps.timed("eval-teacher", done, evaluate_on, config, teacher_settings, teacher, "test",
+                parts, "teacher")  # fmt: skip
     log(f"warm start: {config.student} until its plateau test passes "
         f"(at most {config.warm_start_max_steps} steps)")  # fmt: skip
     student = steps.timed("warm-start", (config.out / "warm-start" / "config.json").exists(),
