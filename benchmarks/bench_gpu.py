@@ -6,7 +6,8 @@ Targets: stage 1 >= 0.95 of the bare forward (issue 12) and >= 0.85 of the body 
 stage 2 >= 55% MFU, token within 3% of none.
 
     python benchmarks/bench_gpu.py [--shapes gpu|tiny] [--docs N] [--steps S]
-        [--teachers NAME ...] [--stage1-only] [--switches [LABEL ...]] [--floors SIDE ...]
+        [--teachers NAME ...] [--stage1-only | --stage2-only] [--switches [LABEL ...]]
+        [--floors SIDE ...]
         [--budget-seconds S] [--rows-jsonl PATH] [--profile-dir DIR]
 
 The rows come in the order the targets need them: each teacher's `stage 1 (hf)` and `stage 1
@@ -16,9 +17,10 @@ Each is printed as it is measured (and appended to --rows-jsonl), with each stag
 phases and device time (benchmarks/stage1_runs.py: phase_summary, device_summary: the shares of
 the device's time in batches, at what rate, and idle between them and at units' edges, from the
 run record's events), so that a run cut off by a lease's limit still reports what it measured;
-a row that fails is named in one line and the rest go on (exit 1); with --budget-seconds, a
-switch row (or a stage-1 floor but `body`, or the stage-2 floor) that would end past the budget,
-by its baseline's time, is skipped and named; --switches picks the switch rows and their order.
+a row that fails is named in one line and the rest go on (exit 1); with --budget-seconds, a row
+that would end past the budget by its baseline's time (a switch row, a stage-1 floor but `body`,
+stage 2's rows but `none`), and any row once the budget is spent, is skipped and named;
+--switches picks the switch rows and their order.
 On an H200 the whole table takes longer than 10 minutes: the 1.5B teacher's rows alone took 269 s
 with its layers compiled (2026-11-26, run 3), each switch row about 45 s.
 
@@ -96,8 +98,14 @@ What each row measures:
   (hf)` row's ratio is to `body`, and a line gives stage 1 / bare forward. `body` is measured
   first, the others each as its own row (one that fails costs that row), and `--floors` measures
   only the ones it names (all of them take a 7B teacher about 5 minutes on an H200).
-- stage 2: `stage2_train/train.py` in-process on the first teacher's cache; tokens/s and MFU are the
-  median of metrics.jsonl's per-step `tokens_per_second` and `mfu` after the first third of steps.
+- stage 2: `stage2_train/train.py` in-process on the first teacher's cache (`--stage2-only`: on a
+  cache of the shipped corpus with random teacher losses, no stage-1 job, no Ray); tokens/s and
+  MFU are the median of metrics.jsonl's per-step `tokens_per_second` and `mfu` after the first
+  third of steps. Each row starts in a clean compile state (torch._dynamo.reset(): what an
+  earlier row compiled in this process would count towards its recompile limit) and runs with
+  --no-save-at-end (no checkpoint, no final/); a line gives its phases (seconds before and after
+  the steps: imports, the student built, the loader started; the first step, which compiles;
+  the other steps) and the graphs dynamo compiled.
 - stage 2 floor: the fastest plain training loop of the same student on batches of the same
   shape (benchmarks/stage2_floor.py: compiled layers, chunked loss, fused AdamW, bf16 on a GPU;
   no data path, no selection, no mask), its target tokens/s over the last two thirds of --steps;
@@ -483,7 +491,8 @@ class Bench:
     """The rows measured so far and what a leased machine's run needs around them: each row is
     printed as it is measured (and appended to --rows-jsonl), so that a run cut off at its limit
     still reports what it measured; a row that fails is reported in one line and the run goes on;
-    an optional row whose predicted time would overrun --budget-seconds is skipped and named."""
+    a row whose predicted time would overrun --budget-seconds, or any once it is spent, is
+    skipped and named."""
 
     def __init__(self, args, device: torch.device):
         self.args, self.device = args, device
@@ -506,13 +515,16 @@ class Bench:
                 out.write(json.dumps(row.__dict__ | {"device": device_name(self.device)}) + "\n")
 
     def attempt(self, what: str, measure, predicted: float | None = None) -> bool:
-        """Run `measure()`, the step that adds `what`'s rows; False if it failed or was skipped.
-        `predicted` (seconds) makes it optional: skipped when it would end past the budget."""
+        """Run `measure()`, the step that adds `what`'s rows; False if it failed or was skipped:
+        skipped once the budget is spent, or when `predicted` seconds would end past it."""
         budget = self.args.budget_seconds
-        if predicted is not None and budget and self.elapsed() + predicted > budget:
+        elapsed = self.elapsed()
+        if budget and (elapsed >= budget or elapsed + (predicted or 0.0) > budget):
             self.skipped.append(what)
-            print(f"{what}: skipped, {self.elapsed():.0f} s + about {predicted:.0f} s would pass "
-                  f"--budget-seconds {budget:.0f}", flush=True)  # fmt: skip
+            why = (f"{elapsed:.0f} s in, --budget-seconds {budget:.0f} is spent"
+                   if elapsed >= budget else f"{elapsed:.0f} s + about {predicted:.0f} s would "
+                   f"pass --budget-seconds {budget:.0f}")  # fmt: skip
+            print(f"{what}: skipped, {why}", flush=True)
             return False
         began = self.elapsed()
         try:
@@ -718,19 +730,26 @@ class Stage2:
         student, seq_len, micro, accumulation, workers = STAGE2[args.shapes]
         out = self.scratch / f"stage2-{label.replace(' ', '-')}"
         reset_peak(device)
+        global_batch = seq_len * micro * accumulation
         command = [
             "--cache", str(self.cache), "--student", student, "--student-tokenizer", "tinyllama",
             "--out", str(out), "--max-steps", str(args.steps), "--warmup-steps", "1",
             "--seq-len", str(seq_len), "--micro-batch-size", str(micro),
-            "--global-batch-tokens", str(seq_len * micro * accumulation),
-            "--num-workers", str(workers), "--save-every", "1000000", *options,
+            "--global-batch-tokens", str(global_batch), "--num-workers", str(workers),
+            "--save-every", "1000000", "--no-save-at-end", *options,
         ]  # fmt: skip
         log = io.StringIO()
+        clean_compile_state()
         began = time.perf_counter()
         with contextlib.redirect_stderr(log):
             assert train(command) == 0, log.getvalue()
         self.seconds[label] = time.perf_counter() - began
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        # a step's seconds from its rate over every slot (metrics.jsonl has no clock)
+        steps = [global_batch / r["slot_tokens_per_second"] for r in records]
+        print(f"stage 2 {label}: {self.seconds[label]:.1f} s: {self.seconds[label] - sum(steps):.1f} "
+              f"s before and after the steps, first step {steps[0]:.2f} s, the other "
+              f"{len(steps) - 1} {sum(steps[1:]):.2f} s; {compiled_graphs()}", flush=True)  # fmt: skip
         steady = records[len(records) // 3 :]
         self.rates[label] = statistics.median(r["tokens_per_second"] for r in steady)
         self.losses[label] = np.array([r["loss_all"] for r in records])
@@ -750,9 +769,29 @@ class Stage2:
         args, device = self.bench.args, self.bench.device
         student, seq_len, micro, accumulation, _ = STAGE2[args.shapes]
         reset_peak(device)
+        clean_compile_state()
         rate, utilization = floor_rate(student, seq_len, micro, accumulation, args.steps, device)
         self.bench.add(Row("stage 2 floor", student, rate, None, utilization, peak_memory(device)))
+        print(f"stage 2 floor: {compiled_graphs()}")
         print(f"stage 2 token / the floor: {self.rates['token'] / rate:.3f}")
+
+
+def clean_compile_state() -> None:
+    """Each stage-2 row compiles afresh: what an earlier row compiled would count towards this
+    row's recompile limit (a run is one process), and its graphs towards this row's count."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def compiled_graphs() -> str:
+    """What dynamo compiled since `clean_compile_state`: graphs, and frames it gave up on."""
+    from torch._dynamo.utils import counters
+
+    limit = sum(n for reason, n in counters["unimplemented"].items() if "recompile limit" in reason)
+    return (f"{counters['stats']['unique_graphs']} graphs compiled, recompile limit hit "
+            f"{limit} times")  # fmt: skip
 
 
 def measure_all(bench: Bench, scratch: Path, corpus: Path, dtype: str) -> None:
@@ -771,13 +810,6 @@ def measure_all(bench: Bench, scratch: Path, corpus: Path, dtype: str) -> None:
             bench.attempt(f"stage 1 {label}",
                           lambda v=label: stage1_variant(bench, first, v, variants[v]),
                           predicted=first.seconds)  # fmt: skip
-
-    def stage2_rows(runs, predicted: bool) -> bool:
-        return all(
-            bench.attempt(f"stage 2 {label}", lambda run=(label, options, baseline): stage2.run(*run),
-                          predicted=stage2.seconds.get("token") if predicted else None)
-            for label, options, baseline in runs
-        )  # fmt: skip
 
     names = [name for name in TEACHERS[bench.args.shapes] if name in bench.args.teachers]
     start_ray()
@@ -808,15 +840,48 @@ def measure_all(bench: Bench, scratch: Path, corpus: Path, dtype: str) -> None:
             return
         ray.shutdown()  # stage 2 trains in this process
         stage2 = Stage2(bench, first.out, scratch)
-        if not stage2_rows(STAGE2_RUNS[:2], predicted=False):
+        if not stage2_arms_and_floor(bench, stage2):
             return
-        bench.attempt("stage 2 floor", stage2.floor, predicted=stage2.seconds["token"])
         start_ray()
         variant_rows(after)
         ray.shutdown()
-        stage2_rows(STAGE2_RUNS[2:], predicted=True)
+        stage2_rows(bench, stage2, STAGE2_RUNS[2:])
     finally:
         ray.shutdown()
+
+
+def stage2_rows(bench: Bench, stage2: Stage2, runs) -> bool:
+    """Stage 2's `runs`, each predicted to take what its baseline took (`none`: not known); each
+    is attempted, so that every one skipped is named."""
+    return all([
+        bench.attempt(f"stage 2 {label}", functools.partial(stage2.run, label, options, baseline),
+                      predicted=stage2.seconds.get(baseline))
+        for label, options, baseline in runs
+    ])  # fmt: skip
+
+
+def stage2_arms_and_floor(bench: Bench, stage2: Stage2) -> bool:
+    """`none`, `token` and the floor; False where an arm failed or was skipped."""
+    if not stage2_rows(bench, stage2, STAGE2_RUNS[:2]):
+        return False
+    bench.attempt("stage 2 floor", stage2.floor, predicted=stage2.seconds["token"])
+    return True
+
+
+def measure_stage2(bench: Bench, scratch: Path) -> None:
+    """--stage2-only: stage 2's rows on a cache of the shipped corpus's first --docs documents
+    with seeded random teacher losses (tests/cache_fixtures.py, the stage-1 contract's writer,
+    the qwen2.5 tokenizer): no Ray, no teacher, no stage-1 job."""
+    from tests.cache_fixtures import build_cache
+
+    began = time.perf_counter()
+    cache = scratch / "cache"
+    build_cache(cache, num_documents=bench.args.docs, docs_per_shard=bench.args.docs_per_shard)
+    print(f"cache of {bench.args.docs} documents, random teacher losses: "
+          f"{time.perf_counter() - began:.1f} s", flush=True)  # fmt: skip
+    stage2 = Stage2(bench, cache, scratch)
+    if stage2_arms_and_floor(bench, stage2):
+        stage2_rows(bench, stage2, STAGE2_RUNS[2:])
 
 
 def row_line(row: Row, device: str) -> str:
@@ -859,8 +924,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance")
     parser.add_argument(
         "--budget-seconds", type=float, default=0.0,
-        help="skip an optional row (a switch row, a stage-1 floor but `body`, the stage-2 floor) "
-        "whose predicted time would end past this many seconds from the start; 0: no budget",
+        help="skip a row whose predicted time (its baseline's: a switch row's, a stage-1 "
+        "floor's, stage 2's but `none`) would end past this many seconds from the start, and "
+        "every row once they have passed; 0: no budget",
     )  # fmt: skip
     parser.add_argument("--rows-jsonl", type=Path, help="also append each row here as measured")
     parser.add_argument(
@@ -876,6 +942,11 @@ def main(argv: list[str] | None = None) -> int:
         "feeds stage 2 and the switch rows",
     )  # fmt: skip
     parser.add_argument("--stage1-only", action="store_true", help="no stage-2 rows")
+    parser.add_argument(
+        "--stage2-only", action="store_true",
+        help="stage 2's rows alone, on a cache of --docs documents with random teacher losses: "
+        "no Ray, no teacher, no stage-1 job",
+    )  # fmt: skip
     parser.add_argument(
         "--floors", nargs="+", choices=FLOORS,
         help="only these stage-1 floors beside `body`, which every stage-1 ratio divides by "
@@ -899,7 +970,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args, device)
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        measure_all(bench, scratch, write_corpus_slice(scratch, args.docs), dtype)
+        if args.stage2_only:
+            measure_stage2(bench, scratch)
+        else:
+            measure_all(bench, scratch, write_corpus_slice(scratch, args.docs), dtype)
     print(
         f"shapes {args.shapes}, {args.docs} documents, teachers in {dtype}, "
         f"{args.steps} stage-2 steps per arm, {bench.elapsed():.0f} s in all"

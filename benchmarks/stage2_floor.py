@@ -40,7 +40,7 @@ def floor_rate(
             started = time.perf_counter()
         for ids in batches:
             with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
-                hidden = decoder(input_ids=ids).last_hidden_state
+                hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state
                 loss = chunked_token_loss(hidden[:, :-1], head, ids[:, 1:]).mean()
             (loss / accumulation).backward()
         optimizer.step()

@@ -350,6 +350,86 @@ def test_a_failed_row_is_named_and_a_row_past_the_budget_skipped_while_the_rest_
     ]  # fmt: skip
 
 
+def test_every_stage2_row_is_under_the_budget_and_what_it_skips_is_named(monkeypatch, capsys):
+    """`none` and `token` were never skipped by --budget-seconds, so a call's budget could be
+    spent before its first stage-2 row printed. Each stage-2 row is now predicted to take what
+    its baseline took (`none`: not known, run while the budget lasts), and any row is skipped
+    once the budget is spent. Rows stood in for, on a clock that only they advance: 40 s each."""
+    import argparse
+
+    clock, ran = {"now": 0.0}, []
+    monkeypatch.setattr(bench_gpu.time, "perf_counter", lambda: clock["now"])
+
+    class Rows(bench_gpu.Stage2):
+        def run(self, label, options, baseline):
+            ran.append(label)
+            clock["now"] += 40.0
+            self.seconds[label], self.rates[label] = 40.0, 1.0
+
+        def floor(self):
+            self.run("floor", (), "token")
+
+    def rows(budget: float, started: float = 0.0) -> list[str]:
+        args = argparse.Namespace(budget_seconds=budget, rows_jsonl=None)
+        clock["now"] = 0.0
+        bench = bench_gpu.Bench(args, torch.device("cpu"))
+        clock["now"] = started  # seconds into the run
+        ran.clear()
+        stage2 = Rows(bench, Path("cache"), Path("scratch"))
+        if bench_gpu.stage2_arms_and_floor(bench, stage2):
+            bench_gpu.stage2_rows(bench, stage2, bench_gpu.STAGE2_RUNS[2:])
+        return bench.skipped
+
+    switches = [f"stage 2 {label}" for label, *_ in bench_gpu.STAGE2_RUNS[2:]]
+    assert rows(100.0) == ["stage 2 floor", *switches] and ran == ["none", "token"]
+    said = capsys.readouterr().out
+    assert "stage 2 floor: skipped, 80 s + about 40 s would pass --budget-seconds 100" in said
+    assert rows(70.0) == ["stage 2 token"] and ran == ["none"]  # 40 + 40 > 70: no floor either
+    assert rows(30.0, started=30.0) == ["stage 2 none", "stage 2 token"] and ran == []
+    assert "stage 2 none: skipped, 30 s in, --budget-seconds 30 is spent" in capsys.readouterr().out
+    assert rows(0.0) == [] and ran == ["none", "token", "floor", *[s[8:] for s in switches]]
+
+
+@pytest.mark.slow  # 7 stage-2 runs: about 25 s on 2 cores
+def test_stage2_only_runs_every_stage2_row_at_tiny_shapes_each_compiled_afresh(
+    monkeypatch, capsys
+):
+    """--stage2-only (no Ray, no teacher): every stage-2 row, each after torch._dynamo.reset()
+    (a row's graphs and recompile limit are its own), each run asking for no checkpoint and no
+    final/ and leaving none, each row's phases and graph count printed; on a CPU `auto` is every
+    switch row's plain value, so each trains exactly what `token` does."""
+    import stage2_train.train
+
+    resets, trained, train = [], [], stage2_train.train.main
+    reset = torch._dynamo.reset
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(len(trained)) or reset())
+
+    def train_and_look(args):
+        code = train(args)
+        out = Path(args[args.index("--out") + 1])
+        trained.append((args, (out / "final").exists(), list(out.glob("checkpoints/step-*"))))
+        return code
+
+    monkeypatch.setattr(stage2_train.train, "main", train_and_look)
+    command = ["--stage2-only", "--shapes", "tiny", "--docs", "16", "--steps", "3"]
+    assert bench_gpu.main(command) == 0
+    out = capsys.readouterr().out
+    labels = [label for label, *_ in bench_gpu.STAGE2_RUNS]
+    for what in [*labels, "floor"]:
+        assert re.search(rf"^stage 2 {what} +llama-tiny ", out, re.M), out
+    for label in labels:
+        phases = rf"^stage 2 {label}: [.\d]+ s: [.\d]+ s before and after the steps, first step "
+        phases += r"[.\d]+ s, the other 2 [.\d]+ s; 0 graphs compiled, recompile limit hit 0 times$"
+        assert re.search(phases, out, re.M), out
+    for label in labels[2:]:
+        assert f"stage 2 {label} vs token: max |loss difference| 0.00e+00 over 3 steps" in out
+    assert "stage 2 token / the floor: " in out and not re.search(r"^stage 1", out, re.M)
+    assert resets == [0, 1, 2, 2, 3, 4, 5]  # before each run, and the floor's after `token`
+    assert len(trained) == len(labels)
+    for args, final, checkpoints in trained:
+        assert "--no-save-at-end" in args and not final and not checkpoints
+
+
 def write_job_records(out: Path, units: dict) -> None:
     """A stage-1 job's records as stage1_runs reads them: its units, and 10,000 teacher tokens."""
     (out / "stage1-run.json").write_text(json.dumps({"units": units}))
