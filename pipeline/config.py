@@ -16,6 +16,7 @@ import difflib
 import functools
 import json
 import math
+import re
 import tomllib
 import types
 import typing
@@ -231,12 +232,22 @@ def _checked(hint: Any, value: Any) -> Any:
             return finite(float(value))
     elif hint is str:
         if isinstance(value, str):
-            return value
+            return _no_credentials(value)
     elif hint is Path:
         if isinstance(value, str | Path):
-            return Path(value)
+            return Path(_no_credentials(value))
     kind = "is not allowed" if _scalar_type(hint) is type(value) else f"is {_kind_of(value)}"
     raise _Refused(f"{_show(value)} {kind}; expected {_expected(hint)}")
+
+
+def _no_credentials(value: str | Path) -> str | Path:
+    """A location that carries credentials is refused, and shown masked (pipeline.storage)."""
+    from pipeline.storage.store import credentials_in
+
+    refusal = credentials_in(value)
+    if refusal:
+        raise _Refused(refusal)
+    return value
 
 
 def finite(value: float) -> float:
@@ -259,6 +270,18 @@ def finite_float(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+# Every seed option (`seed`, `sample_seed`, `seeds`, ...) reaches numpy's generators, which refuse
+# a negative seed, and torch's, which take at most 64 bits: refused here, not in a worker or a step.
+SEED_OPTION = re.compile(r"(^|_)seeds?$")
+MAX_SEED = 2**63 - 1
+
+
+def _seeds(value: int | list[int] | None) -> None:
+    for seed in value if isinstance(value, list) else [value]:
+        if seed is not None and not 0 <= seed <= MAX_SEED:
+            raise _Refused(f"{seed} is not allowed; expected a seed from 0 to 2**63 - 1")
+
+
 def check_options(
     cls: type, values: dict[str, Any], where: str, flags: bool = False
 ) -> dict[str, Any]:
@@ -275,6 +298,8 @@ def check_options(
     for key, value in values.items():
         try:
             checked[key] = _checked(hints[key], value)
+            if SEED_OPTION.search(key):
+                _seeds(checked[key])
         except _Refused as exc:
             name = "--" + key.replace("_", "-") if flags else key
             raise ConfigError(f"{where} {name}: {exc}") from None

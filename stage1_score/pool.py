@@ -62,12 +62,18 @@ def size_pool(config: ScoreConfig) -> tuple[int, int, int]:
 
 
 def _unwrap(error: Exception) -> Exception:
-    """Our own errors raised in an actor come back as themselves, for a one-line message."""
+    """Our own errors raised in an actor come back as themselves, and any other as one line
+    naming it: never Ray's remote traceback."""
     import ray
 
     cause = getattr(error, "cause", None)
-    if isinstance(error, ray.exceptions.RayTaskError) and isinstance(cause, VocagnoError):
-        return cause
+    if isinstance(error, ray.exceptions.RayTaskError):
+        if isinstance(cause, VocagnoError):
+            return cause
+        return ScoringError(
+            f"a scoring worker failed ({type(cause).__name__}: {_first_line(cause)}); finished "
+            "units are kept"
+        )
     if isinstance(error, ray.exceptions.RayActorError):  # while loading its teacher
         return ScoringError(
             f"a scoring worker died while starting ({error.__class__.__name__}); finished units "

@@ -230,3 +230,37 @@ def test_a_float16_top_k_cache_under_the_compact_default_is_told_how_to_resume(t
     with pytest.raises(CacheError, match=r"choose another --out$"):
         prepare_output(cache, other, overwrite=False, log=lambda _: None)
     assert prepare_output(cache, made, overwrite=False, log=lambda _: None)  # resumed
+
+
+def test_a_uri_that_carries_credentials_is_refused_masked_and_nothing_is_written(
+    tmp_path, capsys, monkeypatch
+):
+    """Before: `s3://KEY:SECRET@bucket/...` got as far as pyarrow, whose traceback's last line
+    printed the secret. Every location (a flag, a manifest value, a command's argument) that
+    carries credentials is refused in one line showing it masked; nothing is written."""
+    from stage1_score.run import main as stage1
+
+    monkeypatch.chdir(tmp_path)
+    uri = "s3://AKIAEXAMPLE:SeCrEt@bucket/prefix"
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(f'[stage2]\ncache = "{uri}"\n')
+    runs = {
+        "stage 2 flag": lambda: train(train_args(uri, tmp_path / "out")),
+        "stage 2 manifest": lambda: train(["--manifest", str(manifest), *train_args(
+            tmp_path / "c", tmp_path / "out")[2:]]),  # fmt: skip
+        "stage 1": lambda: stage1(["--teacher", "t", "--corpus", f"{uri}/c.jsonl", "--out", "o"]),
+        "more caches": lambda: train(train_args(tmp_path / "c", tmp_path / "out", "--more-caches",
+                                                uri)),  # fmt: skip
+    }
+    for name, run in runs.items():
+        assert run() == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "s3://***@bucket/prefix carries credentials" in err[0], err
+        assert "SeCrEt" not in err[0]
+    with pytest.raises(SystemExit) as exit:
+        vocagno(["cache", "verify", uri])
+    assert exit.value.code == 2
+    said = capsys.readouterr()
+    assert "s3://***@bucket/prefix carries credentials" in said.err
+    assert not any("SeCrEt" in text for text in (said.out, said.err))
+    assert [path.name for path in tmp_path.iterdir()] == ["m.toml"]

@@ -448,3 +448,29 @@ def test_every_float_option_refuses_nan_and_infinities(
             err = capsys.readouterr().err
             assert code == 2 and err.count("\n") == 1, err
             assert f"{spelled} is not allowed; expected a finite number" in err, err
+
+
+def test_every_seed_option_refuses_a_negative_seed(capsys):
+    """Before: `--sample-seed -5` passed the checks and failed in the Ray workers (numpy refuses
+    a negative seed) as a remote traceback. Every seed option is held to 0..2**63 - 1 by one rule
+    where options are checked."""
+    from experiments.curve import config as curve
+    from experiments.dose import config as dose
+    from pipeline.config import SEED_OPTION
+
+    sections = {cls: section for cls, (section, _) in CONFIGS.items()}
+    sections |= {dose.DoseConfig: dose.SECTION, curve.CurveConfig: curve.SECTION}
+    seeds = [(cls, f.name, hint) for cls in sections for f, hint in _fields(cls)
+             if SEED_OPTION.search(f.name)]  # fmt: skip
+    assert {name for _, name, _ in seeds} == {"sample_seed", "seed", "seeds", "longest_seeds"}
+    for cls, name, hint in seeds:
+        listed = typing.get_origin(_scalar_type(hint)) is list
+        for seed in (-5, 2**63):
+            flag = f"--{name.replace('_', '-')}={seed}"
+            required = CONFIGS.get(cls, ("", {}))[1]
+            argv = [arg for key, v in required.items() for arg in _flags(key, v)] + [flag]
+            code = exit_code("prog", lambda a=argv, c=cls: parse_config(c, a, "", sections[c]))
+            err = capsys.readouterr().err
+            assert code == 2 and err.count("\n") == 1, (cls, name, err)
+            assert f"{seed} is not allowed; expected a seed from 0 to 2**63 - 1" in err, err
+        assert listed == (name in ("seeds", "longest_seeds"))

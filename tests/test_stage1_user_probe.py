@@ -353,3 +353,19 @@ def test_a_document_with_no_scored_teacher_token_is_warned_of_and_counted(tmp_pa
     assert vocagno(["cache", "stats", str(out)]) == 0
     text = capsys.readouterr().out
     assert "documents        4 (+0 skipped; 2 with no scored teacher token)" in text
+
+
+def test_an_error_in_a_worker_that_is_not_ours_is_one_line_naming_it():
+    """Before: an exception a worker raised that is no VocagnoError (numpy refusing a seed, say)
+    reached the user as Ray's remote traceback; it is one line naming it, as ours are."""
+    import ray
+
+    from stage1_score.pool import ScoringError, _unwrap
+
+    cause = ValueError("expected non-negative integer\nmore detail")
+    error = _unwrap(ray.exceptions.RayTaskError("score", "Traceback (most recent call...)", cause))
+    assert isinstance(error, ScoringError)
+    assert str(error) == (
+        "a scoring worker failed (ValueError: expected non-negative integer); finished units are "
+        "kept"
+    )

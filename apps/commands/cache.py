@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import finite_float
-from pipeline.storage import as_location
+from pipeline.storage.store import location_argument
 
 CACHE_HELP = (
     "cache folder (with manifest.json), or its URI in object storage (s3://bucket/prefix, gs://…; "
@@ -30,7 +30,7 @@ def add_parser(subparsers) -> None:
         "sha256, that no unlisted shard or temporary file is there, and inside each shard the "
         "schema, row and token counts, list lengths, text hashes and token offsets.",
     )
-    verify.add_argument("cache_dir", type=as_location, metavar="DIR", help=CACHE_HELP)
+    verify.add_argument("cache_dir", type=location_argument, metavar="DIR", help=CACHE_HELP)
     verify.add_argument("--quiet", action="store_true", help="print only problems and the verdict")
     verify.set_defaults(func=run_verify)
     stats = actions.add_parser(
@@ -39,7 +39,7 @@ def add_parser(subparsers) -> None:
         description="Summarize a cache: documents, teacher tokens, loss mean and percentiles, "
         "share of unscored (NaN) tokens, bytes per token with and without the text column.",
     )
-    stats.add_argument("cache_dir", type=as_location, metavar="DIR", help=CACHE_HELP)
+    stats.add_argument("cache_dir", type=location_argument, metavar="DIR", help=CACHE_HELP)
     stats.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     stats.set_defaults(func=run_stats)
     _add_inspect(actions)
@@ -59,7 +59,7 @@ def _add_inspect(actions) -> None:
         "teacher tokens it maps to. Needs the student model (for its loss), never the teacher.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    inspect.add_argument("cache_dir", type=as_location, metavar="DIR", help=CACHE_HELP)
+    inspect.add_argument("cache_dir", type=location_argument, metavar="DIR", help=CACHE_HELP)
     inspect.add_argument("--student", required=True, help="student model folder or hub id")
     inspect.add_argument(
         "--student-tokenizer", default=None, help="student tokenizer (default: the student's own)"

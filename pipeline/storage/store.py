@@ -15,6 +15,7 @@ Local folders keep exactly the behaviour they always had.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fnmatch
 import functools
@@ -44,6 +45,27 @@ _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _SETTINGS = ("AWS_", "GOOGLE_", "GCS_", "HF_", "AZURE_")
 
 
+# `scheme://KEY:SECRET@host/...`: credentials written into a URI's authority
+_CREDENTIALS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@")
+
+
+def masked(location: Any) -> str:
+    """`location` as it may be shown: any credentials in a URI as `***`."""
+    return _CREDENTIALS.sub(r"\1***@", str(location))
+
+
+def credentials_in(location: Any) -> str | None:
+    """Why `location` may not be used, where it is a URI that carries credentials: they would be
+    printed, logged and saved wherever the location is (messages, manifests, run configs)."""
+    if not isinstance(location, str | os.PathLike) or masked(location) == str(location):
+        return None
+    return (
+        f"{masked(location)} carries credentials, which would be printed, logged and saved with "
+        "it: give them by the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+        "AWS_PROFILE, or your store's own) instead"
+    )
+
+
 def is_uri(location: Any) -> bool:
     """True for `scheme://…` other than `file://`: a location served by a filesystem library."""
     text = str(location) if isinstance(location, str) else ""
@@ -54,9 +76,21 @@ def as_location(location: str | os.PathLike) -> str | Path:
     """A URI kept as given (a Path would fold its `//`), anything else as a Path."""
     if isinstance(location, Store):
         return location.location if location.remote else location.local
+    refusal = credentials_in(location)
+    if refusal:
+        raise ConfigError(refusal)
     if is_uri(location):
         return str(location).rstrip("/")
     return Path(str(location).removeprefix("file://"))
+
+
+def location_argument(text: str) -> str | Path:
+    """`type=` of an argparse location: `as_location`, a refusal in argparse's own words (its
+    exceptions would escape the parser)."""
+    try:
+        return as_location(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def child(location: str | os.PathLike, name: str) -> str | Path:
@@ -89,6 +123,9 @@ def resolve_uri(uri: str):
     """(pyarrow filesystem, path inside it) for a URI; ConfigError naming it if none can serve it.
 
     The path is the bucket (or host) and key, as pyarrow's and fsspec's object stores spell it."""
+    refusal = credentials_in(uri)
+    if refusal:
+        raise ConfigError(refusal)
     parts = urllib.parse.urlsplit(uri)
     root = f"{parts.scheme}://{parts.netloc}" + (f"?{parts.query}" if parts.query else "")
     settings = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_SETTINGS)))
