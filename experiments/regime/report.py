@@ -158,6 +158,25 @@ def findings(config: RegimeConfig, prereg: RegimePreRegistration, rows: list[dic
     return lines
 
 
+def _repetition(history: list[dict], flat: dict) -> list[str]:
+    """How much of the last quarter's flattening is the student memorizing its repeated data:
+    the loss on its own training rows against the held-out loss, over the plateau test's steps."""
+    at = {h["step"]: h for h in history if "heldout_loss" in h}
+    if not flat.get("tested") or "train_rows_loss" not in at[flat["to_step"]]:
+        return []
+    first, last = at[flat["from_step"]], at[flat["to_step"]]
+    held = (first["heldout_loss"] - last["heldout_loss"]) / first["heldout_loss"]
+    train = (first["train_rows_loss"] - last["train_rows_loss"]) / first["train_rows_loss"]
+    return [
+        f"Repetition: over the same last quarter the loss on its own training rows fell "
+        f"{train:.2%} against the held-out loss's {held:.2%}; the gap between them (held-out "
+        f"minus training rows) went from {first['heldout_loss'] - first['train_rows_loss']:.4f} "
+        f"to {last['heldout_loss'] - last['train_rows_loss']:.4f} nats/token"
+        + (": a growing share of what it still learns is text it has seen." if train > held
+           else ": it learned new text as fast as seen text.")  # fmt: skip
+    ]
+
+
 def _plot(config: RegimeConfig, dest: Path) -> None:
     import matplotlib
 
@@ -208,6 +227,8 @@ def write_regime_report(
         f"{flat.get('relative_fall', float('nan')):.2%}: "
         f"{'passed' if flat['flattened'] else 'failed'} (tolerance "
         f"{config.plateau_tolerance:.0%}).",
+        "",
+        *_repetition(warm["history"], flat),
         "",
         "| step | held-out loss | loss on its own training rows |",
         "|---:|---:|---:|",
