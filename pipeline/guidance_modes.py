@@ -109,8 +109,9 @@ MODES: dict[str, ModeDeclaration] = {
         ),
         ModeDeclaration(
             "kld-sampled", "nothing", "token", "token",
-            "no row; KLD (appendix B eq. 5) over the full vocabulary, estimated from teacher draws",
-            "every token's cross-entropy + an unbiased estimate of the full KL(student || teacher) "
+            "no row; KLD (appendix B eq. 5) over the full vocabulary, forward, from teacher draws "
+            "(Anshumann et al. 2025, arXiv:2503.16870)",
+            "every token's cross-entropy + an unbiased estimate of the full KL(teacher || student) "
             "from K cached draws (needs a --topk-mode sampled cache of the student's tokenizer)",
             distillation=_kld_sampled, same_tokenizer=True,
         ),

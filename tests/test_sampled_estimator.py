@@ -1,16 +1,18 @@
-"""The sampled estimator (pipeline/distillation/sampled.py): over many seeds, its KLD and ULD
-estimates average to the full-vocabulary terms computed from a teacher's whole softmax on real
-text, within their standard error; the top-k cache's terms (the functions stage 2 trains with)
-miss them by many standard errors, and the test reports both."""
+"""The sampled estimators (pipeline/distillation/sampled.py): over many seeds, the forward KL's
+and the ULD's estimates average to the full-vocabulary terms computed from a teacher's whole
+softmax on real text, within their standard error; the top-k cache's terms (the functions stage 2
+trains with) miss them by many standard errors, and the test reports both. On a tiny vocabulary
+the forward KL's estimate and its gradient are averaged exactly, over every set of draws."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
 import torch
 
 from pipeline.distillation import sampled
-from pipeline.distillation.kld import topk_kl
 from pipeline.distillation.uld import uld_distance
 from pipeline.scoring import draws
 from pipeline.tokenizer import load_tokenizer
@@ -45,10 +47,19 @@ def shipped_texts(n: int) -> list[str]:
     return [next(documents).text for _ in range(n)]
 
 
-def full_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
-    """The exact KL(student || teacher) [n] over one vocabulary, from log-probabilities (those of
-    the sharpened teacher underflow as probabilities): what sampled_kl estimates."""
-    return (student_logprobs.exp() * (student_logprobs - teacher_logprobs)).sum(-1)
+def forward_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """The exact KL(teacher || student) [n] over one vocabulary, from log-probabilities: what
+    sampled_forward_kl estimates."""
+    return (teacher_logprobs.exp() * (teacher_logprobs - student_logprobs)).sum(-1)
+
+
+def topk_forward_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) [n] over the teacher's top K ids and one bucket for the rest: what a
+    top-k cache gives of it (a lower bound, the log-sum inequality)."""
+    top = torch.topk(teacher_logprobs, K, dim=-1)
+    t, s = top.values.exp(), student_logprobs.gather(-1, top.indices).exp()
+    t_rest, s_rest = (1 - t.sum(-1)).clamp(min=1e-30), (1 - s.sum(-1)).clamp(min=1e-30)
+    return (t * (t.log() - s.log())).sum(-1) + t_rest * (t_rest.log() - s_rest.log())
 
 
 def estimates(
@@ -57,31 +68,30 @@ def estimates(
     """Per term: the exact mean over positions, the sampled estimate's mean and standard error
     over `seeds` seeds, and the top-k term's mean."""
     t, s = teacher.float(), student.float()
-    exact = {"kld": full_kl(s, t).mean(), "uld": boizard_uld(s.exp(), t.exp()).mean()}
+    exact = {"kld": forward_kl(s, t).mean(), "uld": boizard_uld(s.exp(), t.exp()).mean()}
     student_sorted = torch.sort(s.exp(), dim=-1, descending=True).values
     cdf, rank = draws.cumulative(teacher), vocabulary_ranks(t)
     zeros = torch.zeros(len(t))  # the log normalizer of log-probabilities
-    runs = {"kld": [], "uld": [], "kld unweighted": [], "uld unweighted": []}
+    runs = {"kld": [], "uld": [], "kld weighted": [], "uld unweighted": []}
     for seed in range(seeds):
         generator = torch.Generator().manual_seed(seed)
         ids = draws.draw_ids(cdf, torch.rand(len(t), K, generator=generator, dtype=torch.float64))
         at_t, at_s = t.gather(-1, ids), s.gather(-1, ids)
-        runs["kld"].append(sampled.sampled_kl(at_s, at_t).mean())
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        runs["kld"].append(sampled.sampled_forward_kl(at_s, at_t, valid).mean())
         at_rank = rank.gather(-1, ids)
         uld = sampled.sampled_uld(student_sorted.log(), zeros, at_t, at_rank, t.shape[-1])
         runs["uld"].append(uld.mean())
-        # the same draws averaged without their importance weights: a biased estimator, which
-        # the test must tell from the unbiased one
-        runs["kld unweighted"].append((at_s - at_t).mean())
+        # biased estimators the test must tell from the unbiased ones: the KL's draws weighted
+        # by s/t (the reverse KL's weights), the ULD's without its weights
+        runs["kld weighted"].append(((at_s - at_t).exp() * (at_t - at_s)).mean())
         at_student = student_sorted.gather(-1, at_rank)
         runs["uld unweighted"].append((at_student - at_t.exp()).abs().mean())
     top = torch.topk(t, K, dim=-1)
     probs, rest = top.values.exp(), (1 - top.values.exp().sum(-1)).clamp(min=0)
-    log_z = torch.zeros(len(t))
-    valid = torch.ones_like(top.indices, dtype=torch.bool)
     topk = {
-        "kld": topk_kl(s.gather(-1, top.indices), log_z, valid, probs, rest).mean(),
-        "uld": uld_distance(student_sorted[:, :K].log(), log_z, probs, rest).mean(),
+        "kld": topk_forward_kl(s, t).mean(),
+        "uld": uld_distance(student_sorted[:, :K].log(), zeros, probs, rest).mean(),
     }
     report = {}
     for term, values in runs.items():
@@ -98,7 +108,7 @@ def estimates(
 
 
 def assert_unbiased(report: dict) -> None:
-    """Each estimate within 4 standard errors of the full term; the unweighted ones (the power
+    """Each estimate within 4 standard errors of the full term; the biased ones (the power
     check) more than 10 away; the top-k terms are reported beside them."""
     for term, r in report.items():
         print(
@@ -107,7 +117,7 @@ def assert_unbiased(report: dict) -> None:
             f"(top-k bias {r['topk'] - r['exact']:+.5f})"
         )
         off = abs(r["sampled"] - r["exact"]) / r["standard_error"]
-        assert off > 10 if "unweighted" in term else off <= 4, (term, r)
+        assert off > 10 if " " in term else off <= 4, (term, r)
 
 
 def test_sampled_terms_are_unbiased_on_a_tiny_teacher(tmp_path):
@@ -120,6 +130,35 @@ def test_sampled_terms_are_unbiased_on_a_tiny_teacher(tmp_path):
     logits = 30.0 * next_token_logits(teacher, texts)
     student = near(logits, 30.0 * next_token_logits(other, texts))
     assert_unbiased(estimates(torch.log_softmax(logits, -1), student, TINY_SEEDS))
+
+
+def test_the_sampled_forward_kl_and_its_gradient_are_exact_in_expectation():
+    """A 5-id vocabulary and K = 3 draws: the estimate averaged over all 125 sets of draws, each
+    weighted by its probability under the teacher, is KL(teacher || student) exactly, and so is
+    its gradient in the student's logits that of the full KL (softmax(s) - t): the term trains
+    towards the teacher as the full forward KL does."""
+    generator = torch.Generator().manual_seed(0)
+    teacher = torch.log_softmax(2 * torch.randn(4, 5, generator=generator, dtype=torch.float64), -1)
+    logits = torch.randn(4, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    student = torch.log_softmax(logits, -1)
+    value, valid = torch.zeros(4, dtype=torch.float64), torch.ones(4, 3, dtype=torch.bool)
+    for draws_ in itertools.product(range(5), repeat=3):
+        ids = torch.tensor(draws_).expand(4, 3)
+        weight = teacher.gather(-1, ids).sum(-1).exp()  # the draws' probability, per position
+        at_s, at_t = student.gather(-1, ids), teacher.gather(-1, ids)
+        value = value + weight * sampled.sampled_forward_kl(at_s, at_t, valid)
+    expected_gradient = torch.autograd.grad(value.sum(), logits)[0]
+    torch.testing.assert_close(value, forward_kl(student, teacher), rtol=1e-12, atol=1e-12)
+    exact_gradient = torch.softmax(logits, -1) - teacher.exp()
+    torch.testing.assert_close(expected_gradient, exact_gradient, rtol=1e-12, atol=1e-12)
+
+
+def test_a_draw_the_student_head_lacks_adds_nothing():
+    """A teacher id beyond the student's head (a padded teacher head) has student probability 0:
+    the forward KL there is infinite, so the draw adds 0 and the others keep their share."""
+    at_s, at_t = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-0.5, -9.0]])
+    valid = torch.tensor([[True, False]])
+    assert sampled.sampled_forward_kl(at_s, at_t, valid).item() == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("student_vocab", [25, 60])

@@ -1,20 +1,26 @@
-"""Unbiased estimates of the full-vocabulary KLD and ULD terms from K ids drawn from the teacher's
-distribution (docs/distillation.md: "Sampled targets"; the idea of Anshumann et al., "Sparse Logit
-Sampling", ACL 2025, arXiv 2503.16870: ids sampled from the teacher, weighted by importance,
-estimate the full term without bias, where a top-k cache estimates a coarsened one).
+"""Full-vocabulary distillation terms from K ids drawn from the teacher's distribution
+(docs/distillation.md: "Sampled targets"; the idea of Anshumann et al., "Sparse Logit Sampling",
+ACL 2025, arXiv 2503.16870: ids sampled from the teacher estimate the full term without bias,
+where a top-k cache estimates a coarsened one).
 
 The draws x_1..x_K are independent, each from the teacher's t at temperature 1 (the proposal is
-t itself). For any f, (1/K) sum_i f(x_i) / t(x_i) is an unbiased estimate of sum_v f(v), so
+t itself). For any f, (1/K) sum_i f(x_i) is an unbiased estimate of sum_v t(v) f(v), and
+(1/K) sum_i f(x_i) / t(x_i) one of sum_v f(v), so
 
-  KL(s || t) = sum_v s(v) (log s(v) - log t(v))
-             ~ (1/K) sum_i w_i (log s(x_i) - log t(x_i)),       w_i = s(x_i) / t(x_i)
+  KL(t || s) = sum_v t(v) (log t(v) - log s(v))
+             ~ (1/K) sum_i (log t(x_i) - log s(x_i))
 
   ULD        = sum_r |s_(r) - t_(r)|   (both sorted descending, the shorter padded with zeros)
              = sum_v |s_(rank_t(v)) - t(v)|  +  sum_{r >= V_t} s_(r)
              ~ (1/K) sum_i |s_(rank_i) - t(x_i)| / t(x_i)  +  sum_{r >= V_t} s_(r)
 
 where rank_t(v) is v's rank in the teacher's descending order (ties by the lower id, the top-k
-rule of pipeline.scoring.head_kernels). So a sampled position stores, per draw, the id, the
+rule of pipeline.scoring.head_kernels). The KL is the forward one, Sparse Logit Sampling's
+(their RS-KD with the teacher as its own proposal): it needs no importance weight, so its
+gradient, -(1/K) sum_i grad log s(x_i), is the cross-entropy against the draws, bounded, and
+equal in expectation to the full forward KL's. Eq. 5's reverse KL(s || t) would need the weights
+s(x)/t(x), unbounded where the student puts mass the teacher seldom draws: trained that way, the
+student did not learn (docs/distillation.md). So a sampled position stores, per draw, the id, the
 teacher's log-probability of it and its rank; the student side is exact.
 """
 
@@ -31,11 +37,13 @@ from pipeline.distillation import AlignedRead, fill_value
 from pipeline.head_outputs import HeadOutputs, HeadReads, valid_ids
 
 
-def sampled_kl(student_logprob: torch.Tensor, teacher_logprob: torch.Tensor) -> torch.Tensor:
-    """Per position [n], the estimate of KL(student || teacher) from the draws' log-probabilities
-    under each [n, K]."""
-    log_ratio = student_logprob - teacher_logprob
-    return (log_ratio.exp() * log_ratio).mean(-1)
+def sampled_forward_kl(
+    student_logprob: torch.Tensor, teacher_logprob: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """Per position [n], the estimate of KL(teacher || student) from the draws'
+    log-probabilities under each [n, K], over the draws that are `valid` [n, K] (an id the
+    student's head lacks adds 0: only a padded teacher head has one, with next to no mass)."""
+    return torch.where(valid, teacher_logprob - student_logprob, 0.0).mean(-1)
 
 
 def sampled_uld(
@@ -128,10 +136,10 @@ class SampledTerm:
 @dataclass(frozen=True)
 class SampledKLDistillation(SampledTerm):
     """`--guidance kld-sampled`: the cross-entropy plus, with KLD's equal weight (VocAgnoLM
-    appendix B eq. 5), the estimate above of the full-vocabulary KL(student || teacher) from a
-    `--topk-mode sampled` cache. Like KLD it needs the cache's own tokenizer (the identity
-    alignment); unlike the top-k KLD it estimates the full term, not a coarsened one
-    (docs/distillation.md)."""
+    appendix B eq. 5), the estimate above of the full-vocabulary forward KL(teacher || student)
+    from a `--topk-mode sampled` cache, as Sparse Logit Sampling trains (eq. 5 writes the
+    reverse KL, whose estimate from teacher draws did not train). Like KLD it needs the cache's
+    own tokenizer (the identity alignment)."""
 
     weight: float = 1.0
     name: str = "kld-sampled"
@@ -144,8 +152,7 @@ class SampledKLDistillation(SampledTerm):
     def per_token(self, student, teacher_logprob, where, extras):
         valid = valid_ids(extras[DRAWN_IDS], student.vocabulary) & where[..., None]
         student_logprob = student.at_ids - student.log_z[..., None]
-        # a teacher id the student's head lacks has student probability 0: no contribution
-        return sampled_kl(torch.where(valid, student_logprob, teacher_logprob), teacher_logprob)
+        return sampled_forward_kl(student_logprob, teacher_logprob, valid)
 
 
 @dataclass(frozen=True)
