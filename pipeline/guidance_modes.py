@@ -1,6 +1,7 @@
-"""The guidance modes, each declared once: what it ranks by, what unit it selects, which alignment the data path must give it, and where
-the paper defines it. The CLI's choices and help, the demo's arms, stage 2's choice of alignment
-and the selection (pipeline.guidance) all read `MODES`; adding a mode is one line here.
+"""The guidance modes, each declared once: what it ranks by, which alignment the data path must
+give it (and so which unit it selects), and where the paper defines it. The CLI's choices and
+help, the demo's arms, stage 2's choice of alignment and the selection (pipeline.guidance) all
+read `MODES`; adding a mode is one line here.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ class ModeDeclaration:
 
     name: str
     rank_by: Literal["excess", "noise", "nothing"]  # nothing: no selection, every token kept
-    unit: Literal["token", "chunk"]  # what the top-k counts and keeps
-    alignment: Literal["token", "chunk"]  # how the data path gives each token its L_T
+    # how the data path gives each token its L_T, and so what the top-k counts and keeps: a
+    # chunk mode's teacher losses are its chunks', and it selects whole chunks
+    alignment: Literal["token", "chunk"]
     paper: str  # where the paper defines it
     summary: str
     # a distillation term trained beside the cross-entropy (pipeline.distillation), built from
@@ -30,7 +32,7 @@ class ModeDeclaration:
 
     @property
     def needs_chunks(self) -> bool:
-        return self.unit == "chunk"
+        return self.alignment == "chunk"
 
 
 def _uld(config: Any, cache_settings: Mapping[str, Any]) -> Any:  # imported when a run asks for it: torch and the cache schema
@@ -76,39 +78,39 @@ MODES: dict[str, ModeDeclaration] = {
     mode.name: mode
     for mode in (
         ModeDeclaration(
-            "token", "excess", "token", "token", "eq. 3-4, Table 1 'Ours'",
+            "token", "excess", "token", "eq. 3-4, Table 1 'Ours'",
             "the method: top-k tokens by excess loss over token-aligned teacher loss",
         ),
         ModeDeclaration(
-            "chunk", "excess", "chunk", "chunk", "Table 2 'Chunking Alignment / Teacher'",
+            "chunk", "excess", "chunk", "Table 2 'Chunking Alignment / Teacher'",
             "equal chunks per document, chunk c to chunk c; top-k CHUNKS by chunk excess loss",
         ),
         ModeDeclaration(
-            "random", "noise", "token", "token", "no row; the token-level control",
+            "random", "noise", "token", "no row; the token-level control",
             "as many tokens as token keeps, chosen at random (seeded)",
         ),
         ModeDeclaration(
-            "random-chunk", "noise", "chunk", "chunk", "Table 2 'Chunking Alignment / Random'",
+            "random-chunk", "noise", "chunk", "Table 2 'Chunking Alignment / Random'",
             "as many chunks as chunk keeps, chosen at random (seeded)",
         ),
         ModeDeclaration(
-            "none", "nothing", "token", "token", "Table 1 'TinyLlama-CPT'",
+            "none", "nothing", "token", "Table 1 'TinyLlama-CPT'",
             "every token (plain continual pretraining)",
         ),
         ModeDeclaration(
-            "uld", "nothing", "token", "token", "Table 1 'ULD', appendix B eq. 6",
+            "uld", "nothing", "token", "Table 1 'ULD', appendix B eq. 6",
             "every token's cross-entropy + --uld-lambda x Wasserstein-1 between the sorted "
             "student and cached teacher top-k (needs a --topk-probs cache)",
             distillation=_uld,
         ),
         ModeDeclaration(
-            "kld", "nothing", "token", "token", "Table 1 'KLD', appendix B eq. 5",
+            "kld", "nothing", "token", "Table 1 'KLD', appendix B eq. 5",
             "every token's cross-entropy + KL(student || teacher) over the cached top-k ids and "
             "the rest (needs a --topk-probs cache of the student's own tokenizer)",
             distillation=_kld, same_tokenizer=True,
         ),
         ModeDeclaration(
-            "kld-sampled", "nothing", "token", "token",
+            "kld-sampled", "nothing", "token",
             "no row; KLD (appendix B eq. 5) over the full vocabulary, forward, from teacher draws "
             "(Anshumann et al. 2025, arXiv:2503.16870)",
             "every token's cross-entropy + an unbiased estimate of the full KL(teacher || student) "
@@ -116,14 +118,14 @@ MODES: dict[str, ModeDeclaration] = {
             distillation=_kld_sampled, same_tokenizer=True,
         ),
         ModeDeclaration(
-            "uld-sampled", "nothing", "token", "token",
+            "uld-sampled", "nothing", "token",
             "no row; ULD (appendix B eq. 6) over the full vocabulary, estimated from teacher draws",
             "every token's cross-entropy + --uld-lambda x an unbiased estimate of the full ULD "
             "distance from K cached draws and their ranks (needs a --topk-mode sampled cache)",
             distillation=_uld_sampled,
         ),
         ModeDeclaration(
-            "alm", "nothing", "token", "token",
+            "alm", "nothing", "token",
             "no row; Minixhofer et al. 2025 (arXiv:2503.20083), tokenkit's defaults",
             "cross-entropy on every token + --alm-weight x ALM (approximate likelihood matching "
             "of text chunks; needs a stage-1 cache with --space-logprob, docs/alm.md)",
