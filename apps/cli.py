@@ -15,8 +15,12 @@ COMMAND_MODULES = (
     "analyze",
     "cache",
     "eval",
-    "overlap",
 )
+# A command folded into another, refused in one line that says what replaced it.
+REPLACED = {
+    "overlap": "vocagno analyze overlap --student-tokenizer S --teacher-tokenizers T --out DIR "
+    "(DIR/vocab_overlap.json holds the same keys, a row per teacher)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in REPLACED:
+        print(f"vocagno {argv[0]}: error: replaced by {REPLACED[argv[0]]}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     configure()
     try:

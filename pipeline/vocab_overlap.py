@@ -31,7 +31,8 @@ class VocabularyOverlap:
         return self.shared / self.student_vocab
 
     def to_dict(self) -> dict:
-        """The stable JSON form `vocagno overlap` prints (other tools parse these keys)."""
+        """The stable JSON form of `vocagno analyze overlap`'s rows (other tools parse these
+        keys)."""
         return {
             "shared": self.shared,
             "student_vocab": self.student_vocab,

@@ -1,4 +1,5 @@
-"""`vocagno align` and `vocagno overlap`: output shape and values, and clear one-line errors."""
+"""`vocagno align`: output shape and values, and clear one-line errors; `vocagno overlap`, folded
+into `vocagno analyze overlap` (tests/test_analysis.py), refused in one line naming it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import zstandard
 
@@ -110,22 +110,13 @@ def test_align_human_prints_a_table(capsys):
     assert rows[6] == ["6", "certain", '"certain"', "15-22", "2..3", '"', 'Unc"', '"ertainty"']
 
 
-def test_overlap_prints_the_figure_1_numbers(capsys):
+def test_overlap_is_refused_in_one_line_naming_analyze_overlap(capsys):
     code, out, err = run_cli(
         capsys, "overlap", "--student-tokenizer", "tinyllama", "--teacher-tokenizer", "qwen2.5"
     )
-    assert code == 0 and err == ""
-    result = json.loads(out)
-    assert list(result) == [
-        "shared",
-        "student_vocab",
-        "teacher_vocab",
-        "shared_over_teacher",
-        "shared_over_student",
-    ]
-    assert (result["student_vocab"], result["teacher_vocab"]) == (32000, 151665)
-    assert round(100 * result["shared_over_teacher"], 2) == 6.32
-    assert np.isclose(result["shared_over_student"], result["shared"] / 32000)
+    assert code == 2 and out == ""
+    assert err.startswith("vocagno overlap: error: replaced by vocagno analyze overlap ")
+    assert len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(
@@ -163,11 +154,11 @@ def test_align_skip_reports_bad_records_and_aligns_the_rest(capsys, tmp_path):
 
 def test_console_script_exits_non_zero_with_one_line_for_a_bad_tokenizer():
     result = subprocess.run(
-        [sys.executable, "-m", "apps.cli", "overlap", "--student-tokenizer", "tinyllama",
-         "--teacher-tokenizer", "/no/such/tokenizer.json"],
+        [sys.executable, "-m", "apps.cli", "align", "--student-tokenizer", "tinyllama",
+         "--teacher-tokenizer", "/no/such/tokenizer.json", "--text", "hello"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == [
-        "vocagno overlap: error: tokenizer file /no/such/tokenizer.json does not exist"
+        "vocagno align: error: tokenizer file /no/such/tokenizer.json does not exist"
     ]
