@@ -82,7 +82,7 @@ def training_step(model, optimizer, batch, mode: str, term) -> None:
         GuidanceSettings(mode=guided),
         generator=torch.Generator().manual_seed(0),
     )
-    objective = result.loss_eq3
+    objective = result.kept_loss_sum / result.valid.clamp(min=1)  # eq. 3
     if term is not None:
         units = term.units(batch["labels"], extras).clamp(min=1)
         total = term.loss_sum(student, batch["labels"], extras)

@@ -46,7 +46,7 @@ def training_step(model, optimizer, batch, settings: GuidanceSettings) -> float:
         settings,
         generator=torch.Generator().manual_seed(0),
     )
-    result.loss.backward()
+    (result.kept_loss_sum / result.kept.clamp(min=1)).backward()  # the mean over kept tokens
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(result.kept / result.valid)  # GuidedLoss counts are tensors

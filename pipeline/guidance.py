@@ -132,23 +132,6 @@ class GuidedLoss:
     mapped: torch.Tensor
     valid: torch.Tensor
 
-    @property
-    def loss(self) -> torch.Tensor:
-        """Mean over kept tokens (0 with a gradient path when nothing is kept): the logged `loss`,
-        and the objective under --loss-normalization kept."""
-        return self.kept_loss_sum / self.kept.clamp(min=1)
-
-    @property
-    def loss_eq3(self) -> torch.Tensor:
-        """Paper eq. 3: the kept tokens' loss summed and divided by all N valid target tokens
-        (the objective under --loss-normalization all, the default)."""
-        return self.kept_loss_sum / self.valid.clamp(min=1)
-
-    @property
-    def loss_all(self) -> torch.Tensor:
-        """Mean over all valid tokens (detached)."""
-        return self.loss_sum / self.valid.clamp(min=1)
-
 
 def mapped_tokens(teacher_loss: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Valid tokens that have a teacher loss (the candidates of token/chunk/random selection)."""

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from pipeline.cross_entropy import token_loss
 from pipeline.guidance import (
     GuidanceSettings,
+    GuidedLoss,
     guided_loss,
     kept_in_step,
     loss_denominator,
@@ -32,6 +33,17 @@ def kept_positions(keep: torch.Tensor) -> list[int]:
     return keep.flatten().nonzero().flatten().tolist()
 
 
+def kept_mean(result: GuidedLoss) -> torch.Tensor:
+    """The micro-batch's mean loss over its kept tokens (0 with a gradient path when nothing is
+    kept): the logged `loss`, and one micro-batch's objective under --loss-normalization kept."""
+    return result.kept_loss_sum / result.kept.clamp(min=1)
+
+
+def eq3(result: GuidedLoss) -> torch.Tensor:
+    """Paper eq. 3 for one micro-batch: the kept tokens' loss over all N valid target tokens."""
+    return result.kept_loss_sum / result.valid.clamp(min=1)
+
+
 def settings(**kw) -> GuidanceSettings:
     return GuidanceSettings(**kw)
 
@@ -40,9 +52,9 @@ def test_include_keeps_top_k_of_mapped_plus_every_unmapped_token():
     # 4 mapped -> k = ceil(0.4 * 4) = 2: tokens 2 and 4 (excess 2.0); unmapped 0 and 5 kept too.
     result = guided_loss(STUDENT, TEACHER, ALL, settings(unmapped="include"))
     assert kept_positions(select_tokens(STUDENT, TEACHER, ALL, settings())) == [0, 2, 4, 5]
-    assert result.loss.item() == pytest.approx((2.0 + 3.0 + 2.5 + 1.5) / 4)
+    assert kept_mean(result).item() == pytest.approx((2.0 + 3.0 + 2.5 + 1.5) / 4)
     assert (result.kept, result.mapped, result.valid) == (4, 4, 6)
-    assert result.loss_all == pytest.approx(STUDENT.mean().item())
+    assert result.loss_sum / result.valid == pytest.approx(STUDENT.mean().item())
 
 
 def test_exclude_drops_unmapped_tokens():
@@ -51,7 +63,7 @@ def test_exclude_drops_unmapped_tokens():
         2,
         4,
     ]
-    assert result.loss.item() == pytest.approx((3.0 + 2.5) / 2)
+    assert kept_mean(result).item() == pytest.approx((3.0 + 2.5) / 2)
 
 
 def test_mean_gives_unmapped_tokens_the_mean_teacher_loss_and_lets_them_compete():
@@ -60,7 +72,7 @@ def test_mean_gives_unmapped_tokens_the_mean_teacher_loss_and_lets_them_compete(
     keep = select_tokens(STUDENT, TEACHER, ALL, settings(unmapped="mean"))
     assert kept_positions(keep) == [0, 2, 4]
     result = guided_loss(STUDENT, TEACHER, ALL, settings(unmapped="mean"))
-    assert result.loss.item() == pytest.approx((2.0 + 3.0 + 2.5) / 3)
+    assert kept_mean(result).item() == pytest.approx((2.0 + 3.0 + 2.5) / 3)
 
 
 def test_ties_at_the_threshold_go_to_earlier_positions_and_keep_exactly_k():
@@ -97,8 +109,8 @@ def test_all_unmapped_row_and_all_unmapped_batch():
     empty = guided_loss(
         student.requires_grad_(), nothing_mapped, valid, settings(unmapped="exclude")
     )
-    assert empty.loss.item() == 0.0
-    empty.loss.backward()  # still a graph: a rank with nothing kept joins DDP's all-reduce
+    assert kept_mean(empty).item() == 0.0
+    kept_mean(empty).backward()  # still a graph: a rank with nothing kept joins DDP's all-reduce
     assert torch.equal(student.grad, torch.zeros_like(student))
 
 
@@ -109,14 +121,14 @@ def test_padding_is_never_kept_nor_counted():
     assert kept_positions(keep) == [0, 1, 2]
     result = guided_loss(STUDENT, TEACHER, valid, settings(mode="none"))
     assert result.valid == 4 and result.kept == 4
-    assert result.loss.item() == pytest.approx(STUDENT[0, :4].mean().item())
+    assert kept_mean(result).item() == pytest.approx(STUDENT[0, :4].mean().item())
 
 
 def test_nan_teacher_losses_count_as_unmapped_not_as_candidates():
     teacher = torch.tensor([[NAN, NAN, 1.0, NAN, NAN, NAN]])
     result = guided_loss(STUDENT, teacher, ALL, settings(unmapped="exclude"))
     assert (result.mapped, result.kept) == (1, 1)
-    assert result.loss.item() == pytest.approx(3.0)
+    assert kept_mean(result).item() == pytest.approx(3.0)
 
 
 def test_random_keeps_as_many_as_token_with_seeded_noise():
@@ -240,14 +252,14 @@ def test_none_equals_transformers_mean_cross_entropy():
         unshifted = model(input_ids=window, labels=window).loss  # transformers' own shift
     student = token_loss(logits, labels)
     ours = guided_loss(student, torch.zeros_like(student), labels != -100, settings(mode="none"))
-    torch.testing.assert_close(ours.loss, reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kept_mean(ours), reference, rtol=1e-6, atol=1e-6)
     full = guided_loss(
         token_loss(model(input_ids=window).logits[:, :-1], window[:, 1:]).detach(),
         torch.zeros(3, 16),
         torch.ones(3, 16, dtype=torch.bool),
         settings(mode="none"),
     )
-    torch.testing.assert_close(full.loss, unshifted, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kept_mean(full), unshifted, rtol=1e-6, atol=1e-6)
 
 
 CHUNK_EVERY_3 = (torch.arange(50) % 3 == 0).view(2, 25)  # 50 % 3 != 0: rank 1 starts mid-chunk
@@ -317,8 +329,8 @@ def test_eq3_divides_the_kept_loss_by_all_target_tokens():
     """Paper eq. 3: L = -E_{i~[1,N]}[W_i log P_i] = (sum of L_S over kept tokens) / N."""
     # include keeps tokens 0, 2, 4, 5 (see above): 2.0 + 3.0 + 2.5 + 1.5 = 9.0 over N = 6 tokens
     result = guided_loss(STUDENT, TEACHER, ALL, settings())
-    assert result.loss_eq3.item() == pytest.approx(9.0 / 6)
-    assert result.loss.item() == pytest.approx(9.0 / 4)  # the kept-count mean (`kept`)
+    assert eq3(result).item() == pytest.approx(9.0 / 6)
+    assert kept_mean(result).item() == pytest.approx(9.0 / 4)  # the kept-count mean (`kept`)
     # A step of 2 ranks x 2 micro-steps of (mapped, valid): N = 4 + 5 + 4 + 5 = 18 target tokens.
     counts = torch.tensor([[[3, 4], [5, 5]], [[3, 4], [0, 5]]])
     assert loss_denominator(counts, settings()) == 18
@@ -341,7 +353,7 @@ def test_chunk_selects_whole_chunks_by_chunk_excess():
     keep = select_tokens(CHUNK_STUDENT, CHUNK_TEACHER, TEN, config, chunk_start=CHUNK_START)
     assert kept_positions(keep) == [0, 1, 2, 3, 4, 8, 9]
     result = guided_loss(CHUNK_STUDENT, CHUNK_TEACHER, TEN, config, chunk_start=CHUNK_START)
-    assert result.loss_eq3.item() == pytest.approx((1 + 2 + 3 + 5 + 5 + 1 + 1) / 10)
+    assert eq3(result).item() == pytest.approx((1 + 2 + 3 + 5 + 5 + 1 + 1) / 10)
     exclude = settings(mode="chunk", unmapped="exclude")
     keep = select_tokens(CHUNK_STUDENT, CHUNK_TEACHER, TEN, exclude, chunk_start=CHUNK_START)
     assert kept_positions(keep) == [0, 1, 2, 3, 4]
