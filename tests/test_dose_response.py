@@ -5,6 +5,7 @@ experiment end to end on a tiny teacher, a rerun redoing nothing (slow)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -203,7 +204,8 @@ max_length = 256
 def test_the_gpu_form_runs_at_a_tiny_shape_from_a_carried_cache_with_a_rate_sweep(tmp_path):
     """manifests/dose-response-gpu.toml's form on the CPU: a cache made elsewhere (no teacher, no
     Ray), one warm start, every arm at two seeds and two rates, each compared at the rate whose
-    model has the lower held-out loss."""
+    model has the lower held-out loss; split across two calls (a leased machine's), the first
+    stopped by stop_after_seconds after the warm start, the second continuing from there."""
     import tomllib
 
     from tests.cache_fixtures import build_cache
@@ -254,9 +256,20 @@ max_length = 256
 """
     )
     command = [sys.executable, "experiments/dose_response.py", f"--manifest={manifest}"]
+    first = subprocess.run([*command, "--stop-after-seconds=1"], cwd=REPO, capture_output=True,
+                           text=True, timeout=1500)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert re.search(r"stopped before .*, \d+ s into this call \(stop_after_seconds 1\): run "
+                     "the same command again to continue", first.stderr), first.stderr[-3000:]
+    assert not (out / "report.md").exists()
+    timings = out / "timings.json"
+    done = json.loads(timings.read_text()) if timings.exists() else {}
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Ray cluster up" not in result.stderr and not (out / "cache").exists()
+    # what the first call finished is reused, not done again (its times stay its own)
+    after = json.loads(timings.read_text())
+    assert all(after[step] == seconds for step, seconds in done.items() if step != "cpu")
     rung = rung_folder(out, 4)
     dose = json.loads((out / DOSE_NAME).read_text())
     assert len(dose["points"]) == 2 * 4  # seeds x comparisons
@@ -270,3 +283,21 @@ max_length = 256
             }
             assert run == arm_name(arm, point["seed"], min(losses, key=losses.get))
     assert "(lr " in (out / "report.md").read_text()
+
+
+def test_an_arm_starts_torchrun_as_the_interpreters_module(monkeypatch, tmp_path):
+    """A GPU machine's system Python has torch but no `torchrun` script beside the interpreter,
+    where the arms looked for one: each arm's stage 2 now starts `python -m
+    torch.distributed.run`, which any Python with torch has."""
+    from types import SimpleNamespace
+
+    import apps.demo.run as demo_run
+
+    started = []
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python3"))  # nothing beside it
+    monkeypatch.setattr(demo_run.subprocess, "run",
+                        lambda command, **kwargs: started.append(command) or SimpleNamespace(
+                            returncode=0))  # fmt: skip
+    config = SimpleNamespace(nproc_per_node=1, student_tokenizer="tinyllama")
+    demo_run.run_stage2(config, tmp_path / "m.toml", tmp_path, tmp_path, "none", tmp_path / "o")
+    assert started[0][:3] == [str(tmp_path / "python3"), "-m", "torch.distributed.run"]

@@ -156,10 +156,12 @@ def run_stage2(
     config: DemoConfig, manifest: Path, cache: Path, student: Path, arm: str, out: Path,
     *options: str,
 ) -> None:  # fmt: skip
-    """Stage 2 of one arm under torchrun, the manifest's [stage2] table and `options` over it."""
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    """Stage 2 of one arm under torchrun, the manifest's [stage2] table and `options` over it;
+    torchrun as this interpreter's module, which a Python with torch has even where no
+    `torchrun` script sits beside the interpreter (a GPU machine's system Python)."""
     command = [
-        torchrun, f"--nproc-per-node={config.nproc_per_node}", "--standalone",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={config.nproc_per_node}",
+        "--standalone",
         "stage2_train/train.py", "--manifest", str(manifest), "--cache", str(cache),
         "--student", str(student), "--student-tokenizer", config.student_tokenizer,
         "--out", str(out), "--guidance", arm, *options,

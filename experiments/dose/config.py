@@ -52,6 +52,12 @@ class DoseConfig(DemoConfig):
         help="peak learning rates each arm is trained at ([stage2] min_lr scaled alike), each arm "
         "compared at the one whose model has the lowest held-out loss; empty: [stage2] lr alone",
     )
+    stop_after_seconds: float = option(
+        0.0,
+        help="stop cleanly before a warm start once this many seconds of this call have passed, "
+        "or before an arm that would end past them by the longest arm's time so far; the same "
+        "command continues (a run split across two calls of a leased machine); 0: no limit",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -67,6 +73,8 @@ class DoseConfig(DemoConfig):
         missing = [path for path in self.earlier if not Path(path).is_file()]
         if missing:
             raise ValueError(f"earlier names no dose.json at {', '.join(missing)}")
+        if self.stop_after_seconds < 0:
+            raise ValueError(f"stop_after_seconds must not be negative: {self.stop_after_seconds}")
         if self.heldout_docs < 1 or self.heldout_every < 1 or self.selection_tokens < 1:
             raise ValueError("heldout_docs, heldout_every and selection_tokens must be >= 1")
         if WARM_START_OFFSET + self.warm_start_docs + self.heldout_docs > TRAIN_SPLIT_DOCUMENTS:

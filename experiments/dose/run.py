@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
+import time
 from pathlib import Path
 
 from apps.analysis.configs import SelectionConfig
@@ -82,12 +84,34 @@ def train_and_evaluate(
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
 
-def run_dose(config: DoseConfig, manifest: Path) -> Path:
+class CallTime:
+    """`stop_after_seconds`: whether this call has time for one more step."""
+
+    def __init__(self, config: DoseConfig, steps: StepTimings):
+        self.limit, self.steps, self.began = config.stop_after_seconds, steps, time.monotonic()
+
+    def over(self, step: str, arm: bool) -> bool:
+        """True (and said) where `step` should wait for the next call: the limit has passed, or
+        an arm would end past it by the longest arm's time so far (this call's or a past one's)."""
+        if not self.limit:
+            return False
+        elapsed = time.monotonic() - self.began
+        arms = [s for name, s in self.steps.seconds.items() if arm and re.match(r"\d+-", name)]
+        if elapsed + max(arms, default=0.0) < self.limit:
+            return False
+        log(f"stopped before {step}, {elapsed:.0f} s into this call (stop_after_seconds "
+            f"{self.limit:g}): run the same command again to continue")  # fmt: skip
+        return True
+
+
+def run_dose(config: DoseConfig, manifest: Path) -> Path | None:
+    """OUT/report.md, or None where `stop_after_seconds` stopped this call first."""
     from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
     stage2, settings, prereg = check_stage_tables(config, manifest)
     config.out.mkdir(parents=True, exist_ok=True)
     steps = StepTimings(config.out)
+    call = CallTime(config, steps)
     if config.cache:
         cache = Path(config.cache)  # made elsewhere: no teacher is needed here
         if not (cache / "manifest.json").is_file():
@@ -114,6 +138,8 @@ def run_dose(config: DoseConfig, manifest: Path) -> Path:
     heldout = [json.loads(line)["text"] for line in heldout_file.read_text().splitlines()]
     for length in config.warm_start_ladder:
         rung = rung_config(config, length)
+        if not warm_start_done(rung) and call.over(f"the warm start of {length} steps", False):
+            return None
         log(f"warm start of {length} steps")
         student = steps.timed(
             f"warm-start-{length}", warm_start_done(rung), make_warm_start, rung, stage2,
@@ -138,6 +164,8 @@ def run_dose(config: DoseConfig, manifest: Path) -> Path:
             swept = lr is None or heldout_path(rung.out, name).exists()
             if eval_path(rung, name).exists() and swept:
                 continue
+            if call.over(f"warm start {length}'s {name}", True):
+                return None
             log(f"warm start {length}: {name}, stage 2 for {stage2.max_steps} steps, evaluate")
             steps.timed(
                 f"{length}-{name}", False, train_and_evaluate, rung, stage2, settings, manifest,
