@@ -169,7 +169,7 @@ from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.flops import device_name, device_peak_flops, flop_parameters, mfu  # noqa: E402
 from pipeline.models.hf_tokenizer import save_tokenizer  # noqa: E402
 from pipeline.profiling import traced  # noqa: E402
-from pipeline.scoring.head import HeadColumns, HeadExtras, triton_kernel  # noqa: E402
+from pipeline.scoring.head import HeadColumns, HeadExtras, triton_module  # noqa: E402
 from pipeline.scoring.hf import HFScorer  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.scoring.windows import plan_document_windows  # noqa: E402
@@ -472,7 +472,7 @@ def polled_device_memory(device: torch.device, idle: int | None = None):
 def triton_runs(device: torch.device) -> bool:
     """Whether `--head-kernel triton` runs on `device`: on CUDA, or in Triton's interpreter."""
     try:
-        triton_kernel(HeadExtras(), device)
+        triton_module("onepass", device)
     except ConfigError:
         return False
     return True

@@ -3,7 +3,6 @@ with each `--head-kernel`'s columns, on one batch of scored positions, as the sc
 (pipeline.scoring.head.HeadColumns in chunks of `head_chunk_rows`, compiled where a GPU compiles).
 
     python benchmarks/bench_stage1_head.py [--shape 1.5b|7b|tiny] [--rows N] [--repeats R]
-        [--triton-blocks P,V,W,SPAN,GROUP,WARPS,STAGES ...]
 
 Each row: milliseconds per batch (the best of --repeats synchronized passes after one warm-up) and
 its ratio to the `fused loss` row. `+space` is `--space-logprob`'s column (a mask of a random 40% of
@@ -19,14 +18,7 @@ blocks, and `fused +topk 32, ties unranked` by blocks as runs 7 and 8 took it, b
 were ranked by the lower id (so that the rule's cost is its difference from `fused +topk 32`);
 `onepass loss, natural exp` and `onepass +space, natural exp` are onepass with the
 exponentials runs 7-15 measured (natural, where today's are in base 2), so that the change's worth
-is their difference from `onepass loss` and `onepass +space`; `triton loss` and `triton +space` are
-`--head-kernel triton`, the product and the reductions
-in one kernel, all positions in one launch; each `--triton-blocks` adds a `triton
-P,V,W,SPAN,GROUP,WARPS,STAGES` row of the loss with those blocks
-(pipeline.scoring.triton_head.Blocks: the tile's positions, vocabulary and hidden size, a program's
-span of the vocabulary, the blocks of positions grouped, warps, pipeline stages) instead of the
-kernel's fixed ones, so one GPU run can say which suit it (benchmarks/triton_head_compile.py says
-which spill, without a GPU). bench_gpu.py's `body + ... head` and `scorer` rows hold these heads
+is their difference from `onepass loss` and `onepass +space`. bench_gpu.py's `body + ... head` and `scorer` rows hold these heads
 inside the whole batch; this script says which column costs what inside it. Random hidden states and
 weights of the teacher's shape: shapes, not values, set the speed. `--shape tiny` (the default
 without CUDA) runs in seconds on a CPU, eagerly, as a CPU scorer does.
@@ -71,8 +63,6 @@ SIDES = (  # label, --head-kernel, top-k, with the space column
     ("onepass loss", "onepass", 0, False),
     ("onepass +space", "onepass", 0, True),
     ("onepass +topk 32", "onepass", 32, False),
-    ("triton loss", "triton", 0, False),
-    ("triton +space", "triton", 0, True),
 )
 
 
@@ -119,11 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         "--rows", type=int, help="scored positions per batch (default: the shape's)"
     )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--triton-blocks", nargs="+", default=[], metavar="P,V,W,SPAN,GROUP,WARPS,STAGES",
-        help="a `triton` row of the loss per blocks (pipeline.scoring.triton_head.Blocks); the "
-        "span is a multiple of the vocabulary tile",
-    )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = args.shape or ("1.5b" if device.type == "cuda" else "tiny")
@@ -161,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         extras = HeadExtras(topk=topk, space_mask=space if with_space else None)
         try:
             columns = HeadColumns(extras, vocab, device, kernel)
-        except ConfigError as exc:  # the Triton kernels off CUDA
+        except ConfigError as exc:  # onepass's Triton kernel off CUDA
             print(f"{label}: not measured: {exc}")
             continue
         measure(label, functools.partial(columns.of_batch, hidden, head, targets, rows))
@@ -187,12 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         row_sums = functools.partial(logit_row_sums, natural_exp=True)
         columns.compute = functools.partial(onepass_columns, row_sums, None)  # no top k
         measure(label, functools.partial(columns.of_batch, hidden, head, targets, rows))
-    for blocks in args.triton_blocks if "triton loss" in times else ():  # where the kernel runs
-        from pipeline.scoring.triton_head import Blocks, triton_head_columns
-
-        sizes = Blocks(*(int(size) for size in blocks.split(",")))
-        run = functools.partial(triton_head_columns, hidden, weight, None, targets, None, sizes)
-        measure(f"triton {blocks}", run)
     print(f"{'what':<34} {'ms/batch':>9} {'ratio':>7}")
     for label, seconds in times.items():
         print(f"{label:<34} {seconds * 1e3:>9.2f} {seconds / times['fused loss']:>7.3f}")

@@ -1,22 +1,18 @@
-"""What `--head-kernel triton` compiles to for a GPU, on any machine (no GPU needed): per block
-configuration and target, the registers, the spills, the shared memory, whether the product's
-loads are software-pipelined, and which tensor-core instruction it uses; and for `--head-kernel
-onepass`'s row kernel (with the space column, and with the top k's block maxima; its
-exponentials in base 2, and natural as runs 7-15 measured them), its registers, spills, the width
-of its loads of the logits and the instructions a thread issues per logit in its loop (SASS), which
-bound its speed where memory does not.
+"""What `--head-kernel onepass`'s row kernel compiles to for a GPU, on any machine (no GPU
+needed): with the space column, and with the top k's block maxima, its exponentials in base 2 and
+natural as runs 7-15 measured them, its registers, spills, the width of its loads of the logits
+and the instructions a thread issues per logit in its loop (SASS), which bound its speed where
+memory does not.
 
-    python benchmarks/triton_head_compile.py [--blocks P,V,W,SPAN,GROUP,WARPS,STAGES ...]
-        [--arch 90 80]
+    python benchmarks/triton_head_compile.py [--arch 90 80]
 
 Triton compiles the kernel (pipeline/scoring/triton_head.py) down to a cubin here, with the ptxas
-its wheel ships, specialized as a launch on a real shape is (pointers and the vocabulary, hidden
-size and strides divisible by 16, but what the kernel leaves unspecialized: the positions' count
-and the pointers into per-position arrays), and the cuobjdump it ships reads the cubin's resource
-use. A spill (STACK or LOCAL above 0) or a product that is not pipelined (no cp.async or TMA copy)
-is slow on any GPU; registers and shared memory bound how many programs share an SM. These are the
-compiler's facts, not speeds: a GPU run measures those (bench_stage1_head.py). The triton here is
-this project's lock's; a GPU machine's may compile differently.
+its wheel ships, specialized as a launch on a real shape is (pointers and the vocabulary and
+stride divisible by 16, but what the kernel leaves unspecialized: the pointers into per-position
+arrays), and the cuobjdump it ships reads the cubin's resource use. A spill (STACK or LOCAL above
+0) is slow on any GPU. These are the compiler's facts, not speeds: a GPU run measures those
+(bench_stage1_head.py). The triton here is this project's lock's; a GPU machine's may compile
+differently.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -41,14 +36,8 @@ from pipeline.scoring import triton_head  # noqa: E402
 from pipeline.scoring.head_kernels import TOPK_BLOCK  # noqa: E402
 
 ARCHES = {90: "H100/H200 (sm_90a)", 80: "A100 (sm_80)"}
-# the kernel's runtime arguments as a bf16 teacher's launch passes them; constexprs follow
-SIGNATURE = {
-    "hidden_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16", "target_ptr": "*i64",
-    "space_ptr": "*i8", "max_ptr": "*fp32", "total_ptr": "*fp32", "space_total_ptr": "*fp32",
-    "picked_ptr": "*fp32", "positions": "i32", "vocab": "i32", "width": "i32",
-    "hidden_stride": "i32", "weight_stride": "i32",
-}  # fmt: skip
-# the row kernel's (onepass), likewise: bf16 logits, rows of a vocabulary divisible by 16
+# the row kernel's runtime arguments as a launch on bf16 logits passes them (rows of a
+# vocabulary divisible by 16); constexprs follow
 ROW_SIGNATURE = {
     "logits_ptr": "*bf16", "target_ptr": "*i64", "space_ptr": "*i8", "max_ptr": "*fp32",
     "total_ptr": "*fp32", "space_total_ptr": "*fp32", "picked_ptr": "*fp32",
@@ -66,40 +55,6 @@ def launch_attrs(kernel, signature: dict[str, str]) -> dict:
         for index, name in enumerate(signature)
         if not (params[name].do_not_specialize or params[name].do_not_specialize_on_alignment)
     }
-
-
-@dataclass
-class Compiled:
-    registers: int
-    spill_bytes: int  # stack frame and local memory: spilled registers
-    shared_bytes: int
-    pipelined_copies: int  # cp.async and TMA copies in the PTX
-    tensor_core: str  # wgmma (Hopper), mma (Ampere) or none
-
-
-def compile_head(blocks: triton_head.Blocks, arch: int, space: bool) -> Compiled:
-    """The kernel compiled for sm_`arch` with `blocks`, with or without the space column."""
-    names = triton_head._head_sums.arg_names
-    signature = SIGNATURE | {name: "constexpr" for name in names if name not in SIGNATURE}
-    if list(signature) != names:
-        raise RuntimeError(f"the kernel's arguments changed: {names}")
-    constants = dict(
-        HAS_BIAS=False, HAS_SPACE=space, UPCAST=False, EVEN=True,
-        BLOCK_POSITIONS=blocks.positions, BLOCK_VOCAB=blocks.vocab, BLOCK_WIDTH=blocks.width,
-        SPAN=blocks.span, GROUP=blocks.group, PRECISION=triton_head.dot_precision(torch.bfloat16),
-    )  # fmt: skip
-    source = ASTSource(fn=triton_head._head_sums, signature=signature, constexprs=constants,
-                       attrs=launch_attrs(triton_head._head_sums, SIGNATURE))  # fmt: skip
-    options = triton_head.head_options(blocks)
-    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-    usage = resource_usage(kernel.asm["cubin"])
-    ptx = kernel.asm["ptx"]
-    core = "wgmma" if "wgmma.mma_async" in ptx else "mma" if "mma.sync" in ptx else "none"
-    return Compiled(
-        registers=usage["REG"], spill_bytes=usage["STACK"] + usage["LOCAL"],
-        shared_bytes=kernel.metadata.shared, pipelined_copies=ptx.count("cp.async"),
-        tensor_core=core,
-    )  # fmt: skip
 
 
 @dataclass
@@ -179,29 +134,11 @@ def loop_opcodes(cubin: bytes) -> Counter:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--blocks", nargs="+", metavar="P,V,W,SPAN,GROUP,WARPS,STAGES",
-        default=[",".join(map(str, triton_head.GPU_BLOCKS))],
-        help="block configurations (default: the kernel's fixed one)",
-    )  # fmt: skip
     parser.add_argument("--arch", nargs="+", type=int, choices=tuple(ARCHES), default=[90, 80])
     args = parser.parse_args(argv)
-    header = (
-        f"{'blocks':<28} {'target':<20} {'column':<7} {'registers':>9} {'spill B':>8} "
-        f"{'shared KiB':>10} {'pipelined':>9}  tensor cores"
-    )
+    header = f"{'kernel':<28} {'target':<20} {'column':<7} {'registers':>9} {'spill B':>8}"
     print(header)
     print("-" * len(header))
-    for blocks in args.blocks:
-        sizes = triton_head.Blocks(*(int(size) for size in blocks.split(",")))
-        for arch in args.arch:
-            for space in (False, True):
-                c = compile_head(sizes, arch, space)
-                print(
-                    f"{blocks:<28} {ARCHES[arch]:<20} {'+space' if space else 'loss':<7} "
-                    f"{c.registers:>9} {c.spill_bytes:>8} {c.shared_bytes / 1024:>10.0f} "
-                    f"{'yes' if c.pipelined_copies else 'no':>9}  {c.tensor_core}"
-                )
     for arch in args.arch:
         for column, space, maxima in (("loss", False, False), ("+space", True, False),
                                       ("+topk", False, True)):  # fmt: skip
@@ -212,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{ARCHES[arch]:<20} {column:<7} {r.registers:>9} {r.spill_bytes:>8}  loads "
                     f"of {r.load_bytes} B, {r.per_logit():.1f} instructions a logit"
                 )
-    print(f"triton {triton.__version__}; spill B: stack and local bytes (0: none); pipelined: the "
-          "product's loads double-buffered by cp.async")  # fmt: skip
+    print(f"triton {triton.__version__}; spill B: stack and local bytes (0: none)")
     return 0
 
 

@@ -37,13 +37,7 @@ Attention = Literal["auto", "flex", "dense"]  # how a document mask reaches atte
 AdamwKernel = Literal["auto", "fused", "plain"]  # stage 2: torch's AdamW implementation
 CompileLayers = Literal["auto", "layers", "off"]  # both stages: torch.compile of each layer
 LossKernel = Literal["auto", "chunked", "plain"]  # stage 2: how the per-token loss is computed
-HeadKernel = Literal["auto", "fused", "plain", "onepass", "triton"]  # stage 1: the head's columns
-# One of its values cannot give every column: stage 1's config refuses the pair before the teacher
-# loads, the scorer for every other caller, in these words.
-TRITON_HEAD_WITHOUT_TOPK = (
-    "--head-kernel triton computes the loss and the space column, not top-k: use --head-kernel "
-    "fused with --topk-probs"
-)
+HeadKernel = Literal["auto", "fused", "plain", "onepass"]  # stage 1: the head's columns
 # stage 1: how the top-k columns are stored (pipeline.cache.topk_codec); a cache whose settings
 # name none is float16
 TopkEncoding = Literal["compact", "float16"]

@@ -20,7 +20,6 @@ from pipeline.cache.schema import (
 )
 from pipeline.choices import (
     SAMPLED_NEEDS_PLAIN_HEAD,
-    TRITON_HEAD_WITHOUT_TOPK,
     Attention,
     BatchOverlap,
     ChatTemplate,
@@ -162,9 +161,8 @@ class ScoreConfig:
     head_kernel: HeadKernel = HEAD(
         HeadSwitches.head_kernel,
         help="hf backend: how the loss and columns come from the head's logits: onepass (one "
-        "Triton read of each logit), fused (compiled reductions), plain (fp32 log-softmax), "
-        "triton (product and reductions in one kernel; no top-k); auto: onepass on a GPU, plain "
-        "on a CPU (docs/stage1-gpu-path.md)",
+        "Triton read of each logit), fused (compiled reductions), plain (fp32 log-softmax); "
+        "auto: onepass on a GPU, plain on a CPU (docs/stage1-gpu-path.md)",
     )
     head_chunks: HeadChunks = HEAD(
         HeadSwitches.head_chunks,
@@ -271,8 +269,6 @@ class ScoreConfig:
                 "and of asked-for ids only, and the space mask is thousands of ids at every "
                 "position"
             )
-        if self.head_kernel == "triton" and self.topk_probs:
-            raise ValueError(TRITON_HEAD_WITHOUT_TOPK)
         if self.topk_mode == "sampled":
             if not self.topk_probs:
                 raise ValueError("--topk-mode sampled draws --topk-probs K ids: give K (1..128)")

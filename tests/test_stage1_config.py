@@ -43,8 +43,7 @@ def test_command_line_wins_over_the_manifest():
         (["--topk-probs", "129"], r"topk_probs must be 0 \(off\) or 1..128, not 129"),
         (["--topk-probs", "-1"], "topk_probs must be 0"),
         (["--backend", "vllm", "--space-logprob"], "--space-logprob needs --backend hf: vLLM"),
-        (["--head-kernel", "triton", "--topk-probs", "8"], "^command line: --head-kernel triton "
-         "computes the loss and the space column, not top-k: use --head-kernel fused"),
+        (["--head-kernel", "triton"], "--head-kernel: invalid choice: 'triton'"),  # removed
         (["--topk-mode", "sampled"], "--topk-mode sampled draws --topk-probs K ids: give K"),
         (["--topk-mode", "sampled", "--topk-probs", "8", "--backend", "vllm"],
          "--topk-mode sampled needs --backend hf: vLLM returns the top K"),

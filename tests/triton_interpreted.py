@@ -1,13 +1,12 @@
-"""`--head-kernel triton` and `onepass` (pipeline/scoring/triton_head.py) in Triton's interpreter,
-their kernels' only form on a CPU. Run by tests/test_stage1_triton_head.py in a process of its
-own, started with TRITON_INTERPRET=1 (it must be set before triton is first imported); not
-collected otherwise.
+"""`--head-kernel onepass` (pipeline/scoring/triton_head.py) in Triton's interpreter, its
+kernel's only form on a CPU. Run by tests/test_stage1_triton_head.py in a process of its own,
+started with TRITON_INTERPRET=1 (it must be set before triton is first imported); not collected
+otherwise.
 
-What a user relies on: the triton kernel's columns are those of an fp32 product of the same head
-(plain log-softmax), and onepass's those of the plain kernel on the same logits, for every shape
-their blocks and masks handle; a scorer with either caches what the plain one caches, and so does
-the stage-1 job, which records it; and each is refused in one line where its columns would not be
-the teacher's."""
+What a user relies on: onepass's columns are those of the plain kernel on the same logits, for
+every shape its blocks and masks handle; a scorer with it caches what the plain one caches, and
+so does the stage-1 job, which records it; and it is refused in one line where its columns would
+not be the teacher's."""
 
 from __future__ import annotations
 
@@ -24,11 +23,10 @@ import torch
 from pipeline.cache.verify import verify_cache
 from pipeline.errors import ConfigError
 from pipeline.scoring import hf, triton_head
-from pipeline.scoring.head import exact_columns, head_kernel_function
+from pipeline.scoring.head import head_kernel_function
 from pipeline.scoring.head_kernels import TINY, TOPK_BLOCK
 from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import resolve_teacher
-from pipeline.scoring.triton_head import triton_head_columns
 from stage1_score.run import main
 from tests.stage1_helpers import (
     assert_same_topk_ids_but_ties,
@@ -40,7 +38,6 @@ from tests.stage1_helpers import (
 )
 
 assert triton_head.INTERPRETED, "run with TRITON_INTERPRET=1 (tests/test_stage1_triton_head.py)"
-INTERPRETER = triton_head.INTERPRETER_BLOCKS  # the tiles and spans the cases below cross
 # The scorer tests' teachers: byte-level, and SentencePiece (slow: it changes only the space mask's
 # ids, which the kernels read as any mask)
 SCORER_TEACHERS = ["smollm2", pytest.param("tinyllama", marks=pytest.mark.slow)]
@@ -50,52 +47,6 @@ SCORER_TEACHERS = ["smollm2", pytest.param("tinyllama", marks=pytest.mark.slow)]
 def teachers(tmp_path_factory):
     root = tmp_path_factory.mktemp("teachers")
     return {name: make_tiny_teacher(root / name, name) for name in ("smollm2", "tinyllama")}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "positions, vocab, width",
-    [
-        # two blocks of positions, three spans (the last short: a whole tile and a partial one),
-        # a width the blocks do not tile; with nine spans, slow (26 s of the interpreter's time)
-        (300, 2 * INTERPRETER.span + INTERPRETER.vocab + 368, 100),
-        pytest.param(300, 70_000, 100, marks=pytest.mark.slow),
-        (5, 1000, 128),  # one partial block and tile; a width the blocks tile (no mask along it)
-        (600, 10_000, 32),  # three blocks: a group of two, then a group of one; two spans
-        (0, 1000, 64),  # an empty batch
-    ],
-)
-def test_the_kernel_gives_an_fp32_products_columns(dtype, positions, vocab, width):
-    generator = torch.Generator().manual_seed(positions + vocab)
-    hidden = torch.randn(positions, width, generator=generator).to(dtype)
-    weight = (torch.randn(vocab, width, generator=generator) * 4 / width**0.5).to(dtype)
-    targets = torch.randint(0, vocab, (positions,), generator=generator)
-    space = (torch.rand(vocab, generator=generator) < 0.3).to(torch.int8)
-    for bias in (None, torch.randn(vocab, generator=generator).to(dtype)):
-        for mask in (None, space):
-            ours = triton_head_columns(hidden, weight, bias, targets, mask)
-            exact = exact_columns(hidden, weight, bias, targets, mask)
-            assert ours.keys() == exact.keys()
-            for name, value in exact.items():
-                # a bf16 product is exact in fp32: only the order of the sums differs
-                torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=5e-5)
-
-
-def test_the_space_column_has_the_others_floor():
-    """No space mass (an empty mask), or one far below fp32's smallest normal, reads as that
-    bound, log(1.18e-38) = -87.34, as the plain and fused kernels store it."""
-    width, vocab = 16, 300
-    weight = torch.zeros(vocab, width)
-    weight[:, 0] = -300.0  # every id 300 nats below the one favoured id
-    weight[7, 0] = 0.0
-    hidden = torch.zeros(2, width)
-    hidden[:, 0] = 1.0
-    targets = torch.tensor([7, 3])
-    only_far = torch.zeros(vocab, dtype=torch.int8)
-    only_far[3] = 1
-    for mask in (torch.zeros(vocab, dtype=torch.int8), only_far):
-        column = triton_head_columns(hidden, weight, None, targets, mask)["space_logprob"]
-        torch.testing.assert_close(column, torch.full((2,), float(np.log(TINY))))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -208,63 +159,10 @@ def test_onepass_caches_every_column_the_plain_head_does(teachers, name):
     assert_same_topk_ids_but_ties(ours, plain)
 
 
-@pytest.mark.parametrize("name", SCORER_TEACHERS)
-def test_the_triton_head_caches_what_the_plain_one_does(teachers, name):
-    scorer, ours = columns_of(teachers[name], topk=0, head_kernel="triton")
-    _, plain = columns_of(teachers[name], topk=0, head_kernel="plain")
-    assert scorer.describe()["head_kernel"] == "triton"
-    assert ours.keys() == plain.keys() == {"loss", "space_logprob"}
-    for column in ("loss", "space_logprob"):
-        assert_within_one_float16_step(ours[column], plain[column], column)
-        np.testing.assert_allclose(ours[column], plain[column], rtol=1e-5, atol=2e-6)
-
-
-def test_triton_is_refused_in_one_line_where_its_columns_would_not_be_the_teachers(
-    teachers, tmp_path, monkeypatch
-):
-    settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
-    with pytest.raises(ConfigError, match=r"^--head-kernel triton computes the loss and the space "
-                       r"column, not top-k: use --head-kernel fused with --topk-probs$"):  # fmt: skip
-        columns_of(teachers["smollm2"], topk=8, head_kernel="triton")
-    capped = resolve_teacher(str(make_tiny_teacher(tmp_path / "gemma2", "smollm2", arch="gemma2")))
-    with pytest.raises(ConfigError, match=r"^--head-kernel triton: this teacher's logits are not "
-                       r"its head applied .*; use --head-kernel fused$"):  # fmt: skip
-        hf.HFScorer(capped, switches=HeadSwitches(head_kernel="triton"), **settings)
-    # the load probe catches a kernel whose columns are wrong (planted: one nat off) ...
-    columns = triton_head.triton_head_columns
-    monkeypatch.setattr(
-        triton_head, "triton_head_columns",
-        lambda *args: {name: value + 1 for name, value in columns(*args).items()},
-    )  # fmt: skip
-    teacher = resolve_teacher(str(teachers["smollm2"]))
-    with pytest.raises(ConfigError, match=r"^--head-kernel triton: on a probe its columns differ "
-                       r"from an fp32 product's by 1 \(more than 0.01\); use --head-kernel fused$"):  # fmt: skip
-        hf.HFScorer(teacher, switches=HeadSwitches(head_kernel="triton"), **settings)
-
-    # ... or NaN for one kind of batch only (planted: the one-position launch, compiled apart)
-    monkeypatch.setattr(
-        triton_head, "triton_head_columns",
-        lambda *args: {name: value if len(value) > 1 else value * float("nan")
-                       for name, value in columns(*args).items()},
-    )  # fmt: skip
-    with pytest.raises(ConfigError, match=r"^--head-kernel triton: on a probe its columns differ "
-                       r"from an fp32 product's by nan "):  # fmt: skip
-        hf.HFScorer(teacher, switches=HeadSwitches(head_kernel="triton"), **settings)
-
-    # ... and one that fails to build or run (planted: a compiler's error)
-    def failing(*args):
-        raise RuntimeError("PassManager::run failed\nmore detail")
-
-    monkeypatch.setattr(triton_head, "triton_head_columns", failing)
-    with pytest.raises(ConfigError, match=r"^--head-kernel triton: the kernel failed on a probe "
-                       r"\(RuntimeError: PassManager::run failed\); use --head-kernel fused$"):  # fmt: skip
-        hf.HFScorer(teacher, switches=HeadSwitches(head_kernel="triton"), **settings)
-
-
 def test_onepass_is_checked_at_load_against_the_plain_kernel(teachers, tmp_path, monkeypatch):
-    """onepass reads the teacher's own logits, so a soft-capped teacher (Gemma 2), which triton
-    refuses, caches with it what plain caches; its kernel is probed at load as triton's is
-    (planted: one nat off, and a compiler's error)."""
+    """onepass reads the teacher's own logits, so a soft-capped teacher (Gemma 2) caches with it
+    what plain caches; its kernel is probed at load (planted: one nat off, and a compiler's
+    error)."""
     capped = make_tiny_teacher(tmp_path / "gemma2", "smollm2", arch="gemma2")
     _, ours = columns_of(capped, topk=0, head_kernel="onepass")
     _, plain = columns_of(capped, topk=0, head_kernel="plain")
@@ -295,16 +193,15 @@ def test_onepass_is_checked_at_load_against_the_plain_kernel(teachers, tmp_path,
 # slow: a Ray job whose workers load and check the kernels in the interpreter (68 s for onepass's
 # on 2 cores); the scorer's columns with each kernel are tested above
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["onepass", "triton"])
-def test_the_stage1_job_caches_with_it_what_plain_caches_and_records_it(teachers, tmp_path, kernel):
-    """Through the real job (a local Ray, whose workers inherit TRITON_INTERPRET=1), with each
-    Triton kernel: the cache verifies, `stage1-run.json` records the kernel, and every stored loss
+def test_the_stage1_job_caches_with_it_what_plain_caches_and_records_it(teachers, tmp_path):
+    """Through the real job (a local Ray, whose workers inherit TRITON_INTERPRET=1), with
+    onepass: the cache verifies, `stage1-run.json` records the kernel, and every stored loss
     and space column is the plain run's within one float16 step."""
     ray = pytest.importorskip("ray")
     corpus = write_jsonl_corpus(tmp_path / "docs.jsonl", shipped_documents(12))
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
-        for name in (kernel, "plain"):
+        for name in ("onepass", "plain"):
             out = tmp_path / name
             assert main([
                 "--teacher", str(teachers["smollm2"]), "--corpus", str(corpus), "--out", str(out),
@@ -317,7 +214,7 @@ def test_the_stage1_job_caches_with_it_what_plain_caches_and_records_it(teachers
     finally:
         ray.shutdown()
     ours, plain = (
-        pq.read_table(sorted((tmp_path / name).glob("*.parquet"))) for name in (kernel, "plain")
+        pq.read_table(sorted((tmp_path / name).glob("*.parquet"))) for name in ("onepass", "plain")
     )
     assert ours["doc_id"] == plain["doc_id"]
     for column in ("loss", "space_logprob"):

@@ -1,8 +1,8 @@
 """The columns stage 1 computes from the teacher's head for a batch of scored positions, a chunk
 at a time (`HeadColumns`): which kernel computes them (`--head-kernel`; their arithmetic and the
-columns' definitions: pipeline.scoring.head_kernels, the Triton kernels:
+columns' definitions: pipeline.scoring.head_kernels, onepass's Triton kernel:
 pipeline.scoring.triton_head), how many rows a chunk holds (`--head-chunks`), the extra columns
-asked for, and the Triton kernels' check at load. Columns and conventions: docs/cache-columns.md.
+asked for, and the Triton kernel's check at load. Columns and conventions: docs/cache-columns.md.
 """
 
 from __future__ import annotations
@@ -23,12 +23,7 @@ from pipeline.cache.schema import (
     TOPK_PROBS,
     TOPK_REST,
 )
-from pipeline.choices import (
-    SAMPLED_NEEDS_PLAIN_HEAD,
-    TRITON_HEAD_WITHOUT_TOPK,
-    compiles_on,
-    on_device,
-)
+from pipeline.choices import SAMPLED_NEEDS_PLAIN_HEAD, compiles_on, on_device
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from pipeline.scoring.head_kernels import (
@@ -44,7 +39,6 @@ from pipeline.scoring.head_kernels import (
 # again for an integer argument of 1 and for a multiple of 16, so each kind of count a unit can
 # give is compiled (and checked) here, not inside a unit; 67 is not a whole block either.
 PROBE_POSITIONS = (67, 64, 1)
-REFERENCE_HEAD_ROWS = 16384  # head rows exact_columns upcasts at once (96 MiB at 1536 wide)
 # --head-chunks fixed: rows of logits computed at once, rows x vocabulary near 2**24 floats
 # (64 MiB in fp32; 110 rows at a 152k vocabulary).
 LOGIT_BUDGET = 1 << 24
@@ -125,14 +119,12 @@ class HeadColumns:
                     f"space mask of {len(extras.space_mask)} ids for a head of {vocab_size}"
                 )
             # in the form the kernel reads, so no chunk converts it: plain multiplies the
-            # probabilities by a float indicator, fused masks the logits with a bool one, the
-            # Triton kernels load bytes
-            form = {"plain": np.float32, "fused": np.bool_}.get(kernel, np.int8)  # Triton's
+            # probabilities by a float indicator, fused masks the logits with a bool one,
+            # onepass's Triton kernel loads bytes
+            form = {"plain": np.float32, "fused": np.bool_}.get(kernel, np.int8)
             self.space = torch.from_numpy(extras.space_mask.astype(form)).to(device)
         self.extras, self.device, self.kernel = extras, device, kernel
-        # the Triton kernel takes hidden states and the head; the others, a chunk's logits
-        self.triton = triton_kernel(extras, device) if kernel == "triton" else None
-        self.compute = None if self.triton else head_kernel_function(kernel, device)
+        self.compute = head_kernel_function(kernel, device)
         if extras.sampled:
             if kernel != "plain":  # the draws need the whole fp32 distribution of each row
                 raise ConfigError(SAMPLED_NEEDS_PLAIN_HEAD.format(kernel=kernel))
@@ -163,11 +155,8 @@ class HeadColumns:
         uniforms: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """The columns of a batch's scored positions from their `hidden` states under `head`
-        (None: `hidden` are the logits already), in chunks of `rows` positions; the Triton
-        kernel takes them all at once, since it makes no logits. `uniforms` [positions, K]:
-        where the draws of `--topk-mode sampled` fall."""
-        if self.triton is not None:
-            return self.triton(hidden, head.weight, head.bias, targets, self.space)
+        (None: `hidden` are the logits already), in chunks of `rows` positions. `uniforms`
+        [positions, K]: where the draws of `--topk-mode sampled` fall."""
         project, topk = head or torch.nn.Identity(), self.extras.topk
         out = self.buffer(len(targets))
         for begin in range(0, len(targets), rows):
@@ -182,9 +171,8 @@ class HeadColumns:
     @torch.inference_mode()
     def probe_difference(self, head: torch.nn.Linear) -> float:
         """Largest |difference| of the loss and the space column between this kernel and the
-        plain one on the logits it reads, over probes of random hidden states: an fp32 product
-        of the same head for the triton kernel (`exact_columns`), the head's own product for the
-        others. A Triton kernel's check on the machine that compiled it."""
+        plain one on the logits it reads (the head's own product), over probes of random hidden
+        states: a Triton kernel's check on the machine that compiled it."""
         generator = torch.Generator(self.device).manual_seed(0)
         vocab, width = head.weight.shape
         differences = []
@@ -193,35 +181,26 @@ class HeadColumns:
             hidden = torch.randn(shape, generator=generator, device=device).to(head.weight.dtype)
             targets = torch.randint(0, vocab, shape[:1], generator=generator, device=device)
             ours = self.of_batch(hidden, head, targets, positions)
-            if self.triton is not None:
-                exact = exact_columns(hidden, head.weight, head.bias, targets, self.space)
-            else:
-                space = None if self.space is None else self.space.float()
-                exact = plain_columns(head(hidden).float(), targets, 0, space)
+            space = None if self.space is None else self.space.float()
+            exact = plain_columns(head(hidden).float(), targets, 0, space)
             differences += [float((ours[name] - exact[name]).abs().max()) for name in exact]
         return float(np.max(differences))  # NaN if any is
 
 
 def head_columns(
-    asked: str,
-    extras: HeadExtras,
-    vocab_size: int,
-    device: torch.device,
-    head: torch.nn.Linear,
-    plain_head: bool,
+    asked: str, extras: HeadExtras, vocab_size: int, device: torch.device, head: torch.nn.Linear
 ) -> HeadColumns:
-    """The columns of a teacher's `head` (`vocab_size` outputs; `plain_head`: its logits are the
-    head applied to the body's output) by `--head-kernel` `asked`. auto: on a GPU onepass (the
-    fastest, run 7: benchmarks/results/2026-11-27-h200/README.md), or fused with one warning
-    where its Triton kernel does not run or fails its check at load; on a CPU plain, whose caches
-    are those of before."""
+    """The columns of a teacher's `head` (`vocab_size` outputs) by `--head-kernel` `asked`.
+    auto: on a GPU onepass (the fastest measured: docs/stage1-gpu-path.md), or fused with one
+    warning where its Triton kernel does not run or fails its check at load; on a CPU plain,
+    whose caches are those of before."""
     if extras.sampled and asked == "auto":
         asked = "plain"  # the draws need each row's whole fp32 softmax
     kernel = on_device(asked, device, gpu="onepass", cpu="plain")
     try:
         columns = HeadColumns(extras, vocab_size, device, kernel)
-        if kernel in ("triton", "onepass"):
-            check_triton_kernel(columns, head, plain_head)
+        if kernel == "onepass":
+            check_triton_kernel(columns, head)
     except ConfigError as exc:
         if asked != "auto":
             raise
@@ -230,37 +209,13 @@ def head_columns(
     return columns
 
 
-def exact_columns(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    space: torch.Tensor | None,
-) -> dict[str, torch.Tensor]:
-    """The loss (and, with a `space` mask, the space column) of `hidden` states under the head
-    `weight` (+ `bias`) from an fp32 product and the plain kernel: the reference the Triton kernel
-    must give. The head is upcast a slice at a time: a 7B head in fp32 at once would be 2 GiB."""
-    parts = weight.split(REFERENCE_HEAD_ROWS)
-    logits = torch.cat([hidden.float() @ part.float().T for part in parts], dim=1)
-    if bias is not None:
-        logits += bias.float()
-    return plain_columns(logits, targets, 0, None if space is None else space.float())
-
-
-def check_triton_kernel(columns: HeadColumns, head: torch.nn.Linear, plain_head: bool) -> None:
-    """Refuse `--head-kernel triton` or `onepass` in one line where its columns would not be the
-    teacher's: for triton, logits that are not `head` applied to the body's output (`plain_head`
-    False); a kernel that does not compile here, or one whose columns on a probe differ from the
-    plain kernel's on the logits it reads (a compiler's fault a CPU test cannot see)."""
+def check_triton_kernel(columns: HeadColumns, head: torch.nn.Linear) -> None:
+    """Refuse `--head-kernel onepass` in one line where its columns would not be the teacher's:
+    a kernel that does not compile here, or one whose columns on a probe differ from the plain
+    kernel's on the logits it reads (a compiler's fault a CPU test cannot see)."""
     from pipeline.scoring.triton_head import REFERENCE_TOLERANCE
 
     refusal = f"--head-kernel {columns.kernel}: {{}}; use --head-kernel fused"
-    reference = "an fp32 product's" if columns.triton is not None else "the plain kernel's"
-    if columns.triton is not None and not plain_head:
-        raise ConfigError(refusal.format(
-            "this teacher's logits are not its head applied to its body's output "
-            "(soft-capped or scaled), and the kernel computes only the latter"
-        ))  # fmt: skip
     try:
         difference = columns.probe_difference(head)
     except Exception as exc:  # Triton's compile errors share no base class
@@ -270,16 +225,9 @@ def check_triton_kernel(columns: HeadColumns, head: torch.nn.Linear, plain_head:
         )) from exc  # fmt: skip
     if not difference <= REFERENCE_TOLERANCE:  # NaN too
         raise ConfigError(refusal.format(
-            f"on a probe its columns differ from {reference} by {difference:.3g} "
+            f"on a probe its columns differ from the plain kernel's by {difference:.3g} "
             f"(more than {REFERENCE_TOLERANCE:g})"
         ))  # fmt: skip
-
-
-def triton_kernel(extras: HeadExtras, device: torch.device):
-    """`--head-kernel triton`'s function, or a one-line refusal where it cannot run."""
-    if extras.topk:
-        raise ConfigError(TRITON_HEAD_WITHOUT_TOPK)
-    return triton_module("triton", device).triton_head_columns
 
 
 def triton_module(kernel: str, device: torch.device):

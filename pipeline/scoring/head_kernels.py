@@ -13,7 +13,7 @@ For a scored position t (the distribution p = softmax(logits) that predicts toke
 Unscored positions (token 0, and a one-token document) hold NaN probabilities and id -1 here; the
 writer stores their top-k entries as nulls.
 
-Four kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
+Three kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
   - plain: the chunk's logits copied to fp32, log-softmax (another fp32 chunk), the loss and the
     views read from it (pipeline.cross_entropy, the student's definition);
   - fused: reductions over the logits as they are (bf16 on a GPU): their max, then Z and the
@@ -22,14 +22,10 @@ Four kernels compute them (`--head-kernel`, docs/stage1-gpu-path.md):
     elsewhere it runs eagerly);
   - onepass (`auto` on CUDA): fused's logits, reduced by a Triton kernel that reads each logit
     once (the max and the sums together, rescaled as the max grows), and fused's top k of the
-    logits (pipeline.scoring.triton_head: logit_row_sums);
-  - triton: the head's matrix product and those reductions in one Triton kernel, so that no
-    logit leaves the chip (pipeline.scoring.triton_head; the loss and the space column, no
-    top-k).
-Plain, fused and onepass agree within fp32 rounding (top-k ids exactly where their logits are
-bf16's: ties go to the lower id in each), far inside the cache's fp16 storage
-(tests/test_stage1_head.py, tests/triton_interpreted.py); triton keeps the logits in fp32, so on a
-bf16 teacher it differs from them by bf16's rounding of the logits.
+    logits (pipeline.scoring.triton_head: logit_row_sums).
+They agree within fp32 rounding (top-k ids exactly where their logits are bf16's: ties go to the
+lower id in each), far inside the cache's fp16 storage (tests/test_stage1_head.py,
+tests/triton_interpreted.py).
 """
 
 from __future__ import annotations

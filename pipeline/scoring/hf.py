@@ -3,8 +3,7 @@
 Per batch of windows (pipeline.scoring.windows, pipeline.scoring.batching): one forward pass of the
 decoder body; then the output head is applied only to the positions whose next token is scored, a
 chunk of rows at a time, and each chunk's loss and views are computed by `--head-kernel`
-(pipeline.scoring.head, pipeline.scoring.head_kernels); the Triton kernel takes all of them at
-once, as it makes no logits.
+(pipeline.scoring.head, pipeline.scoring.head_kernels).
 Chunks (`--head-chunks`, pipeline.scoring.head: head_chunk_rows) hold a fixed 2^24 logits, or
 are sized from the device's free memory at the first scoring call (the warm-up at load), so that
 a large vocabulary does not cost a head matrix product (re-reading the whole head weight) per
@@ -89,9 +88,8 @@ class HFScorer:
         self.plain_head = self._head_reproduces_logits()
         self.extras = extras or HeadExtras()
         self.columns = head_columns(
-            switches.head_kernel, self.extras, self.vocab_size, self.device, self.head,
-            self.plain_head,
-        )  # fmt: skip
+            switches.head_kernel, self.extras, self.vocab_size, self.device, self.head
+        )
         row_packing, attention = self._resolve_packing(switches.row_packing, switches.attention)
         compile = resolve_compile(switches.compile, self.device)
         if switches.compile == "auto" and not decoder_layers(self.model):
