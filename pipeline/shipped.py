@@ -14,6 +14,7 @@ CORPUS_FILES = {
     "chat-train": "gsm_symbolic-chat-train.jsonl.zst",
     "chat-eval": "gsm_symbolic-chat-eval.jsonl.zst",
     "kjv": "kjv-chapters.jsonl.zst",
+    "novels": "novels-chapters.jsonl.zst",
 }
 CORPUS_SPLITS = tuple(CORPUS_FILES)
 
@@ -21,7 +22,8 @@ CORPUS_SPLITS = tuple(CORPUS_FILES)
 def shipped_corpus(split: str) -> Path:
     """The GSM-style math corpus (`train`: 20,000 documents, `eval`: 1,000 held out), its
     first 2,000 and 200 as chat records (`chat-train`, `chat-eval`: `--targets chat`), and real
-    prose: the King James Bible, one document per chapter (`kjv`: 1,189; docs/regime.md)."""
+    prose, one document per chapter: the King James Bible (`kjv`: 1,189; docs/regime.md) and,
+    for the regime experiment's GPU form, Austen's six novels and Moby-Dick (`novels`: 405)."""
     if split not in CORPUS_SPLITS:
         raise ValueError(f"shipped corpus split must be one of {CORPUS_SPLITS}, not {split!r}")
     return ASSETS / "corpus" / CORPUS_FILES[split]
