@@ -7,7 +7,8 @@ student plainly until its plateau test passes, checks the regime gate (plateau, 
 at least 15% better on the test part) before any arm runs, then trains every arm from the warm
 start at two rates, chooses each arm's rate on the validation part, runs the other seeds, and
 writes OUT/report.md, OUT/regime.json and OUT/regime.png. A rerun continues where the last one
-stopped.
+stopped. At GPU scale (manifests/regime-gpu.toml), --teacher-only on a CPU makes the cache and the
+teacher's evaluation, and the run on the GPU reads them (cache, teacher_eval): no teacher there.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from apps.demo.config import DemoConfig, PreRegistration
 from apps.evaluation.config import EvalConfig
 from experiments.curve.config import CurveConfig
 from experiments.dose.config import DoseConfig
+from experiments.regime.config import ARMS, RegimeConfig, RegimePreRegistration
 from pipeline.config import from_dict, load_manifest_section
 from stage1_score.config import ScoreConfig
 from stage2_train.config import TrainConfig
@@ -24,6 +25,7 @@ SECTIONS = {
     "demo": DemoConfig,
     "curve": CurveConfig,
     "dose": DoseConfig,
+    "regime": RegimeConfig,
     "preregistered": PreRegistration,
     "stage1": ScoreConfig,
     "stage2": TrainConfig,
@@ -46,9 +48,19 @@ def _tables(path: Path) -> dict[str, dict]:
 @pytest.mark.parametrize("path", sorted(MANIFESTS.rglob("*.toml")), ids=lambda p: p.name)
 def test_manifest_tables_are_valid_configs(path):
     tables = _tables(path)
-    assert tables and set(tables) <= set(SECTIONS), f"{path}: unknown tables {set(tables)}"
+    # The regime experiment's arms have names of their own (rho1), each a table of stage-2
+    # options over [stage2], and its comparisons name them; its runner sets max_steps.
+    arms = tables.pop(ARMS, {})
+    sections, placeholders = SECTIONS, PLACEHOLDERS
+    if arms:
+        sections = SECTIONS | {"preregistered": RegimePreRegistration}
+        placeholders = PLACEHOLDERS | {"stage2": {**PLACEHOLDERS["stage2"], "max_steps": 1000}}
+    assert tables and set(tables) <= set(sections), f"{path}: unknown tables {set(tables)}"
     for name, values in tables.items():
-        from_dict(SECTIONS[name], {**PLACEHOLDERS.get(name, {}), **values}, f"{path} [{name}]")
+        from_dict(sections[name], {**placeholders.get(name, {}), **values}, f"{path} [{name}]")
+    for arm, options in arms.items():
+        stage2 = {**placeholders["stage2"], **tables.get("stage2", {}), **options}
+        from_dict(TrainConfig, stage2, f"{path} [arms.{arm}]")
 
 
 def test_there_is_one_manifest_per_table1_run():

@@ -1,10 +1,13 @@
 """experiments/regime.py: the splits, the plateau stop, the gate and the report from made-up
 evaluations (fast), a bad design refused before anything runs, and the whole experiment end to
-end at a tiny shape with a real stronger teacher, a rerun redoing nothing (slow)."""
+end at a tiny shape with a real stronger teacher, a rerun redoing nothing (slow); its GPU form
+from a cache and a teacher evaluation carried from another folder (slow), and carried ones of
+other chapters refused in one line (fast); the shipped novels corpus (fast)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +18,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tiny_manifest(tmp_path: Path, teacher: Path, **regime) -> Path:
-    """manifests/regime.toml's design at a tiny shape: its arms, comparisons and metrics."""
+def tiny_manifest(tmp_path: Path, teacher: Path | None, design: str = "regime.toml",
+                  **regime) -> Path:  # fmt: skip
+    """A design's manifest (manifests/DESIGN) at a tiny shape: its arms, comparisons and metrics;
+    `teacher` None names none (the GPU form's carried cache and evaluation stand in for it)."""
     import tomllib
 
-    design = tomllib.loads((REPO / "manifests" / "regime.toml").read_text())
+    design = tomllib.loads((REPO / "manifests" / design).read_text())
     values = {
-        "out": str(tmp_path / "regime"), "teacher": str(teacher), "test_docs": 3,
+        "out": str(tmp_path / "regime"), **({} if teacher is None else {"teacher": str(teacher)}),
+        "test_docs": 3,
         "validation_docs": 3, "cpt_docs": 6, "student": "llama-tiny", "warm_start_warmup": 1,
         "warm_start_max_steps": 12, "heldout_every": 1, "plateau_every": 4,
         "plateau_min_steps": 4, "plateau_tolerance": 0.9, "gate_margin": 0.05,
@@ -68,14 +74,14 @@ max_length = 128
     return manifest
 
 
-def stronger_teacher(folder: Path) -> Path:
+def stronger_teacher(folder: Path, corpus: str = "kjv") -> Path:
     """A real teacher the tiny student cannot match in a few steps: the same tiny shape trained
     plainly for 60 steps on the corpus (saved with its tokenizer, as stage 1 loads a teacher)."""
     from apps.demo.warm_start import train_warm_start
     from pipeline.corpus import Corpus
     from pipeline.shipped import shipped_corpus
 
-    texts = [d.text for _, d in zip(range(200), Corpus(shipped_corpus("kjv")), strict=False)]
+    texts = [d.text for _, d in zip(range(200), Corpus(shipped_corpus(corpus)), strict=False)]
     return train_warm_start(folder, "llama-tiny", "tinyllama", texts, seed=1, seq_len=64,
                             batch_sequences=4, steps=60, lr=1e-2, min_lr=1e-3, warmup_steps=2,
                             threads=1)  # fmt: skip
@@ -283,3 +289,153 @@ def test_a_design_naming_an_arm_without_a_table_is_refused_before_anything_runs(
         f"regime: error: {manifest}: no [arms.rho2] table for arm 'rho2'"
     ]
     assert not (tmp_path / "regime").exists()
+
+
+
+GPU_SHAPE = {"test_docs": 3, "validation_docs": 2, "cpt_docs": 2}  # novels chapters are long
+
+
+def the_cpu_half(folder: Path, teacher: Path | None = None) -> tuple[Path, Path]:
+    """What manifests/regime-gpu.toml's --teacher-only half makes on a CPU, at GPU_SHAPE and
+    without Ray: the splits, a cache of the continual-pretraining part (random teacher columns,
+    tests/cache_fixtures.py) and, given a `teacher`, its `vocagno eval --last-words` of the test
+    part and the cache's columns that uld and alm read (without one, nothing trains: a refusal
+    needs only the cache's manifest)."""
+    import tomllib
+
+    from experiments.regime.config import RegimeConfig
+    from experiments.regime.run import evaluate_on, texts_of, write_splits
+    from tests.cache_fixtures import build_cache
+
+    gpu = tomllib.loads((REPO / "manifests" / "regime-gpu.toml").read_text())
+    config = RegimeConfig(out=folder, corpus=gpu["regime"]["corpus"], **GPU_SHAPE)
+    parts = write_splits(config)
+    cpt = parts["cpt"]
+    columns = {"topk": 4, "space_logprob": True} if teacher is not None else {}
+    build_cache(folder / "cache", teacher_tokenizer="smollm2", docs_per_shard=1,
+                documents=[(f"cpt-{i}", t) for i, t in enumerate(texts_of(cpt))],
+                corpus={"sources": [{"name": cpt.name, "bytes": cpt.stat().st_size}]},
+                **columns)  # fmt: skip
+    if teacher is not None:
+        evaluate_on(config, {"batch_tokens": 2048, "max_length": 128}, teacher, "test", parts,
+                    "teacher")  # fmt: skip
+    return folder / "cache", config.teacher_eval_path
+
+
+@pytest.mark.slow
+def test_the_gpu_form_runs_at_a_tiny_shape_from_a_carried_cache_and_teacher_evaluation(tmp_path):
+    """manifests/regime-gpu.toml's form on the CPU: its corpus, arms, rates and comparisons, the
+    cache and the teacher's evaluation made in another folder (no teacher and no Ray here); the
+    gate reads the carried evaluation, and each arm is compared at its validation-chosen rate."""
+    import tomllib
+
+    from experiments.regime.run import run_name
+
+    gpu = tomllib.loads((REPO / "manifests" / "regime-gpu.toml").read_text())["regime"]
+    teacher = stronger_teacher(tmp_path / "teacher", gpu["corpus"])
+    cache, teacher_eval = the_cpu_half(tmp_path / "cpu", teacher)
+    manifest = tiny_manifest(tmp_path, None, "regime-gpu.toml", corpus=gpu["corpus"],
+                             cache=str(cache), teacher_eval=str(teacher_eval),
+                             **GPU_SHAPE)  # fmt: skip
+    command = [sys.executable, "experiments/regime.py", f"--manifest={manifest}"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Ray cluster up" not in result.stderr and "preparing the teacher" not in result.stderr
+    out = tmp_path / "regime"
+    assert not (out / "cache").exists()
+    regime = json.loads((out / "regime.json").read_text())
+    carried = json.loads(teacher_eval.read_text())
+    assert json.loads((out / "eval" / "teacher-test.json").read_text()) == carried
+    assert regime["gate"]["passed"], regime["gate"]
+    assert regime["gate"]["teacher_bits_per_character"] == pytest.approx(
+        carried["bits_per_character"]["bits_per_character"], rel=1e-9
+    )
+    assert set(regime["chosen"]) == set(gpu["arms"])
+    for arm, pick in regime["chosen"].items():
+        validation = {
+            lr: json.loads((out / "eval" / f"{run_name(arm, lr, 0)}-validation.json").read_text())[
+                "bits_per_character"]["bits_per_character"]
+            for lr in gpu["rates"]
+        }  # fmt: skip
+        assert pick["lr"] == min(validation, key=validation.get), (arm, validation)
+        for seed in [0, 1] if arm in gpu["seeded_arms"] else [0]:
+            assert (out / "eval" / f"{run_name(arm, pick['lr'], seed)}-test.json").exists()
+    pairs = {(r["a"], r["b"], r["seeds"]) for r in regime["comparisons"]}
+    assert ("token", "none", "over seeds") in pairs and ("alm", "none", "seed 0") in pairs
+
+
+def _refusal(manifest: Path) -> list[str]:
+    command = [sys.executable, "experiments/regime.py", f"--manifest={manifest}"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    return result.stderr.strip().splitlines()
+
+
+def test_a_carried_cache_of_other_chapters_is_refused_in_one_line_before_any_teacher(tmp_path):
+    cache, _ = the_cpu_half(tmp_path / "cpu")
+    other = tiny_manifest(tmp_path, None, "regime-gpu.toml", corpus="novels", cache=str(cache),
+                          **{**GPU_SHAPE, "split_seed": 1})  # fmt: skip
+    [line] = _refusal(other)
+    assert line.startswith(f"regime: error: cache {cache} scored [('cpt.jsonl', ")
+    assert "not this design's continual-pretraining part" in line
+    assert not (tmp_path / "regime" / "eval").exists()
+
+
+def test_a_carried_teacher_evaluation_of_other_chapters_is_refused_in_one_line(tmp_path):
+    from pipeline.io import atomic_write_json
+
+    cache, _ = the_cpu_half(tmp_path / "cpu")
+    wrong = tmp_path / "teacher-test.json"
+    sizes = np.array([100.0, 200.0, 300.0])
+    atomic_write_json(wrong, _evaluation(sizes, sizes, sizes * 0, sizes * 0 + 1)
+                      | {"last_word_accuracy": {"accuracy": 0.0}})  # fmt: skip
+    manifest = tiny_manifest(tmp_path, None, "regime-gpu.toml", corpus="novels",
+                             cache=str(cache), teacher_eval=str(wrong), **GPU_SHAPE)  # fmt: skip
+    [line] = _refusal(manifest)
+    assert line.startswith(f"regime: error: teacher_eval {wrong} evaluated 3 documents that are "
+                           "not this design's 3 test chapters")  # fmt: skip
+    atomic_write_json(wrong, {"answer_bits": {}})
+    [line] = _refusal(manifest)
+    assert line.startswith(f"regime: error: teacher_eval {wrong} is no `vocagno eval "
+                           "--last-words` result of the test part (KeyError")  # fmt: skip
+    assert not (tmp_path / "regime" / "eval").exists()
+
+
+def test_teacher_only_refuses_a_cache_it_would_not_make(tmp_path):
+    manifest = tiny_manifest(tmp_path, None, "regime-gpu.toml", corpus="novels",
+                             cache=str(tmp_path / "elsewhere"), teacher_only=True,
+                             **GPU_SHAPE)  # fmt: skip
+    assert _refusal(manifest) == [
+        f"regime: error: {manifest} [regime]: teacher_only makes {tmp_path / 'regime' / 'cache'}, "
+        f"but cache names {tmp_path / 'elsewhere'}"
+    ]
+
+
+def test_the_novels_corpus_ships_each_chapter_of_its_seven_works_once():
+    from pipeline.corpus import Corpus
+    from pipeline.shipped import shipped_corpus
+
+    texts = [d.text for d in Corpus(shipped_corpus("novels"))]
+    records = [json.loads(line) for line in _lines(shipped_corpus("novels"))]
+    assert len(texts) == len(records) == 405 and len({r["id"] for r in records}) == 405
+    chapters = {}
+    for record in records:
+        chapters.setdefault(record["work"], []).append(record["chapter"])
+    assert {w: len(c) for w, c in chapters.items()} == {
+        "sense-and-sensibility": 50, "pride-and-prejudice": 61, "mansfield-park": 48,
+        "emma": 55, "northanger-abbey": 31, "persuasion": 24, "moby-dick": 136,
+    }  # fmt: skip
+    assert all(c == list(range(1, len(c) + 1)) for c in chapters.values())
+    whole = "\n".join(texts)
+    assert texts[0].startswith("The family of Dashwood had long been settled in Sussex.")
+    assert texts[-1].endswith("only found another orphan.")
+    for boilerplate in ("Gutenberg", "_", "A NOTE ON THE TEXT", "VOLUME I", "\r"):
+        assert boilerplate not in whole, boilerplate
+    assert not re.search(r"(?m)^(?:CHAPTER|Chapter) [0-9IVXLC]+\b", whole)  # no heading kept
+
+
+def _lines(path: Path) -> list[str]:
+    import zstandard
+
+    with zstandard.ZstdDecompressor().stream_reader(path.open("rb")) as stream:
+        return stream.read().decode("utf-8").splitlines()

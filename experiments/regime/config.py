@@ -63,6 +63,18 @@ class RegimeConfig:
     teacher: str | None = option(
         None, help="teacher model folder; unset: SmolLM2-135M-Instruct, prepared offline"
     )
+    cache: str | None = option(
+        None, help="a stage-1 cache of this design's continual-pretraining part made elsewhere "
+        "(on a CPU, by a teacher_only run); unset: the teacher scores the part here"
+    )  # fmt: skip
+    teacher_eval: str | None = option(
+        None, help="the teacher's evaluation on this design's test part made elsewhere (the "
+        "teacher_only run's OUT/eval/teacher-test.json); unset: the teacher is evaluated here"
+    )  # fmt: skip
+    teacher_only: bool = option(
+        False, help="only the teacher's steps (the splits, stage 1 into OUT/cache, the teacher's "
+        "test evaluation into OUT/eval/teacher-test.json), then stop: the GPU form's CPU half"
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -90,6 +102,17 @@ class RegimeConfig:
             raise ValueError(f"seeded_arms {self.seeded_arms} must be among arms {self.arms}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds must name at least one seed, each once")
+        if self.teacher_only:  # it makes what they name: they must name what it makes
+            for name, made in (("cache", self.out / "cache"),
+                               ("teacher_eval", self.teacher_eval_path)):  # fmt: skip
+                given = getattr(self, name)
+                if given is not None and Path(given).resolve() != made.resolve():
+                    raise ValueError(f"teacher_only makes {made}, but {name} names {given}")
+
+    @property
+    def teacher_eval_path(self) -> Path:
+        """Where the teacher's test evaluation is kept (the report reads it there)."""
+        return self.out / "eval" / "teacher-test.json"
 
     @property
     def rate_seed(self) -> int:

@@ -2,7 +2,9 @@
 teacher and one stage-1 cache of the continual-pretraining part, the teacher's evaluation on the
 test part, a plain warm start trained until its plateau test passes, the regime gate, the
 selection diagnostic, then every arm at each rate (seed 0), each arm's rate chosen on the
-validation part, the other seeds at it, and the report. A rerun redoes nothing finished."""
+validation part, the other seeds at it, and the report. A rerun redoes nothing finished. The
+GPU form (manifests/regime-gpu.toml) carries its cache and the teacher's evaluation from a CPU,
+where a teacher_only run made them: no teacher runs on the GPU."""
 
 from __future__ import annotations
 
@@ -183,7 +185,47 @@ def chosen_rate(config: RegimeConfig, settings: dict, parts: dict, arm: str) -> 
     return min(config.rates, key=values.__getitem__)
 
 
-def run_regime(config: RegimeConfig, manifest: Path) -> Path:
+def carried_cache(config: RegimeConfig, parts: dict) -> Path:
+    """`cache`, made elsewhere, checked to be of this design's continual-pretraining part: its
+    one source is that part's file, byte for byte as long (a cache of other chapters could hold
+    test chapters)."""
+    from pipeline.cache.manifest import load_manifest
+
+    cache, cpt = Path(config.cache), parts["cpt"]
+    sources = [(s.get("name"), s.get("bytes")) for s in load_manifest(cache).corpus["sources"]]
+    if sources != [(cpt.name, cpt.stat().st_size)]:
+        raise ConfigError(
+            f"cache {cache} scored {sources}, not this design's continual-pretraining part "
+            f"({cpt}, {cpt.stat().st_size:,} bytes): make it with this manifest and "
+            '--teacher-only (docs/regime.md, "At GPU scale")'
+        )
+    return cache
+
+
+def carried_teacher_eval(config: RegimeConfig, parts: dict) -> None:
+    """`teacher_eval`, made elsewhere, checked to be of this design's test part (the same
+    chapters in the same order: each one's scored characters, all of them for a tokenizer with a
+    BOS or an EOS, as every shipped one has), kept where the report reads the teacher's."""
+    source, test = Path(config.teacher_eval), parts["test"]
+    try:
+        result = json.loads(source.read_text())
+        characters = result["bits_per_character"]["per_document_characters"]
+        result["last_word_accuracy"]["accuracy"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"teacher_eval {source} is no `vocagno eval --last-words` result of "
+                          f"the test part ({type(exc).__name__}: {exc}): make it with this "
+                          "manifest and --teacher-only") from None  # fmt: skip
+    if characters != [len(text) for text in texts_of(test)]:
+        raise ConfigError(
+            f"teacher_eval {source} evaluated {len(characters)} documents that are not this "
+            f"design's {config.test_docs} test chapters ({test}): make it with this manifest "
+            "and --teacher-only"
+        )
+    if source.resolve() != config.teacher_eval_path.resolve():
+        atomic_write_json(config.teacher_eval_path, result)
+
+
+def run_regime(config: RegimeConfig, manifest: Path) -> Path | None:
     from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
     stage2, teacher_settings, prereg, arms = check_tables(config, manifest)
@@ -193,19 +235,29 @@ def run_regime(config: RegimeConfig, manifest: Path) -> Path:
     config.out.mkdir(parents=True, exist_ok=True)
     steps = StepTimings(config.out)
     parts = write_splits(config)
-    log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
-    teacher = (
-        Path(config.teacher)
-        if config.teacher
-        else steps.timed("teacher", False, prepare_smollm2_teacher)
-    )
-    log(f"stage 1: scoring the {config.cpt_docs} continual-pretraining documents")
-    cache = steps.timed(
-        "stage1", cache_done(config), score_with_ray, config, manifest, teacher, parts["cpt"]
-    )
-    done = (config.out / "eval" / "teacher-test.json").exists()
-    steps.timed("eval-teacher", done, evaluate_on, config, teacher_settings, teacher, "test",
-                parts, "teacher")  # fmt: skip
+    # Made elsewhere (the GPU form: no teacher here), each checked before anything runs; a
+    # teacher_only run makes them, whatever the manifest names for the run it makes them for.
+    carried = not config.teacher_only
+    cache = carried_cache(config, parts) if carried and config.cache else None
+    if carried and config.teacher_eval:
+        carried_teacher_eval(config, parts)
+    if cache is None or not config.teacher_eval_path.exists():
+        log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
+        teacher = (
+            Path(config.teacher)
+            if config.teacher
+            else steps.timed("teacher", False, prepare_smollm2_teacher)
+        )
+        if cache is None:
+            log(f"stage 1: scoring the {config.cpt_docs} continual-pretraining documents")
+            cache = steps.timed("stage1", cache_done(config), score_with_ray, config, manifest,
+                                teacher, parts["cpt"])  # fmt: skip
+        steps.timed("eval-teacher", config.teacher_eval_path.exists(), evaluate_on, config,
+                    teacher_settings, teacher, "test", parts, "teacher")  # fmt: skip
+    if config.teacher_only:
+        log(f"teacher only: {cache} and {config.teacher_eval_path} are made; the rest runs "
+            f'where {config.out} is carried (docs/regime.md, "At GPU scale")')  # fmt: skip
+        return None
     log(f"warm start: {config.student} until its plateau test passes "
         f"(at most {config.warm_start_max_steps} steps)")  # fmt: skip
     student = steps.timed("warm-start", (config.out / "warm-start" / "config.json").exists(),
