@@ -155,6 +155,7 @@ import torch  # noqa: E402
 from device_timing import best_seconds, synchronize  # noqa: E402
 from peak_memory import peak_memory, reset_peak  # noqa: E402
 from stage1_runs import (  # noqa: E402
+    batch_inputs,
     device_summary,
     phase_summary,
     steady_rate,
@@ -343,7 +344,7 @@ def floor_timings(
     batches = []
     for unit in units:  # planned as the worker plans a unit (HFScorer.plan)
         plan = scorer.plan(unit)
-        batches += [scorer.batch_inputs(unit, plan.windows, layout) for layout in plan.layouts]
+        batches += [batch_inputs(scorer, unit, plan.windows, layout) for layout in plan.layouts]
     tokens = sum(len(i) for i in token_ids)
 
     def bare_forward() -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from stage1_runs import batch_inputs  # noqa: E402
 
 from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
 from pipeline.log import configure  # noqa: E402
@@ -73,7 +74,7 @@ def main() -> int:
         windows = plan_document_windows([len(i) for i in ids], args.max_length, args.stride)
         scorer = worker._scorer  # the worker's own batches: its layout, inputs and mask
         batches = [
-            scorer.batch_inputs(ids, windows, layout)[0] for layout in scorer.layouts(windows)
+            batch_inputs(scorer, ids, windows, layout)[0] for layout in scorer.layouts(windows)
         ]
         scored = int(windows.scored.sum())
         padded = sum(b["input_ids"].numel() for b in batches)

@@ -15,6 +15,7 @@ from pathlib import Path
 from pipeline.cache.manifest import MANIFEST_NAME, RUN_RECORD_NAME
 from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.log import counted
+from pipeline.scoring.batching import layout_arrays, scored_positions
 from pipeline.shipped import shipped_corpus
 from stage1_score.run import main as stage1
 
@@ -44,6 +45,13 @@ def write_corpus_slice(folder: Path, docs: int) -> Path:
     )
     path.write_text("".join(json.dumps({"id": d.doc_id, "text": d.text}) + "\n" for d in documents))
     return path
+
+
+def batch_inputs(scorer, token_ids: list, windows, layout) -> tuple:
+    """One of a worker's batches on the device as `scorer` (an HFScorer) builds it: (the forward
+    pass's inputs, the row and position of each scored position), for the benchmarks' floors."""
+    arrays = layout_arrays(token_ids, windows, layout), scored_positions(windows, layout)
+    return scorer.inputs_on_device(*arrays)
 
 
 def timed_stage1(command: list[str]) -> tuple[float, dict, list[float]]:

@@ -53,20 +53,20 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
         return 1.0
 
     calls, queue_columns = [], scorer.queue_columns  # score_columns's first half
-    laid_out, batch_inputs = [], scorer.batch_inputs
+    laid_out, batch_inputs = [], bench_gpu.batch_inputs
 
     def recorded(token_ids, *args, **kwargs):
         calls.append([len(i) for i in token_ids])
         return queue_columns(token_ids, *args, **kwargs)
 
-    def recorded_inputs(token_ids, windows, layout):
+    def recorded_inputs(scorer, token_ids, windows, layout):
         laid_out.append(([len(i) for i in token_ids], layout.slots))
-        return batch_inputs(token_ids, windows, layout)
+        return batch_inputs(scorer, token_ids, windows, layout)
 
     with monkeypatch.context() as patch:
         patch.setattr(bench_gpu, "best_rate", count)
         patch.setattr(scorer, "queue_columns", recorded)
-        patch.setattr(scorer, "batch_inputs", recorded_inputs)
+        patch.setattr(bench_gpu, "batch_inputs", recorded_inputs)
         timings = bench_gpu.floor_timings(scorer, ids, 2, 1, cpu)
         assert timed == {}  # nothing is timed until its row asks: a side past the budget never runs
         rates = {side: timing() for side, timing in timings.items()}

@@ -304,14 +304,9 @@ class HFScorer:
             return packed_layouts(windows.length, self.max_length, self.batch_tokens)
         return padded_layouts(windows.length, self.batch_tokens)
 
-    def batch_inputs(
-        self, token_ids: list[np.ndarray], windows: WindowTable, layout: BatchLayout
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """(the forward pass's inputs, row, position of each scored position), on the device."""
-        arrays = layout_arrays(token_ids, windows, layout), scored_positions(windows, layout)
-        return self._inputs_on_device(*arrays)
-
-    def _inputs_on_device(self, arrays: tuple, scored: tuple) -> tuple[dict, torch.Tensor, ...]:
+    def inputs_on_device(self, arrays: tuple, scored: tuple) -> tuple[dict, torch.Tensor, ...]:
+        """(the forward pass's inputs, row, position of each scored position), on the device,
+        from a batch's host arrays (pipeline.scoring.batching: layout_arrays, scored_positions)."""
         input_ids, segment_ids, position_ids = arrays
         ids = to_device(input_ids, self.device)
         if self.switches.row_packing == "packed":
@@ -333,7 +328,7 @@ class HFScorer:
         windows, uniforms = plan.windows, plan.batch_uniforms(layout)
         arrays = layout_arrays(token_ids, windows, layout), scored_positions(windows, layout)
         batch = QueuedBatch(self.device, previous=self._last_done)
-        inputs, row, position = self._inputs_on_device(*arrays)
+        inputs, row, position = self.inputs_on_device(*arrays)
         ids = inputs["input_ids"]
         targets = ids[row, position + 1]
         if self.plain_head:
