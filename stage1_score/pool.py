@@ -48,8 +48,8 @@ def size_pool(config: ScoreConfig) -> tuple[int, int, int]:
     if total_gpus:
         workers, cpus, gpus = config.num_workers or total_gpus, config.cpus_per_worker or 1, 1
     else:
-        # Without GPUs (either backend), one-thread workers are the default: on 2 shared cores
-        # they scored 1.7x faster than one two-thread worker (benchmarks/bench_stage1_workers.py).
+        # Without GPUs (either backend), one-thread workers are the default: they score faster
+        # than fewer workers of more threads (docs/stage1.md: bench_stage1_workers.py).
         split = total_cpus // config.num_workers if config.num_workers else 1
         cpus = config.cpus_per_worker or max(1, split)
         workers, gpus = config.num_workers or max(1, total_cpus // cpus), 0

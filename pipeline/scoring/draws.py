@@ -43,8 +43,7 @@ def drawn_ranks(teacher_logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tens
     Each log-probability becomes an int64 key that orders as that rule does (its fp32 bits made
     monotone, with the reversed id below them), so keys are distinct, and the counts of keys
     above the K drawn ones come from one searchsorted and a histogram: O(V log K) a row where a
-    sort is O(V log V). On a 2-core CPU and a 32k vocabulary the sampled head took 626-635 ms a
-    batch against the sort's 1,044-1,140 (benchmarks/results/2026-12-03/head-sampled-ranks.txt)."""
+    sort is O(V log V) (measured against the sort: benchmarks/results/2026-12-03/)."""
     vocab = teacher_logprobs.shape[-1]
     id_bits = max(vocab - 1, 1).bit_length()
     # + 0.0: -0.0 sorts as 0.0 does; in place from here, two int64 values a logit at the most

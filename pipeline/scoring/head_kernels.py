@@ -111,8 +111,8 @@ def fused_columns(
     reduction upcasts the logits as it reads them: a read for the max, then Z (and the space
     mask's sum) from the logits less it. The max is taken of the logits as they are, which
     Inductor's one-pass rewrite (`prepare_softmax_online`: the max and Z in one read, two
-    exponentials a logit) does not match: on an H200 that form took 13.1-13.2 ms a batch of the
-    1.5B shape against this one's 12.7 (runs 7 and 8, docs/stage1-gpu-path.md)."""
+    exponentials a logit) does not match, a form measured slower on a GPU (docs/stage1-gpu-path.md,
+    "One read of the logits")."""
     top = logits.amax(dim=-1, keepdim=True).float()
     shifted = logits.float() - top
     exp = shifted.exp()
@@ -168,8 +168,8 @@ def top_logits(
     row lie in those blocks: a logit outside them has k blocks ranked before its own, each with
     a logit ranked before it (a larger one, or an equal one in a block of lower ids), so values
     and ids are `ranked_topk`'s of the whole row exactly. One stage where the row has under 4k
-    blocks. torch.topk of a whole 152k row runs radix passes over it: 20 ms a batch of the 1.5B
-    shape, against 14 for the whole fused loss (run 5). `rank`: the head bench's earlier form
+    blocks. torch.topk of a whole 152k row runs radix passes over it, longer than the whole fused
+    loss takes (docs/stage1.md, `bench_stage1_head.py`). `rank`: the head bench's earlier form
     passes torch.topk's picks, to measure what the tie rule costs."""
     vocabulary = logits.shape[1]
     blocks = topk_blocks(vocabulary, k)
@@ -216,8 +216,8 @@ def onepass_columns(
     """`--head-kernel onepass`: the loss and the space column from `row_sums`
     (triton_head.logit_row_sums: one read of each logit, which also takes the block maxima of
     the top k's first stage), the top-k from `topk_pass` (`topk_columns`, compiled where fused
-    is: eager, its steps cost 8 ms a batch of the 1.5B shape over fused's compiled 2.3, run 7),
-    spared the second read of the logits its block maxima took before."""
+    is: eager, its many small steps cost several times the compiled pass), spared a second read
+    of the logits for its block maxima."""
     blocks = topk_blocks(logits.shape[1], topk)
     maxima = logits.new_empty((len(logits), blocks), dtype=torch.float32) if blocks else None
     columns, log_z = row_sums(logits, targets, space, maxima)

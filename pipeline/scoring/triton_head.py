@@ -44,11 +44,9 @@ INTERPRETER_ROW_BLOCK = 65536
 # normal: a compare and two multiplies). Triton's exp2 flushes such results to zero (PTX
 # ex2.approx.ftz), FlashAttention's form: each dropped term is a probability below 1.2e-38, so Z
 # moves by under vocabulary x 1.2e-38 (nothing, at float32's precision) and the space column only
-# where it lies below about -72 nats (docs/cache-columns.md). The compiled row loop issues 9.6
-# instructions a logit for the loss (13.7 before), 15.1 with the space column (19.2), 11.2 with
-# the top k's block maxima (15.4), no spill (benchmarks/triton_head_compile.py, sm_90a); its speed
-# on a GPU is unmeasured (bench_stage1_head.py's `natural exp` rows time the earlier form beside
-# it).
+# where it lies below about -72 nats (docs/cache-columns.md). What the loop compiles to:
+# benchmarks/triton_head_compile.py (docs/stage1.md); bench_stage1_head.py's `natural exp` rows
+# time the natural form beside it.
 LOG2_E = tl.constexpr(math.log2(math.e))
 # Whether a multiply and an add may fuse into one rounding (an FMA) in the kernel's running sums:
 # on, as the measured runs compiled them and as Inductor compiles its own kernels. Said at launch,
@@ -58,8 +56,8 @@ FP_FUSION = True
 # divisibility by 16 (or being 1), a pointer's 16-byte alignment. What varies with a batch's
 # scored positions (their count, a head chunk's targets, the sums' offsets in their one
 # allocation) is left unspecialized, each read or written a scalar or a masked block at a time,
-# so that the compile at load serves every batch: before, a worker's first unit with a count of
-# 2 mod 4 compiled a third variant of the row kernel (103 ms on an H200, run 11).
+# so that the compile at load serves every batch, not a variant compiled inside a unit
+# (tests/test_stage1_triton_head.py).
 PER_POSITION = ("target_ptr", "max_ptr", "total_ptr", "space_total_ptr", "picked_ptr")
 
 
@@ -72,7 +70,7 @@ def _row_sums(
     """One row of logits, read once: its max, Z and the space mask's share of Z (rescaled as
     the max grows), the target's logit, and with a MAX_BLOCK (0: none) the
     max of each whole block of that many logits, for `top_logits`. The exponentials in base 2
-    (`LOG2_E`), or with NATURAL_EXP as runs 7-15 measured them."""
+    (`LOG2_E`), or with NATURAL_EXP in the natural form, for the head bench."""
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * row_stride
     top = tl.full([], float("-inf"), tl.float32)
@@ -136,8 +134,8 @@ def logit_row_sums(
     lie strided apart): ({"loss": [N]} and, with a `space` mask (int8), the space column; log Z
     [N]), fp32, each logit read once; and, given `block_maxima` (fp32 [N, vocabulary //
     TOPK_BLOCK]), the max of each whole block of TOPK_BLOCK logits written into it, which
-    `top_logits` would otherwise read the logits again for. `natural_exp`: the exponentials as
-    runs 7-15 measured them, for bench_stage1_head.py's rows beside today's."""
+    `top_logits` would otherwise read the logits again for. `natural_exp`: the exponentials in
+    the natural form, for bench_stage1_head.py's rows beside the base-2 ones."""
     rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
