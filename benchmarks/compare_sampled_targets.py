@@ -17,6 +17,11 @@ The design, fixed before the first run (committed with this script):
 - Reported: each arm's value per seed; per seed, the paired bootstrap (over documents, 95%) of
   sampled - top-k and of each arm - none. No threshold is tuned; whichever way it goes, as
   measured.
+Amended 2026-12-06, before the forward estimator's first run: `kld-sampled` now trains the
+forward KL(teacher || student) from the draws (Sparse Logit Sampling's), so the full forward KL
+per predicted token is reported beside the reverse one, for the SmolLM2-tokenizer students; the
+arms, caches, steps, seeds and documents are the design's. A pair is reported wherever both of
+its arms ran (`--arms`), each against `none` where that ran too.
 
 Usage: python benchmarks/compare_sampled_targets.py --top-cache DIR --sampled-cache DIR
            --teacher DIR --work DIR
@@ -68,8 +73,9 @@ def train(arm: str, seed: int, caches: dict[str, Path], work: Path) -> Path:
 
 
 def full_kl(student_dir: Path, teacher, tokenizer, texts: list[str]) -> np.ndarray:
-    """Per document, the mean over its predicted tokens (the first MAX_TOKENS) of the exact
-    KL(student || teacher) from both models' whole next-token distributions."""
+    """Per document, the means over its predicted tokens (the first MAX_TOKENS) of the exact
+    KL(student || teacher) and KL(teacher || student) from both models' whole next-token
+    distributions: [documents, 2]."""
     from transformers import AutoModelForCausalLM
 
     student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
@@ -81,7 +87,8 @@ def full_kl(student_dir: Path, teacher, tokenizer, texts: list[str]) -> np.ndarr
             t = torch.log_softmax(teacher(ids).logits[0, :-1].float(), -1)
             if s.shape[-1] != t.shape[-1]:
                 raise SystemExit(f"student vocabulary {s.shape[-1]} != teacher's {t.shape[-1]}")
-            per_document.append(float((s.exp() * (s - t)).sum(-1).mean()))
+            reverse, forward = (s.exp() * (s - t)).sum(-1), (t.exp() * (t - s)).sum(-1)
+            per_document.append([float(reverse.mean()), float(forward.mean())])
     return np.asarray(per_document)
 
 
@@ -96,15 +103,21 @@ def measure(final: Path, tokenizer: str, teacher, texts: list[str]) -> dict:
     }
     if tokenizer == "smollm2":
         kl = full_kl(final, teacher, load_tokenizer(tokenizer), texts)
-        result |= {"full_kl": float(kl.mean()), "per_document_kl": kl.tolist()}
+        result |= {"full_kl": float(kl[:, 0].mean()), "per_document_kl": kl[:, 0].tolist(),
+                   "forward_kl": float(kl[:, 1].mean()),
+                   "per_document_forward_kl": kl[:, 1].tolist()}  # fmt: skip
     return result
+
+
+PER_DOCUMENT = {"full_kl": "per_document_kl", "forward_kl": "per_document_forward_kl"}
 
 
 def difference(a: dict, b: dict, metric: str) -> str:
     if metric == "bits_per_character":  # a per-character rate: documents weighted by length
         return rate_difference(a["per_document_bits"], a["per_document_characters"],
                                b["per_document_bits"], b["per_document_characters"])  # fmt: skip
-    d = paired_bootstrap(np.asarray(a["per_document_kl"]), np.asarray(b["per_document_kl"]))
+    key = PER_DOCUMENT[metric]
+    d = paired_bootstrap(np.asarray(a[key]), np.asarray(b[key]))
     return f"{d.difference:+.4f} [{d.low:+.4f}, {d.high:+.4f}]"
 
 
@@ -140,19 +153,24 @@ def main() -> int:
     for seed in args.seeds:
         for arm in args.arms:
             r = results[arm, seed]
-            kl = f", full KL(s || t) {r['full_kl']:.4f} nats/token" if "full_kl" in r else ""
+            kl = "".join(
+                f", {name} {r[metric]:.4f} nats/token"
+                for metric, name in (("full_kl", "full KL(s || t)"), ("forward_kl", "KL(t || s)"))
+                if metric in r
+            )
             print(f"seed {seed} {arm:<15} bits/char {r['bits_per_character']:.4f}{kl}")
         for sampled, top, none in (("kld-sampled", "kld", "none/smollm2"),
                                    ("uld-sampled", "uld", "none/tinyllama")):  # fmt: skip
-            for metric in ("bits_per_character", "full_kl"):
-                if not {sampled, top, none} <= set(args.arms) or metric not in results[top, seed]:
+            if not {sampled, top} <= set(args.arms):
+                continue
+            r = {arm: results[arm, seed] for arm in (sampled, top, none) if arm in args.arms}
+            for metric in ("bits_per_character", "full_kl", "forward_kl"):
+                if metric != "bits_per_character" and metric not in r[sampled]:
                     continue
-                r = {arm: results[arm, seed] for arm in (sampled, top, none)}
-                print(
-                    f"seed {seed} {metric}: {sampled} - {top} {difference(r[sampled], r[top], metric)}"
-                    f"; {top} - none {difference(r[top], r[none], metric)}"
-                    f"; {sampled} - none {difference(r[sampled], r[none], metric)}"
-                )
+                pairs = [(sampled, top)] + [(arm, none) for arm in (top, sampled) if none in r]
+                print(f"seed {seed} {metric}: " + "; ".join(
+                    f"{a} - {b.split('/')[0]} {difference(r[a], r[b], metric)}" for a, b in pairs
+                ))  # fmt: skip
     return 0
 
 
