@@ -11,11 +11,18 @@ the bare tokenizer encodes the same texts, as new string objects each round like
 path's, in the same read-sized batches with the same framing, by the call the data path makes
 (TextTokenizer.encode_concatenated). Tokenizers run on one thread (one worker = one core). The
 trainer's rate is one optimizer step of the --preset student on this machine.
+
+With --topk K the cache also holds the teacher's top-K (the compact encoding) and the stream
+distills from it (--distill uld: probabilities and rest; kld: ids too, with the teacher's
+tokenizer as the student's): the data path is then also timed without the column checks stage 2
+runs on every read of those columns (pipeline.cache.rows.check_extra_columns, `cache verify`'s),
+to state what they cost.
 Data path and tokenizer are timed in turn, best of --repeats, so they see the same machine load;
 rates are shown by wall time and by CPU time (the steadier one on a machine others share), and
 the ratio also as the median over the back-to-back pairs (robust to a lucky or unlucky round).
 
     python benchmarks/bench_stage2_data.py [--docs 2000] [--teacher qwen2.5] [--student tinyllama]
+        [--topk 32 [--distill uld|kld]]
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -48,8 +56,11 @@ from timing import (  # noqa: E402
 
 from pipeline.choices import PACKINGS  # noqa: E402
 from pipeline.cross_entropy import IGNORE_INDEX  # noqa: E402
+from pipeline.distillation.kld import TopkKLDistillation  # noqa: E402
+from pipeline.distillation.uld import UniversalLogitDistillation  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from stage2_train.data import documents as data_path  # noqa: E402
 from stage2_train.data.documents import READ_ROWS  # noqa: E402
 from stage2_train.data.plan import DataPlan  # noqa: E402
 from stage2_train.data.streams import consumer_stream  # noqa: E402
@@ -102,7 +113,14 @@ def main() -> None:
         "--packing", default="documents", choices=PACKINGS, help="stage 2's --packing"
     )
     parser.add_argument("--repeats", type=int, default=5, help="timings per figure (best kept)")
+    parser.add_argument("--topk", type=int, default=0, help="the cache's top-K columns (0: none)")
+    parser.add_argument("--distill", default="uld", choices=("uld", "kld"),
+                        help="with --topk: the term the stream reads them for")  # fmt: skip
     args = parser.parse_args()
+    if args.topk and args.distill == "kld":
+        args.student = args.teacher  # KLD reads the teacher's ids as the student's
+    terms = {"uld": UniversalLogitDistillation, "kld": TopkKLDistillation}
+    distillation = terms[args.distill]() if args.topk else None
 
     documents = corpus_documents(args.docs)
     texts = [text for _, text in documents]
@@ -114,6 +132,8 @@ def main() -> None:
             teacher_tokenizer=args.teacher,
             documents=documents,
             docs_per_shard=max(1, args.docs // 4),
+            topk=args.topk,
+            topk_encoding="compact",
         )
         plan = DataPlan.from_cache(
             Path(tmp),
@@ -121,12 +141,19 @@ def main() -> None:
             seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size,
             packing=args.packing,
+            alignment="identity" if args.distill == "kld" and args.topk else "token",
+            distillation=distillation,
         )
         times = {"data path": [], "tokenize": []}
+        if args.topk:
+            times["data path, no column checks"] = []
         streamed = 0
-        for _ in range(args.repeats):  # in turn, so that both see the same machine load
+        for _ in range(args.repeats):  # in turn, so that all see the same machine load
             streamed, took = steady_epoch(plan)
             times["data path"].append(took)
+            if args.topk:  # unchecked, each column is decoded where it is read (token_values)
+                with mock.patch.object(data_path, "check_extra_columns", lambda *_: {}):
+                    times["data path, no column checks"].append(steady_epoch(plan)[1])
             # New string objects, as the data path's are: Python keeps a string's UTF-8 form,
             # which the tokenizer reads, so strings tokenized before would skip that work.
             fresh = [text.encode().decode() for text in texts]
@@ -152,13 +179,18 @@ def main() -> None:
     rates = {  # (wall, CPU) student tokens per second
         "bare student tokenization": (total / wall["tokenize"], total / cpu["tokenize"]),
         "data path (one worker)": (streamed / wall["data path"], streamed / cpu["data path"]),
-        "trainer consumption (one rank)": (
-            step_tokens / train_wall["train step"],
-            step_tokens / train_cpu["train step"],
-        ),
     }
+    unchecked = "data path, no column checks"
+    if unchecked in times:
+        rates["  without column checks"] = (streamed / wall[unchecked], streamed / cpu[unchecked])
+    rates["trainer consumption (one rank)"] = (
+        step_tokens / train_wall["train step"],
+        step_tokens / train_cpu["train step"],
+    )
+    columns = f"top-{args.topk} columns read for {args.distill}; " if args.topk else ""
     print(
-        f"{args.docs} documents, {total:,} {args.student} tokens (teacher {args.teacher}); one "
+        f"{args.docs} documents, {total:,} {args.student} tokens (teacher {args.teacher}); "
+        f"{columns}one "
         f"thread per tokenizer; {args.packing} packing; trainer: {args.preset}, {args.micro_batch_size} x {args.seq_len} "
         f"tokens per step, {torch.get_num_threads()} torch threads; best of {args.repeats}"
     )
@@ -180,6 +212,12 @@ def main() -> None:
         f"{min(pairs):.2f}-{max(pairs):.2f}); one worker feeds "
         f"{data[0] / train[0]:,.0f}x what one rank's trainer consumes"
     )
+    if args.topk:
+        unchecked = rates["  without column checks"]
+        print(
+            f"the column checks cost: data path with / without them = {data[0] / unchecked[0]:.3f} "
+            f"by wall time, {data[1] / unchecked[1]:.3f} by CPU time"
+        )
     print_load_average()
 
 

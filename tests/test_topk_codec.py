@@ -116,12 +116,18 @@ def test_a_shard_of_one_token_documents_only_reads_back_as_nulls():
 
 
 def test_a_damaged_id_order_is_refused_in_one_line():
+    """Before: a lost id order was quoted as a bare KeyError (`b'vocagno.topk_id_order'`)
+    naming neither the shard nor what was lost; the check every reader runs names both."""
     table, _ = unit_table(8, "compact")
     index = table.schema.get_field_index(TOPK_ID_RANKS)
     field = table.schema.field(index)
     lost = table.cast(table.schema.set(index, field.with_metadata({})))
-    with pytest.raises(CacheError, match=r"^topk_id_ranks does not decode \(KeyError"):
-        token_values(lost.to_batches()[0], TOPK_IDS)
+    batch = lost.to_batches()[0]
+    rows = np.arange(batch.num_rows)
+    with pytest.raises(CacheError, match=r"^shard cache/shard-000000.parquet: topk_id_ranks does "
+                       r"not decode: its field lacks the id order stage 1 stores beside it"):  # fmt: skip
+        check_extra_columns("cache/shard-000000.parquet", batch, rows,
+                            check_rows("s", batch, rows).lengths)  # fmt: skip
     short = topk_codec.order_metadata(topk_codec.order_from(field)[0][:3], 2)
     cut = table.cast(table.schema.set(index, field.with_metadata(short)))
     with pytest.raises(CacheError, match=r"^topk_id_ranks does not decode \(IndexError"):

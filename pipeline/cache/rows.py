@@ -110,13 +110,15 @@ def rows_index(lengths: np.ndarray, rows: np.ndarray) -> np.ndarray:
     )
 
 
-def _entries(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
+def _entries(
+    batch: pa.RecordBatch, name: str, where: Path | str = ""
+) -> tuple[np.ndarray, np.ndarray]:
     """A list<fixed_size_list<...>[K]> column as ((tokens, K) values, per-token null flags); the
     top-k probabilities and ids decoded from the compact columns where a shard stores those
-    (pipeline.cache.topk_codec)."""
+    (pipeline.cache.topk_codec). `where` names the shard in a refusal."""
     stored = STORED_AS.get(name)
     if name not in batch.schema.names and stored in batch.schema.names:
-        return _compact_entries(batch, name, stored)
+        return _compact_entries(batch, name, stored, where)
     items = batch.column(name).flatten()  # one fixed-size entry per token, nulls kept
     k = items.type.list_size
     values = items.values.slice(items.offset * k, len(items) * k)
@@ -125,7 +127,7 @@ def _entries(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _compact_entries(
-    batch: pa.RecordBatch, name: str, stored: str
+    batch: pa.RecordBatch, name: str, stored: str, where: Path | str
 ) -> tuple[np.ndarray, np.ndarray]:
     items = batch.column(stored).flatten()  # list<fixed_size_binary[W]>: one entry per token
     width = items.type.byte_width
@@ -134,11 +136,17 @@ def _compact_entries(
     null = items.is_null().to_numpy(zero_copy_only=False)
     if name == TOPK_PROBS:
         return topk_codec.decode_probs(raw), null
+    shard = f"shard {where}: " if where else ""
     try:
         order, id_width = topk_codec.order_from(batch.schema.field(stored))
         return topk_codec.decode_ids(raw, order, id_width), null
-    except (KeyError, ValueError, IndexError, zstandard.ZstdError) as exc:
-        raise CacheError(f"{stored} does not decode ({type(exc).__name__}: {exc})") from None
+    except KeyError as exc:
+        raise CacheError(
+            f"{shard}{stored} does not decode: its field lacks the id order stage 1 stores "
+            f"beside it (metadata {exc}), lost where the shard was rewritten by another tool"
+        ) from None
+    except (ValueError, IndexError, zstandard.ZstdError) as exc:
+        raise CacheError(f"{shard}{stored} does not decode ({type(exc).__name__}: {exc})") from None
 
 
 def token_values(batch: pa.RecordBatch, name: str) -> np.ndarray:
@@ -146,12 +154,16 @@ def token_values(batch: pa.RecordBatch, name: str) -> np.ndarray:
     (tokens,) for list<scalar>, (tokens, K) for list<fixed_size_list[K]> with an unscored token's
     null entry read as NaN (floats) or -1 (integers)."""
     if name in STORED_AS or pa.types.is_fixed_size_list(batch.column(name).type.value_type):
-        values, null = _entries(batch, name)
-        # a writable copy: Arrow's float16 values come zero-copy, read-only
-        values = values.astype(values.dtype if values.dtype.kind == "f" else np.int64)
-        values[null] = np.nan if values.dtype.kind == "f" else -1
-        return values
+        return _filled(*_entries(batch, name))
     return list_column(batch, name)[0]
+
+
+def _filled(values: np.ndarray, null: np.ndarray) -> np.ndarray:
+    """Entries as token_values gives them: a writable copy (Arrow's float16 values come
+    zero-copy, read-only), integers as int64, a null entry NaN or -1."""
+    values = values.astype(values.dtype if values.dtype.kind == "f" else np.int64)
+    values[null] = np.nan if values.dtype.kind == "f" else -1
+    return values
 
 
 def _fail(path: Path, rows: np.ndarray, lengths: np.ndarray, bad: np.ndarray, what: str):
@@ -161,51 +173,71 @@ def _fail(path: Path, rows: np.ndarray, lengths: np.ndarray, bad: np.ndarray, wh
 
 
 def check_extra_columns(
-    path: Path, batch: pa.RecordBatch, rows: np.ndarray, lengths: np.ndarray
-) -> None:
+    path: Path,
+    batch: pa.RecordBatch,
+    rows: np.ndarray,
+    lengths: np.ndarray,
+    head_size: int | None = None,
+) -> dict[str, np.ndarray]:
     """CacheError unless the optional columns present hold what docs/cache-columns.md says:
     unscored (NaN loss) exactly where they are null or NaN, top-k probabilities in [0, 1] and
-    descending, distinct non-negative ids, top-k mass plus rest near 1, drawn ids and ranks
-    non-negative with finite log-probabilities <= 0, space log-probs <= 0."""
+    descending, distinct non-negative ids, top-k mass plus rest near 1, drawn ids (below
+    `head_size`, the teacher's outputs, where the cache records it) and ranks non-negative, drawn
+    log-probabilities finite and <= 0, space log-probs <= 0, target spans within the text. Each
+    column is checked where it is present: `cache verify` reads them all, stage 2 those it uses.
+    Returns the fixed-size columns it decoded, as token_values gives them, for a reader to use
+    rather than decode again."""
     names = {LOGICAL.get(name, name) for name in batch.schema.names}
     unscored = np.isnan(list_column(batch, LOSS, np.float32)[0])
+    decoded = {}
+
+    def entries(name: str) -> tuple[np.ndarray, np.ndarray]:
+        values, null = _entries(batch, name, path)
+        decoded[name] = _filled(values, null)
+        return values, null
+
     if TOPK_PROBS in names:
-        probs, null = _entries(batch, TOPK_PROBS)
-        probs = probs.astype(np.float32)
+        probs, null = entries(TOPK_PROBS)
+        probs = probs.astype(np.float32, copy=False)  # compact codes decode to float32
         _check(path, rows, lengths, null != unscored, f"{TOPK_PROBS} null where loss is not NaN")
         p = probs[~null]
         bad = ~((p >= 0) & (p <= 1)).all(1) | (np.diff(p, axis=1) > 0).any(1)
         _check(path, rows, lengths, _at(~null, bad), f"{TOPK_PROBS} not in [0, 1] and descending")
-        rest = list_column(batch, TOPK_REST, np.float32)[0]
-        _check(path, rows, lengths, np.isnan(rest) != unscored, f"{TOPK_REST} NaN where scored")
-        mass = p.sum(1) + rest[~null]
-        compact = TOPK_CODES in batch.schema.names  # each probability within a relative error
-        tolerance = MASS_TOLERANCE + (topk_codec.RELATIVE_ERROR if compact else 0.0)
-        bad = ~((rest[~null] >= 0) & (np.abs(mass - 1) <= tolerance))
-        _check(path, rows, lengths, _at(~null, bad), f"top-k mass + {TOPK_REST} is not 1")
+        if TOPK_REST in names:
+            rest = list_column(batch, TOPK_REST, np.float32)[0]
+            unset = np.isnan(rest) != unscored
+            _check(path, rows, lengths, unset, f"{TOPK_REST} NaN where scored")
+            mass = p.sum(1) + rest[~null]
+            compact = TOPK_CODES in batch.schema.names  # each probability within a relative error
+            tolerance = MASS_TOLERANCE + (topk_codec.RELATIVE_ERROR if compact else 0.0)
+            bad = ~((rest[~null] >= 0) & (np.abs(mass - 1) <= tolerance))
+            _check(path, rows, lengths, _at(~null, bad), f"top-k mass + {TOPK_REST} is not 1")
     if TOPK_IDS in names:
-        ids, null = _entries(batch, TOPK_IDS)
+        ids, null = entries(TOPK_IDS)
         _check(path, rows, lengths, null != unscored, f"{TOPK_IDS} null where loss is not NaN")
         ordered = np.sort(ids[~null].astype(np.int64), axis=1)
         bad = (ordered[:, :1] < 0).any(1) | (np.diff(ordered, axis=1) == 0).any(1)
         _check(path, rows, lengths, _at(~null, bad), f"{TOPK_IDS} negative or repeated")
-    if SAMPLE_IDS in names:
-        checks = {
-            SAMPLE_IDS: lambda v: v >= 0,
-            SAMPLE_LOGPROBS: lambda v: np.isfinite(v) & (v <= 0),
-            SAMPLE_RANKS: lambda v: v >= 0,
-        }
-        for name, good in checks.items():
-            values, null = _entries(batch, name)
+    limit = head_size if head_size is not None else np.iinfo(np.int64).max
+    beyond = f" or from {head_size:,}, the teacher's head size" if head_size is not None else ""
+    draws = {
+        SAMPLE_IDS: (lambda v: (v >= 0) & (v < limit), f"below 0{beyond}"),
+        SAMPLE_LOGPROBS: (lambda v: np.isfinite(v) & (v <= 0), "above 0 or not finite"),
+        SAMPLE_RANKS: (lambda v: v >= 0, "below 0"),
+    }
+    for name, (good, said) in draws.items():
+        if name in names:
+            values, null = entries(name)
             _check(path, rows, lengths, null != unscored, f"{name} null where loss is not NaN")
             bad = ~good(values[~null]).all(1)
-            _check(path, rows, lengths, _at(~null, bad), f"{name} out of range")
+            _check(path, rows, lengths, _at(~null, bad), f"{name} out of range ({said})")
     if SPACE_LOGPROB in names:
         space = list_column(batch, SPACE_LOGPROB, np.float32)[0]
         bad = (np.isnan(space) != unscored) | (space > 0)
         _check(path, rows, lengths, bad, f"{SPACE_LOGPROB} above 0, or NaN where scored")
     if TARGET_SPANS in names:
         _check_target_spans(path, batch, rows)
+    return decoded
 
 
 def target_spans(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:

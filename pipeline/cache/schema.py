@@ -84,6 +84,12 @@ def topk_sampled(settings: dict) -> bool:
     return settings.get("topk_mode", "top") == "sampled"
 
 
+def head_size_of(settings: dict | None) -> int | None:
+    """The teacher's outputs (V_t) a sampled cache records, which its drawn ids lie below."""
+    size = (settings or {}).get(SAMPLE_HEAD_SIZE)
+    return size if isinstance(size, int) else None
+
+
 def extra_fields(settings: dict) -> list[pa.Field]:
     """The optional columns a cache made with these result settings holds, in column order."""
     fields = []

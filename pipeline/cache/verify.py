@@ -23,7 +23,13 @@ from pipeline.cache.manifest import (
     load_manifest,
 )
 from pipeline.cache.rows import check_extra_columns, check_rows
-from pipeline.cache.schema import COLUMNS, LOSS_DTYPES, cache_schema, iter_shard_batches
+from pipeline.cache.schema import (
+    COLUMNS,
+    LOSS_DTYPES,
+    cache_schema,
+    head_size_of,
+    iter_shard_batches,
+)
 from pipeline.errors import CacheError
 from pipeline.storage.store import Store, as_location, child, open_parquet
 
@@ -111,7 +117,7 @@ def check_shard_contents(
         numbers = rows + np.arange(batch.num_rows)
         lengths = check_rows(path, batch, numbers).lengths
         if extra:
-            check_extra_columns(path, batch, numbers, lengths)
+            check_extra_columns(path, batch, numbers, lengths, head_size_of(settings))
         tokens += int(lengths.sum())
         rows += batch.num_rows
     if rows != record.rows:

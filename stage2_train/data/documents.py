@@ -21,6 +21,7 @@ import pyarrow as pa
 from pipeline.alignment import DEFAULT_AGGREGATION, chunk_starts
 from pipeline.cache.rows import (
     CheckedRows,
+    check_extra_columns,
     check_rows,
     list_column,
     rows_index,
@@ -220,6 +221,7 @@ class DocumentReader:
                 cache.alignment,
                 READ_ROWS,
                 plan.distillation_columns,
+                cache.head_size,
             )
             for cache in plan.more_caches
         ]  # fmt: skip
@@ -227,6 +229,7 @@ class DocumentReader:
         rows_seen = 0
         columns = READ_COLUMNS + list(plan.distillation_columns)
         columns += [TARGET_SPANS] if plan.target_spans else []
+        beyond_loss = len(columns) > len(READ_COLUMNS)  # columns `cache verify` checks, as here
         # one data-loader worker is one core: decode on it
         batches = iter_shard_batches(path, columns, READ_ROWS, use_threads=False)
         for read, batch in enumerate(batches):
@@ -246,9 +249,14 @@ class DocumentReader:
                 for feed, other in zip(feeds, others, strict=True)
             ]
             # Checked and read in file order, then put in the read's shuffled order with numpy.
+            checked = check_rows(path, own, first_row + mine)
+            decoded = (
+                check_extra_columns(path, own, first_row + mine, checked.lengths, plan.head_size)
+                if beyond_loss
+                else {}
+            )
             docs = self._annotate_rows(
-                ReadRows.of(own, check_rows(path, own, first_row + mine), order[skip:], columns),
-                more,
+                ReadRows.of(own, checked, order[skip:], columns, decoded), more
             )
             positions = np.empty((rows.size, 4), dtype=np.int64)
             positions[:] = (epoch, item, read, 0)
@@ -302,14 +310,21 @@ class ReadRows:
 
     @classmethod
     def of(
-        cls, batch: pa.RecordBatch, checked: CheckedRows, order: np.ndarray, names: list[str]
+        cls,
+        batch: pa.RecordBatch,
+        checked: CheckedRows,
+        order: np.ndarray,
+        names: list[str],
+        decoded: dict[str, np.ndarray],
     ) -> ReadRows:
-        """The `batch` rows in `order`, from what check_rows read and the other `names`."""
+        """The `batch` rows in `order`, from what check_rows read and check_extra_columns
+        `decoded`, and the other `names`."""
         index = rows_index(checked.lengths, order)
         known = {
             TOKEN_START: checked.token_start,
             TOKEN_END: checked.token_end,
             LOSS: list_column(batch, LOSS, np.float32)[0],
+            **decoded,
         }
         columns = {
             name: (known[name] if name in known else token_values(batch, name))[index]

@@ -19,7 +19,13 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.cache.manifest import CacheManifest
-from pipeline.cache.rows import check_rows, list_column, rows_index, token_values
+from pipeline.cache.rows import (
+    check_extra_columns,
+    check_rows,
+    list_column,
+    rows_index,
+    token_values,
+)
 from pipeline.cache.schema import (
     DOC_ID,
     LOSS,
@@ -27,6 +33,7 @@ from pipeline.cache.schema import (
     TEXT_SHA256,
     TOKEN_END,
     TOKEN_START,
+    head_size_of,
     iter_shard_batches,
 )
 from pipeline.errors import CacheError, ConfigError
@@ -69,7 +76,8 @@ def teacher_caches(
                 f"shards ({problem}): score the same --corpus with the same --docs-per-shard"
             )
         fingerprint_of, alignment = cache_fingerprint(other), align(other.tokenizer)
-        caches.append(TeacherCache(location, tuple(other.shards), fingerprint_of, alignment))
+        caches.append(TeacherCache(location, tuple(other.shards), fingerprint_of, alignment,
+                                   head_size_of(other.settings)))  # fmt: skip
     return tuple(caches)
 
 
@@ -83,6 +91,7 @@ def teacher_settings(config, manifest: CacheManifest, more: dict, align) -> dict
         "more_caches": teacher_caches(config.cache, manifest, more, align),
         "combine_teachers": config.combine_teachers,
         "source_teachers": source_indices(chosen, manifest, [config.cache, *more]),
+        "head_size": head_size_of(manifest.settings),
     }
 
 
@@ -147,9 +156,18 @@ class RowFeed:
     """One other cache's shard, handed out in runs of rows of any length (the caches' Parquet
     batches need not line up with the first cache's)."""
 
-    def __init__(self, path: Path, alignment: str, batch_rows: int, columns: tuple[str, ...] = ()):
-        """`columns`: the distillation's cache columns, read beside the loss path's."""
+    def __init__(
+        self,
+        path: Path,
+        alignment: str,
+        batch_rows: int,
+        columns: tuple[str, ...] = (),
+        head_size: int | None = None,
+    ):
+        """`columns`: the distillation's cache columns, read beside the loss path's and checked
+        as `cache verify` checks them (`head_size`: the cache's teacher's outputs)."""
         self.path, self.alignment, self.columns = path, alignment, columns
+        self.head_size = head_size
         self._batches = iter_shard_batches(
             path, COLUMNS + list(columns), batch_rows, use_threads=False
         )
@@ -189,6 +207,11 @@ class RowFeed:
                     "same documents in the same order"
                 )
         checked = check_rows(self.path, own, rows)
+        decoded = (
+            check_extra_columns(self.path, own, rows, checked.lengths, self.head_size)
+            if self.columns
+            else {}
+        )
         index = rows_index(checked.lengths, order)
         loss = list_column(own, LOSS, np.float32)[0]
         return TeacherTokens(
@@ -197,5 +220,8 @@ class RowFeed:
             loss[index],
             checked.lengths[order],
             self.alignment,
-            {name: token_values(own, name)[index] for name in self.columns},
+            {
+                name: (decoded[name] if name in decoded else token_values(own, name))[index]
+                for name in self.columns
+            },
         )

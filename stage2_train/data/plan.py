@@ -27,7 +27,7 @@ import numpy as np
 
 from pipeline.alignment import DEFAULT_AGGREGATION
 from pipeline.cache.manifest import CacheManifest, ShardRecord, load_manifest
-from pipeline.cache.schema import TARGET_SPANS
+from pipeline.cache.schema import TARGET_SPANS, head_size_of
 from pipeline.distillation import Distillation
 from pipeline.errors import CacheError, ConfigError
 from pipeline.io import fingerprint
@@ -44,6 +44,7 @@ class TeacherCache:
     shards: tuple[ShardRecord, ...]
     fingerprint: str
     alignment: str = "token"
+    head_size: int | None = None  # its teacher's outputs, where it records them (a sampled cache)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class DataPlan:
     num_workers: int = 0  # stream
     distillation: Distillation | None = None  # its extras ride with every token (documents.py)
     target_spans: bool = False  # the cache's shards say which characters are targets
+    head_size: int | None = None  # the cache's teacher's outputs, where it records them
     # other teachers' caches of the corpus, read in step (more_teachers), and how their teacher
     # losses combine with the cache's per token (pipeline.teacher_loss.combine_teacher_losses)
     more_caches: tuple[TeacherCache, ...] = ()
@@ -87,6 +89,7 @@ class DataPlan:
             cache_dir=as_location(cache_dir),
             shards=tuple(manifest.shards),
             target_spans=has_target_spans(manifest),
+            head_size=head_size_of(manifest.settings),
             **settings,
         )
 
