@@ -219,7 +219,17 @@ LEGACY_SETTINGS = {
 def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
     """Refuse a checkpoint this run cannot continue exactly; returns its step."""
     saved = json.loads((folder / "checkpoint.json").read_text())
+    saved_config = folder / "config.json"
+    raw = json.loads(saved_config.read_text())
     if saved["cache_fingerprint"] != meta["cache_fingerprint"]:
+        # the fingerprint covers every cache the run reads: a cache added or dropped is named
+        before, now = raw.get("more_caches", []), [str(c) for c in config.more_caches]
+        if before != now:
+            raise ConfigError(
+                f"checkpoint {folder} was trained with --more-caches {' '.join(before) or '(none)'}"
+                f", this run gives {' '.join(now) or '(none)'}: the caches a run reads cannot "
+                "change on resume; resume with the same --more-caches or start a new --out"
+            )
         raise CacheError(
             f"checkpoint {folder} was trained on cache {saved['cache_fingerprint']}, but "
             f"{config.cache} is cache {meta['cache_fingerprint']}: resume with the same cache "
@@ -244,8 +254,6 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
         )
     # Read back through the checks a manifest gets: an edited or foreign config.json is refused
     # by name, and values compare in one form (paths, floats) with the current run's.
-    saved_config = folder / "config.json"
-    raw = json.loads(saved_config.read_text())
     if raw.get("guidance") == "chunk" and "loss_normalization" not in raw:
         raise ConfigError(
             f"checkpoint {folder} is a --guidance chunk run from before chunks were selected whole "

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from pipeline.cache.manifest import CacheManifest
-from pipeline.cache.schema import COLUMN_OPTIONS, LOGICAL, extra_fields
+from pipeline.cache.schema import COLUMN_OPTIONS, LOGICAL, TOPK_PROBS, extra_fields, topk_sampled
 from pipeline.distillation import Distillation
-from pipeline.errors import CacheError, ConfigError
+from pipeline.errors import CacheError, ConfigError, VocagnoError
 from pipeline.guidance_modes import MODES
 from pipeline.storage import Store
 from pipeline.tokenizer import TextTokenizer
@@ -84,24 +84,68 @@ def check_distillation_cache(
     if distillation is None:
         return
     for location, manifest in caches.items():
-        present = {LOGICAL.get(field.name, field.name) for field in extra_fields(manifest.settings)}
-        missing = [name for name in distillation.cache_columns if name not in present]
-        if missing:
-            options = " and ".join(dict.fromkeys(COLUMN_OPTIONS[name] for name in missing))
-            raise CacheError(
-                f"--guidance {config.guidance} reads the teacher's {', '.join(missing)}, which "
-                f"cache {location} does not hold: score the corpus with stage 1's {options}"
-            )
+        check_columns(config, distillation, f"cache {location}", manifest.settings)
         if MODES[config.guidance].same_tokenizer and (
             manifest.tokenizer.get("fingerprint") != tokenizer.fingerprint
         ):
             raise ConfigError(
                 f"--guidance {config.guidance} compares the teacher's and the student's "
                 f"probabilities of the same token ids, but cache {location} was scored with "
-                f"tokenizer {manifest.tokenizer.get('spec')!r} and the student's is "
-                f"{tokenizer.spec!r} (another fingerprint): use the cache's tokenizer for the "
-                "student, or --guidance uld for a teacher with another vocabulary"
+                f"{_tokenizer_of(manifest.tokenizer)} and the student's is {tokenizer.spec!r} "
+                f"({tokenizer.vocab_size:,} tokens, another fingerprint): use the cache's "
+                "tokenizer for the student, or --guidance uld for a teacher with another vocabulary"
             )
+
+
+def check_columns(
+    config: TrainConfig, distillation: Distillation, cache: str, settings: dict
+) -> None:
+    """CacheError unless `cache` (a cache's description in words; `settings`, its manifest's)
+    holds every column the distillation reads, naming the stage-1 option that adds it."""
+    present = {LOGICAL.get(field.name, field.name) for field in extra_fields(settings)}
+    missing = [name for name in distillation.cache_columns if name not in present]
+    if not missing:
+        return
+    options = " and ".join(dict.fromkeys(COLUMN_OPTIONS[name] for name in missing))
+    if topk_sampled(settings) and options.startswith("--topk-probs K"):
+        options += " --topk-mode top"  # it has K entries a position, drawn ones
+    readers = _modes_reading(present, config, settings)
+    holds = f", or train from it with --guidance {' or '.join(readers)}" if readers else ""
+    raise CacheError(
+        f"--guidance {config.guidance} reads the teacher's {', '.join(missing)}, which {cache} "
+        f"does not hold ({_columns_held(settings)}): score the corpus with stage 1's "
+        f"{options}{holds}"
+    )
+
+
+def _columns_held(settings: dict) -> str:
+    if topk_sampled(settings):
+        return f"it holds {settings.get(TOPK_PROBS)} sampled draws a position: --topk-mode sampled"
+    if settings.get(TOPK_PROBS):
+        return f"it holds the top-{settings[TOPK_PROBS]}: --topk-mode top"
+    return "it holds no teacher distribution"
+
+
+def _modes_reading(present: set[str], config: TrainConfig, settings: dict) -> list[str]:
+    """The distillation modes that read only columns a cache holds."""
+    readers = []
+    for name, mode in MODES.items():
+        if mode.distillation is None:
+            continue
+        try:
+            columns = mode.distillation(config, settings).cache_columns
+        except VocagnoError:  # the mode refuses this cache for another reason
+            continue
+        if columns and set(columns) <= present:
+            readers.append(name)
+    return readers
+
+
+def _tokenizer_of(record: dict) -> str:
+    """A cache's tokenizer as its manifest records it (a fingerprint and a size, no name)."""
+    size = f"{record['vocab_size']:,} tokens" if "vocab_size" in record else "its size unrecorded"
+    own = "its teacher's own tokenizer" if record.get("source") == "teacher" else "a --tokenizer"
+    return f"{own} ({size})"
 
 
 def check_student_fits(config: TrainConfig, model_config, device: torch.device) -> None:

@@ -170,7 +170,13 @@ def build_cache(
         )
     manifest = CacheManifest(
         teacher=teacher or {"id": "random-losses (tests/cache_fixtures.py)", "seed": seed},
-        tokenizer={"spec": teacher_tokenizer, "fingerprint": tokenizer.fingerprint},
+        tokenizer={  # as stage 1 records its teacher's own tokenizer (stage1_score.job)
+            "fingerprint": tokenizer.fingerprint,
+            "vocab_size": tokenizer.vocab_size,
+            "add_bos": tokenizer.policy.add_bos,
+            "bos_token": tokenizer.policy.bos_token,
+            "source": "teacher",
+        },
         settings=settings,
         corpus=corpus or {"documents": len(documents)},
         shards=shards,

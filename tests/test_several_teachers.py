@@ -112,6 +112,24 @@ def test_a_cache_of_another_corpus_or_layout_is_refused_by_name(caches, tmp_path
         plan_of(caches["qwen"], tmp_path / "wide")
 
 
+def test_a_layout_or_targets_difference_is_named_not_shown_as_two_corpus_hashes(tmp_path):
+    """Stage 1 records the hash of what reading the corpus gave, which --docs-per-shard and
+    --targets change. Before: either difference was shown as two hashes of one file's content."""
+    record = {"documents": 16, "content_sha256": "a" * 64}
+    build_cache(tmp_path / "first", documents=DOCUMENTS, corpus=record)
+    build_cache(tmp_path / "wide", documents=DOCUMENTS, docs_per_shard=16,
+                corpus=record | {"content_sha256": "b" * 64})  # fmt: skip
+    spans = {"mode": "spans", "column": "target_spans"}
+    build_cache(tmp_path / "spans", documents=DOCUMENTS,
+                corpus=record | {"content_sha256": "c" * 64, "targets": spans})  # fmt: skip
+    for other, said in (("wide", "(1 shards, not 2)"),
+                        ("spans", "(it read the corpus with --targets spans, --cache with "
+                                  "--targets all)")):  # fmt: skip
+        with pytest.raises(CacheError) as refused:
+            plan_of(tmp_path / "first", tmp_path / other)
+        assert said in str(refused.value) and "content_sha256" not in str(refused.value)
+
+
 def test_other_documents_in_the_same_layout_are_refused_naming_the_row(caches, tmp_path):
     swapped = [DOCUMENTS[1], DOCUMENTS[0], *DOCUMENTS[2:]]
     build_cache(tmp_path / "swapped", documents=swapped, teacher_tokenizer="smollm2")
@@ -142,11 +160,14 @@ def test_a_run_with_two_teachers_records_them_and_resumes_exactly(caches, tmp_pa
     assert main(train_args(caches["qwen"], parted, *common, "--stop-at-step", "3")) == 0
     assert main(train_args(caches["qwen"], parted, *common)) == 0
     assert read_metrics(parted) == read_metrics(whole)
-    # another set of teachers is another run's data: its checkpoint is not continued
+    # another set of teachers is another run's data: its checkpoint is not continued, and the
+    # refusal names the added cache (before: it blamed the unchanged --cache)
     assert main(train_args(caches["qwen"], tmp_path / "other", "--stop-at-step", "3")) == 0
     capsys.readouterr()
     assert main(train_args(caches["qwen"], tmp_path / "other", *common)) == 2
-    assert "resume with the same cache" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "was trained with --more-caches (none), this run gives" in err
+    assert "was trained on cache" not in err
 
 
 @pytest.mark.slow  # starts moto's server; one cache in a bucket is in the default suite

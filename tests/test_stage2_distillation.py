@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pipeline.cache import topk_codec
 from pipeline.cross_entropy import IGNORE_INDEX
 from pipeline.distillation.topk import IDS, PROBS, REST
+from pipeline.tokenizer import load_tokenizer
 from stage2_train import forward as student_forward
 from stage2_train.train import main
 from tests.cache_fixtures import build_cache
@@ -334,6 +335,25 @@ def test_a_cache_the_arm_cannot_use_is_refused_in_one_line(
     assert err.startswith("stage2_train/train.py: error: ") and "\n" not in err
     assert message in err
     assert not (out / "checkpoints").exists()
+
+
+def test_a_refusal_says_what_the_cache_holds_and_names_its_tokenizer(caches, tmp_path, capsys):
+    """Before: a sampled cache under `uld` was told to "score with --topk-probs K" (it was), and
+    a cache scored with its teacher's own tokenizer was said to have "tokenizer None"."""
+    sampled = tmp_path / "sampled"
+    build_cache(sampled, num_documents=4, docs_per_shard=4, topk=8, topk_mode="sampled")
+    assert main(train_args(sampled, tmp_path / "out", "--guidance", "uld")) == 2
+    err = capsys.readouterr().err
+    assert (
+        "(it holds 8 sampled draws a position: --topk-mode sampled): score the corpus with stage "
+        "1's --topk-probs K --topk-mode top, or train from it with --guidance kld-sampled or "
+        "uld-sampled"
+    ) in err
+    assert main(train_args(caches["other"], tmp_path / "out", "--guidance", "kld")) == 2
+    err = capsys.readouterr().err
+    vocabulary = load_tokenizer("qwen2.5").vocab_size
+    assert f"scored with its teacher's own tokenizer ({vocabulary:,} tokens)" in err
+    assert "None" not in err
 
 
 @pytest.mark.slow

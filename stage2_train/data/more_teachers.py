@@ -64,16 +64,20 @@ def teacher_caches(
     `align(tokenizer)` gives the alignment of a cache with that tokenizer record."""
     caches = []
     for location, other in more.items():
-        problem = corpus_difference(manifest.corpus, other.corpus)
+        # what was read and how first, then the shard layout, and only then what the reading
+        # gave: a layout or reading option changes the content's hash, which names no cause
+        problem = corpus_difference(manifest.corpus, other.corpus, READ_OUTCOME[1:])
         if problem is None and len(other.shards) != len(manifest.shards):
             problem = f"{len(other.shards)} shards, not {len(manifest.shards)}"
         for mine, theirs in zip(manifest.shards, other.shards, strict=False):
             if problem is None and (mine.rows, mine.index) != (theirs.rows, theirs.index):
                 problem = f"{theirs.file} holds {theirs.rows} documents, not {mine.rows}"
+        problem = problem or corpus_difference(manifest.corpus, other.corpus, READ_OUTCOME[:1])
         if problem is not None:
             raise CacheError(
                 f"--more-caches {location} is not a cache of --cache {first}'s corpus in the same "
-                f"shards ({problem}): score the same --corpus with the same --docs-per-shard"
+                f"shards ({problem}): score the same --corpus, read alike, with the same "
+                "--docs-per-shard"
             )
         fingerprint_of, alignment = cache_fingerprint(other), align(other.tokenizer)
         caches.append(TeacherCache(location, tuple(other.shards), fingerprint_of, alignment,
@@ -128,8 +132,14 @@ def document_teachers(doc_ids: list[str], teachers: dict[str, int]) -> np.ndarra
     return np.asarray(chosen, dtype=np.int64)
 
 
-def corpus_difference(first: dict, other: dict) -> str | None:
-    """The first way two caches' corpus records differ, in words (None: the same corpus)."""
+# What a corpus record holds of what reading it gave (the documents' hash, their counts), beside
+# the files and options that were read.
+READ_OUTCOME = ("content_sha256", "documents", "skipped")
+
+
+def corpus_difference(first: dict, other: dict, outcome: tuple[str, ...]) -> str | None:
+    """The first way two caches' corpus records differ, in words (None: the same corpus): their
+    files, then their reading options, then the `outcome` keys (of READ_OUTCOME) only."""
     files = {s["name"]: s["bytes"] for s in first.get("sources", [])}
     for source in other.get("sources", []):
         size = files.pop(source["name"], None)
@@ -139,9 +149,15 @@ def corpus_difference(first: dict, other: dict) -> str | None:
             return f"its {source['name']} has {source['bytes']} bytes, --cache's {size}"
     if files:
         return f"it does not read {next(iter(files))}"
-    for key in sorted(set(first) | set(other)):
-        if key != "sources" and first.get(key) != other.get(key):
-            return f"its corpus {key} is {other.get(key)!r}, --cache's {first.get(key)!r}"
+    options = sorted((set(first) | set(other)) - {"sources", *READ_OUTCOME})
+    for key in [*options, *outcome]:
+        theirs, ours = other.get(key), first.get(key)
+        if theirs == ours:
+            continue
+        if key == "targets":  # recorded only where not every character is one
+            said = [(v or {}).get("mode", "all") for v in (theirs, ours)]
+            return f"it read the corpus with --targets {said[0]}, --cache with --targets {said[1]}"
+        return f"its corpus {key} is {theirs!r}, --cache's {ours!r}"
     return None
 
 
