@@ -108,6 +108,39 @@ def test_a_missing_earlier_run_is_refused_before_anything_runs(tmp_path):
         DoseConfig(out=tmp_path, earlier=[str(tmp_path / "nowhere" / DOSE_NAME)])
 
 
+def test_a_bogus_earlier_run_is_refused_before_the_first_step(tmp_path, capsys):
+    """Before: a file named by `earlier` was only checked to exist, and the final report, after
+    every step had run, raised a KeyError on it."""
+    from experiments.dose_response import main
+
+    bogus = tmp_path / DOSE_NAME
+    bogus.write_text(json.dumps({"points": [{"warm_start_steps": 4, "comparison": "token-none"}]}))
+    demo = REPO / "manifests" / "demo.toml"  # the dose's own run scores top-k: the demo's does not
+    out = tmp_path / "out"
+    assert main(["--manifest", str(demo), "--out", str(out), "--earlier", str(bogus)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"[dose] earlier {bogus} is no dose.json" in err[0], err
+    assert "(no 'heldout_loss')" in err[0] and not out.exists()
+
+
+def test_an_arm_that_reads_columns_stage1_does_not_score_is_refused_before_anything_runs(
+    tmp_path, capsys
+):
+    """Before: a `kld` arm under a [stage1] that scores no top-k started: the teacher scored,
+    the warm start and the `none` arm trained and were evaluated, then the arm failed in a
+    torchrun traceback. The tables are checked against each other first."""
+    from experiments.dose_response import main
+
+    manifest, out = REPO / "manifests" / "demo.toml", tmp_path / "out"  # its [stage1]: no top-k
+    assert main(["--manifest", str(manifest), "--out", str(out), "--arms", "none", "kld"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and not out.exists(), err
+    assert (
+        f"--guidance kld reads the teacher's topk_probs, topk_ids, topk_rest, which the cache "
+        f"{manifest} [stage1] scores does not hold"
+    ) in err[0]
+
+
 def test_the_plateau_test_fails_when_the_loss_still_falls():
     flat = plateau([(40, 6.0), (80, 5.0), (120, 4.8), (160, 4.5)], 0.02)
     assert flat["from_step"] == 120 and flat["flattened"] is False

@@ -33,9 +33,10 @@ def check_stage_tables(
     config: DemoConfig, manifest: Path
 ) -> tuple[TrainConfig, dict, PreRegistration]:
     """Each stage's table checked as that stage will check it, with the options the demo gives
-    it on the command line: a bad value stops the demo here, before Ray starts or anything is
-    written, not minutes later in a subprocess. Returns the stage-2 options, the [eval] table and
-    the pre-registered comparison.
+    it on the command line, and across the tables (each arm's distillation reads columns the
+    cache holds): a bad value stops the demo here, before Ray starts or anything is written, not
+    minutes later in a subprocess. Returns the stage-2 options, the [eval] table and the
+    pre-registered comparison.
     """
     from stage1_score.config import ScoreConfig
 
@@ -45,7 +46,9 @@ def check_stage_tables(
     cache = str(config.out / "cache")  # a path or URI option in both stages
     teacher = config.teacher or "SmolLM2-135M-Instruct"  # prepared later; any name checks alike
     corpus = str(config.out / "corpus" / "train.jsonl")
-    from_dict(ScoreConfig, *table("stage1", {"teacher": teacher, "corpus": corpus, "out": cache}))
+    score = from_dict(
+        ScoreConfig, *table("stage1", {"teacher": teacher, "corpus": corpus, "out": cache})
+    )
     given = {
         "cache": cache,
         "student": config.student,  # the warm start is this preset, trained
@@ -58,6 +61,7 @@ def check_stage_tables(
         )
         for arm in config.arms
     ]
+    _check_arms_columns(config, manifest, score, stage2)
     settings, where = table(EVAL_SECTION, {})
     from_dict(EvalConfig, {**settings, "model": teacher}, where)
     prereg = from_dict(PreRegistration, *table(PREREGISTERED, {}))
@@ -66,6 +70,29 @@ def check_stage_tables(
             raise ConfigError(f"{manifest} [{PREREGISTERED}]: comparison {pair} names an arm "
                               f"not in arms {config.arms}")  # fmt: skip
     return stage2[0], settings, prereg
+
+
+def _check_arms_columns(
+    config: DemoConfig, manifest: Path, score, arms: list[TrainConfig]
+) -> None:
+    """Each arm's distillation reads only columns its cache will hold: a given cache's (`[dose]
+    cache`), else those [stage1]'s options add."""
+    from pipeline.cache.manifest import load_manifest
+    from stage1_score.config import result_settings
+    from stage2_train.preflight import check_columns
+
+    given = getattr(config, "cache", None)
+    if given and not (Path(given) / "manifest.json").is_file():
+        return  # refused by name where the dose-response reads it
+    if given:
+        settings, cache = load_manifest(given).settings, f"cache {given}"
+    else:  # the columns, not their types: any head size and space mask give the same ones
+        settings = result_settings(score, 2, 1, head_size=1 << 16, space_mask={"planned": True})
+        cache = f"the cache {manifest} [stage1] scores"
+    for arm in arms:
+        distillation = arm.distillation(settings)
+        if distillation is not None:
+            check_columns(arm, distillation, cache, settings)
 
 
 log = get_logger("demo").info

@@ -15,6 +15,7 @@ from apps.analysis.plotting import new_figure, save_png
 from apps.demo.comparison import METRICS, compare, value
 from apps.demo.config import PreRegistration
 from experiments.dose.config import DoseConfig
+from pipeline.errors import ConfigError
 from pipeline.io import atomic_write_json, atomic_write_text
 
 DOSE_NAME = "dose.json"
@@ -244,11 +245,29 @@ def rung_rows(config: DoseConfig, prereg: PreRegistration, results: dict, points
     return lines
 
 
+# What the report reads of each point of an earlier run (its plot and its findings).
+POINT_FIELDS = {"warm_start_steps": int, "comparison": str, "heldout_loss": float,
+                "difference": float, "low": float, "high": float}  # fmt: skip
+
+
 def earlier_points(config: DoseConfig) -> list[dict]:
-    """The points of `[dose] earlier` runs at warm starts this run does not have."""
+    """The points of `[dose] earlier` runs at warm starts this run does not have; ConfigError
+    naming the file where one is no dose.json this report can read (checked before the first
+    step, as the report reads them last)."""
     points = []
     for path in config.earlier:
-        points += json.loads(Path(path).read_text())["points"]
+        try:
+            found = json.loads(Path(path).read_text())["points"]
+            for point in found:
+                for name, kind in POINT_FIELDS.items():
+                    if not isinstance(point[name], kind if kind is not float else (int, float)):
+                        raise TypeError(f"{name} is {point[name]!r}")
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            problem = f"no {exc}" if isinstance(exc, KeyError) else exc
+            raise ConfigError(
+                f"[dose] earlier {path} is no dose.json this design's report reads ({problem})"
+            ) from None
+        points += found
     return [p for p in points if p["warm_start_steps"] not in config.warm_start_ladder]
 
 

@@ -27,7 +27,13 @@ from apps.demo.run import (
     write_corpus_slice,
 )
 from experiments.dose.config import DoseConfig
-from experiments.dose.report import arm_name, heldout_path, rung_folder, write_dose_report
+from experiments.dose.report import (
+    arm_name,
+    earlier_points,
+    heldout_path,
+    rung_folder,
+    write_dose_report,
+)
 from pipeline.errors import ConfigError
 from pipeline.io import atomic_write_json
 from pipeline.log import get_logger
@@ -109,6 +115,7 @@ def run_dose(config: DoseConfig, manifest: Path) -> Path | None:
     from pipeline.models.teacher_assets import prepare_smollm2_teacher
 
     stage2, settings, prereg = check_stage_tables(config, manifest)
+    earlier_points(config)  # read by the report, last: a bad file is refused before the first step
     config.out.mkdir(parents=True, exist_ok=True)
     steps = StepTimings(config.out)
     call = CallTime(config, steps)
