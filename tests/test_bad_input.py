@@ -248,7 +248,7 @@ def test_a_uri_that_carries_credentials_is_refused_masked_and_nothing_is_written
         "stage 2 flag": lambda: train(train_args(uri, tmp_path / "out")),
         "stage 2 manifest": lambda: train(["--manifest", str(manifest), *train_args(
             tmp_path / "c", tmp_path / "out")[2:]]),  # fmt: skip
-        "stage 1": lambda: stage1(["--teacher", "t", "--corpus", f"{uri}/c.jsonl", "--out", "o"]),
+        "stage 1": lambda: stage1(["--teacher", "t", "--corpus", uri, "--out", "o"]),
         "more caches": lambda: train(train_args(tmp_path / "c", tmp_path / "out", "--more-caches",
                                                 uri)),  # fmt: skip
     }
