@@ -92,16 +92,13 @@ def main() -> int:
             head = worker._scorer.vocab_size
             mask = space_mask(worker._tokenizer, head)[1]
             from pipeline.cache.schema import topk_id_dtype
+            from pipeline.cache.settings import CacheSettings
 
             for name, settings in (
-                ("stage 1 --space-logprob", {"space_logprob": mask}),
+                ("stage 1 --space-logprob", CacheSettings(space_logprob=mask)),
                 (
                     f"stage 1 --topk-probs {args.topk}",
-                    {
-                        "topk_probs": args.topk,
-                        "topk_ids": True,
-                        "topk_id_dtype": topk_id_dtype(head),
-                    },
+                    CacheSettings(topk_probs=args.topk, topk_id_dtype=topk_id_dtype(head)),
                 ),
             ):
                 other = UnitScorer(dataclasses.replace(spec, settings=settings))

@@ -154,7 +154,7 @@ def main() -> int:
     docs = sum(s.rows for s in manifest.shards)
     print(f"cache {args.cache}: {len(tables)} shards, {docs} documents, {tokens} teacher tokens")
     print(
-        f"teacher {manifest.teacher.get('name')}; stored loss dtype {manifest.settings['loss_dtype']}"
+        f"teacher {manifest.teacher.get('name')}; stored loss dtype {manifest.settings.loss_dtype}"
     )
     print(f"{'variant':34s} {'loss':8s} {'B/token w/o text':>17s} {'B/token with text':>18s}")
     with tempfile.TemporaryDirectory() as scratch:

@@ -45,6 +45,7 @@ from pipeline.cache.schema import (  # noqa: E402
     iter_shard_batches,
     write_shard,
 )
+from pipeline.cache.settings import CacheSettings  # noqa: E402
 from pipeline.cache.stats import column_bytes  # noqa: E402
 from pipeline.cache.writer import build_unit_table  # noqa: E402
 from pipeline.distillation.kld import topk_kl  # noqa: E402
@@ -80,14 +81,13 @@ def shard_rows(path: Path) -> dict:
     }
 
 
-def written(rows: dict, k: int, encoding: str, settings: dict, folder: Path):
+def written(rows: dict, k: int, encoding: str, settings: CacheSettings, folder: Path):
     """(top-k bytes, the probabilities, ids and rest read back) of the rows written at K = k."""
     probs = [p[:, :k] for p in rows[TOPK_PROBS]]
     rest = [np.clip(1 - p.sum(1), 0, None) for p in probs]
     extras = {TOPK_PROBS: probs, TOPK_IDS: [i[:, :k] for i in rows[TOPK_IDS]], TOPK_REST: rest}
-    ours = {key: settings[key] for key in ("topk_ids", "topk_id_dtype")} | {TOPK_PROBS: k}
-    if encoding != "float16":
-        ours["topk_encoding"] = encoding
+    ours = CacheSettings(topk_probs=k, topk_ids=settings.topk_ids,
+                         topk_id_dtype=settings.topk_id_dtype, topk_encoding=encoding)  # fmt: skip
     table = build_unit_table(
         rows["doc_ids"], rows["texts"], rows["hashes"], rows["encodings"], rows["losses"],
         "float16", extras, ours,
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     for cache in args.cache:
         manifest = load_manifest(cache)
         settings = manifest.settings
-        if settings.get(TOPK_PROBS, 0) < 128 or settings.get("topk_encoding", "float16") != "float16":
+        if settings.topk_probs < 128 or settings.topk_encoding != "float16":
             raise SystemExit(f"{cache}: made with --topk-probs 128 --topk-encoding float16, please")
         rows = [shard_rows(cache / record.file) for record in manifest.shards]
         for k in (8, 32, 128):

@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, required=True, help="a --topk-probs cache folder")
     args = parser.parse_args()
     manifest = load_manifest(args.cache)
-    k = manifest.settings.get(TOPK_PROBS, 0)
+    k = manifest.settings.topk_probs
     if not k:
         sys.exit(f"{args.cache} has no top-k columns: score it with stage 1's --topk-probs K")
     probs, rest, documents = [], [], 0

@@ -6,9 +6,11 @@ read `MODES`; adding a mode is one line here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from pipeline.cache.settings import CacheSettings
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class ModeDeclaration:
     summary: str
     # a distillation term trained beside the cross-entropy (pipeline.distillation), built from
     # the run's options (stage 2's TrainConfig) and the cache's settings (its manifest's)
-    distillation: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    distillation: Callable[[Any, CacheSettings], Any] | None = None
     # the term compares distributions over one vocabulary (KLD): refused unless the student's
     # tokenizer is the cache's
     same_tokenizer: bool = False
@@ -35,31 +37,30 @@ class ModeDeclaration:
         return self.alignment == "chunk"
 
 
-def _uld(config: Any, cache_settings: Mapping[str, Any]) -> Any:  # imported when a run asks for it: torch and the cache schema
+def _uld(config: Any, cache_settings: CacheSettings) -> Any:  # imported when a run asks for it: torch and the cache schema
     from pipeline.distillation.uld import UniversalLogitDistillation
 
     return UniversalLogitDistillation(weight=config.uld_lambda)
 
 
-def _kld(config: Any, cache_settings: Mapping[str, Any]) -> Any:
+def _kld(config: Any, cache_settings: CacheSettings) -> Any:
     from pipeline.distillation.kld import TopkKLDistillation
 
     return TopkKLDistillation()
 
 
-def _kld_sampled(config: Any, cache_settings: Mapping[str, Any]) -> Any:
+def _kld_sampled(config: Any, cache_settings: CacheSettings) -> Any:
     from pipeline.distillation.sampled import SampledKLDistillation
 
     return SampledKLDistillation()
 
 
-def _uld_sampled(config: Any, cache_settings: Mapping[str, Any]) -> Any:
-    from pipeline.cache.schema import SAMPLE_HEAD_SIZE, topk_sampled
+def _uld_sampled(config: Any, cache_settings: CacheSettings) -> Any:
     from pipeline.distillation.sampled import SampledULDistillation
     from pipeline.errors import CacheError
 
-    head_size = cache_settings.get(SAMPLE_HEAD_SIZE)
-    if topk_sampled(cache_settings) and head_size is None:
+    head_size = cache_settings.sample_head_size
+    if cache_settings.sampled and head_size is None:
         raise CacheError(
             "--guidance uld-sampled needs the teacher's head size, which this sampled cache "
             "does not record (it was scored before it was saved): score it again with stage 1"
@@ -68,7 +69,7 @@ def _uld_sampled(config: Any, cache_settings: Mapping[str, Any]) -> Any:
     return SampledULDistillation(weight=config.uld_lambda, teacher_vocab=head_size or 0)
 
 
-def _alm(config: Any, cache_settings: Mapping[str, Any]) -> Any:
+def _alm(config: Any, cache_settings: CacheSettings) -> Any:
     from pipeline.distillation.alm import alm_distillation  # torch: only when a run asks for it
 
     return alm_distillation(config)

@@ -9,15 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from pipeline.cache.schema import (
-    MAX_TOPK,
-    SAMPLE_HEAD_SIZE,
-    SPACE_LOGPROB,
-    TARGET_SPANS,
-    TOPK_IDS,
-    TOPK_PROBS,
-    topk_id_dtype,
-)
+from pipeline.cache.schema import MAX_TOPK, topk_id_dtype
+from pipeline.cache.settings import CacheSettings
 from pipeline.choices import (
     SAMPLED_NEEDS_PLAIN_HEAD,
     Attention,
@@ -309,36 +302,31 @@ def result_settings(
     stride: int,
     head_size: int | None = None,
     space_mask: dict | None = None,
-) -> dict:
+) -> CacheSettings:
     """The settings that decide the cache's contents (besides teacher, tokenizer and corpus).
-
-    The optional columns add keys only when asked for, so a cache without them keeps the identity
-    it always had. `head_size` (the teacher's outputs) picks the top-k id type; `space_mask` is
-    pipeline.space_mask's identity of the mask used."""
-    settings = {
-        "max_length": max_length,
-        "stride": stride,
-        "loss_dtype": config.loss_dtype,
-        "docs_per_shard": config.docs_per_shard,
-    }
-    if config.topk_probs:
-        settings |= {TOPK_PROBS: config.topk_probs, TOPK_IDS: config.topk_ids}
-        if config.topk_mode == "sampled":  # draws: no top-k to encode; the head's size is
-            # the teacher's vocabulary the sampled ULD sorts over (its ranks end there)
-            if head_size is None:
-                raise ValueError("the teacher's head size is needed for a sampled cache")
-            settings |= {"topk_mode": "sampled", "sample_seed": config.sample_seed,
-                         "sample_temperature": 1.0, SAMPLE_HEAD_SIZE: head_size}  # fmt: skip
-        elif config.topk_encoding != "float16":  # a float16 cache's settings are those of before
-            settings["topk_encoding"] = config.topk_encoding
-        if config.topk_ids:
-            if head_size is None:
-                raise ValueError("the teacher's head size is needed for top-k ids")
-            settings["topk_id_dtype"] = topk_id_dtype(head_size)
-    if config.targets != "all":  # the shards carry each document's target spans
-        settings[TARGET_SPANS] = True
-    if config.space_logprob:
-        if space_mask is None:
-            raise ValueError("the space mask's identity is needed for --space-logprob")
-        settings[SPACE_LOGPROB] = space_mask
-    return settings
+    `head_size` (the teacher's outputs) picks the ids' type and is a sampled cache's V_t;
+    `space_mask` is pipeline.space_mask's identity of the mask used. An option that does not
+    apply (the encoding of draws, the seed of a top-k cache) keeps its setting's default, so
+    the settings are the ones the manifest reads back."""
+    topk = config.topk_probs
+    sampled = bool(topk) and config.topk_mode == "sampled"
+    if topk and config.topk_ids and head_size is None:
+        raise ValueError("the teacher's head size is needed for top-k ids and draws")
+    if config.space_logprob and space_mask is None:
+        raise ValueError("the space mask's identity is needed for --space-logprob")
+    unset = CacheSettings()
+    return CacheSettings(
+        max_length=max_length,
+        stride=stride,
+        docs_per_shard=config.docs_per_shard,
+        loss_dtype=config.loss_dtype,
+        topk_probs=topk,
+        topk_ids=config.topk_ids if topk else unset.topk_ids,
+        topk_id_dtype=topk_id_dtype(head_size) if topk and config.topk_ids else None,
+        topk_encoding=config.topk_encoding if topk and not sampled else unset.topk_encoding,
+        topk_mode="sampled" if sampled else "top",
+        sample_seed=config.sample_seed if sampled else unset.sample_seed,
+        sample_head_size=head_size if sampled else None,
+        target_spans=config.targets != "all",  # the shards carry each document's target spans
+        space_logprob=space_mask if config.space_logprob else None,
+    )

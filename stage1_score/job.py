@@ -20,6 +20,7 @@ from pipeline.cache.manifest import (
     profile_name,
     write_manifest,
 )
+from pipeline.cache.settings import CacheSettings
 from pipeline.config import to_dict
 from pipeline.corpus import Corpus
 from pipeline.errors import ConfigError, CorpusError
@@ -82,6 +83,7 @@ class Plan:
     dtype: str  # --dtype as the workers load the teacher (auto resolved)
     max_length: int
     stride: int
+    settings: CacheSettings  # what the cache holds; its JSON is the identity's "settings"
     identity: dict
 
 
@@ -127,6 +129,7 @@ def plan(config: ScoreConfig) -> Plan:
             f"--max-length {max_length} exceeds the teacher's context of {context} tokens"
         )
     dtype = teacher_dtype(config)
+    settings = result_settings(config, max_length, stride, *_head(config, teacher_config, tokenizer))
     identity = {
         "teacher": teacher_identity(teacher)
         | {
@@ -142,12 +145,10 @@ def plan(config: ScoreConfig) -> Plan:
             "bos_token": tokenizer.policy.bos_token,
             "source": "teacher" if config.tokenizer is None else "--tokenizer",
         },
-        "settings": result_settings(
-            config, max_length, stride, *_head(config, teacher_config, tokenizer)
-        ),
+        "settings": settings.to_json(),
         "corpus": corpus.describe(),
     }
-    return Plan(config, corpus, teacher, dtype, max_length, stride, identity)
+    return Plan(config, corpus, teacher, dtype, max_length, stride, settings, identity)
 
 
 def check_out_apart(out: str | Path, corpus: Corpus) -> None:
@@ -231,7 +232,7 @@ def run(config: ScoreConfig) -> CacheManifest:
                 batch_tokens=config.batch_tokens,
                 switches=HeadSwitches.asked_by(config),
                 loss_dtype=config.loss_dtype,
-                settings=job.identity["settings"],
+                settings=job.settings,
                 out=out if isinstance(out, str) else out.resolve(),
                 run_fingerprint=run_fingerprint,
                 threads=threads,
@@ -327,7 +328,7 @@ def _score_corpus(job: Plan, pool: WorkerPool, run_fingerprint: str) -> CacheMan
     return CacheManifest(
         teacher=job.identity["teacher"],
         tokenizer=job.identity["tokenizer"],
-        settings=job.identity["settings"],
+        settings=job.settings,
         corpus=corpus,
         shards=[shards[i].shard for i in range(len(shards))],
         skipped=skipped,

@@ -27,7 +27,7 @@ import contextlib
 import fnmatch
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pipeline.cache.manifest import (
@@ -42,6 +42,7 @@ from pipeline.cache.manifest import (
     load_manifest,
 )
 from pipeline.cache.schema import shard_name
+from pipeline.cache.settings import CacheSettings
 from pipeline.cache.verify import verify_shard
 from pipeline.differences import setting_differences
 from pipeline.errors import CacheError
@@ -186,13 +187,14 @@ def _cache_manifest_like(store: Store) -> bool:
 
 def _encoding_resuming(existing: dict, identity: dict) -> str | None:
     """The --topk-encoding that would resume the `existing` cache where nothing else differs
-    from this run's `identity` (a top-k cache made before the compact encoding is float16)."""
-    settings = {k: v for k, v in identity["settings"].items() if k != "topk_encoding"}
-    theirs = existing.get("settings", {})
-    if "topk_encoding" in theirs:
-        settings["topk_encoding"] = theirs["topk_encoding"]
-    if existing == identity | {"settings": settings} and "topk_probs" in theirs:
-        return theirs.get("topk_encoding", "float16")
+    from this run's `identity`."""
+    try:
+        theirs = CacheSettings.from_json(existing.get("settings"))
+    except CacheError:  # no settings this vocagno writes: no encoding resumes them
+        return None
+    ours = replace(CacheSettings.from_json(identity["settings"]), topk_encoding=theirs.topk_encoding)
+    if theirs.topk_probs and existing == identity | {"settings": ours.to_json()}:
+        return theirs.topk_encoding
     return None
 
 

@@ -14,14 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.cache.manifest import ShardRecord, profile_name
-from pipeline.cache.schema import (
-    SCHEMA_VERSION,
-    SPACE_LOGPROB,
-    TOPK_IDS,
-    TOPK_PROBS,
-    shard_name,
-    write_shard,
-)
+from pipeline.cache.schema import SCHEMA_VERSION, shard_name, write_shard
+from pipeline.cache.settings import CacheSettings
 from pipeline.cache.writer import build_unit_table
 from pipeline.io import space_checked
 from pipeline.log import configure, get_logger
@@ -57,7 +51,7 @@ class WorkerSpec:
     vllm_gpu_memory_utilization: float = 0.85
     vllm_cpu_kvcache_gib: int = 1
     vllm_enforce_eager: bool = False
-    settings: dict | None = None  # the cache's result settings: which optional columns to compute
+    settings: CacheSettings | None = None  # the cache's: which optional columns to compute
     switches: HeadSwitches = HeadSwitches()  # hf backend, as asked (pipeline.scoring.switches)
     profile_unit: int | None = None  # the unit whose scoring is traced (--profile-unit)
 
@@ -95,18 +89,16 @@ def phase(phases: dict[str, list[float]], name: str):
 def head_extras(spec: WorkerSpec, tokenizer) -> HeadExtras:
     """The optional columns the settings ask for; the space mask is rebuilt here from the
     tokenizer and must be the one the driver recorded in the cache's identity."""
-    settings = spec.settings or {}
+    settings = spec.settings or CacheSettings()
     mask = None
-    if settings.get(SPACE_LOGPROB):
-        recorded = settings[SPACE_LOGPROB]
+    if settings.space_logprob:
+        recorded = settings.space_logprob
         mask, identity = space_mask(tokenizer, recorded["size"])
         if identity != recorded:
             raise ValueError("the worker's space mask differs from the one the driver recorded")
-    sampled = settings.get("topk_mode") == "sampled"
     return HeadExtras(
-        settings.get(TOPK_PROBS, 0), settings.get(TOPK_IDS, True), mask, sampled,
-        settings.get("sample_seed", 0),
-    )  # fmt: skip
+        settings.topk_probs, settings.topk_ids, mask, settings.sampled, settings.sample_seed
+    )
 
 
 def load_scorer(spec: WorkerSpec, extras: HeadExtras | None = None):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pipeline.alignment import DEFAULT_AGGREGATION
+from pipeline.cache.settings import CacheSettings
 from pipeline.choices import (
     AdamwKernel,
     Aggregation,
@@ -324,7 +323,7 @@ class TrainConfig:
             chunk_student_aggregate=self.chunk_student_aggregate,
         )
 
-    def distillation(self, *cache_settings: Mapping[str, Any]) -> Distillation | None:
+    def distillation(self, *cache_settings: CacheSettings) -> Distillation | None:
         """The distillation term the mode trains beside the cross-entropy, or None; each cache's
         settings (its manifest's: --cache's, then each of --more-caches') size what its teacher's
         term reads, and several teachers' terms are one weighted sum (--teacher-weights)."""

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from pipeline.cache.manifest import CacheManifest
-from pipeline.cache.schema import COLUMN_OPTIONS, LOGICAL, TOPK_PROBS, extra_fields, topk_sampled
+from pipeline.cache.schema import COLUMN_OPTIONS, LOGICAL, extra_fields
+from pipeline.cache.settings import CacheSettings
 from pipeline.distillation import Distillation
 from pipeline.errors import CacheError, ConfigError, VocagnoError
 from pipeline.guidance_modes import MODES
@@ -98,7 +99,7 @@ def check_distillation_cache(
 
 
 def check_columns(
-    config: TrainConfig, distillation: Distillation, cache: str, settings: dict
+    config: TrainConfig, distillation: Distillation, cache: str, settings: CacheSettings
 ) -> None:
     """CacheError unless `cache` (a cache's description in words; `settings`, its manifest's)
     holds every column the distillation reads, naming the stage-1 option that adds it."""
@@ -107,7 +108,7 @@ def check_columns(
     if not missing:
         return
     options = " and ".join(dict.fromkeys(COLUMN_OPTIONS[name] for name in missing))
-    if topk_sampled(settings) and options.startswith("--topk-probs K"):
+    if settings.sampled and options.startswith("--topk-probs K"):
         options += " --topk-mode top"  # it has K entries a position, drawn ones
     readers = _modes_reading(present, config, settings)
     holds = f", or train from it with --guidance {' or '.join(readers)}" if readers else ""
@@ -118,15 +119,15 @@ def check_columns(
     )
 
 
-def _columns_held(settings: dict) -> str:
-    if topk_sampled(settings):
-        return f"it holds {settings.get(TOPK_PROBS)} sampled draws a position: --topk-mode sampled"
-    if settings.get(TOPK_PROBS):
-        return f"it holds the top-{settings[TOPK_PROBS]}: --topk-mode top"
+def _columns_held(settings: CacheSettings) -> str:
+    if settings.sampled:
+        return f"it holds {settings.topk_probs} sampled draws a position: --topk-mode sampled"
+    if settings.topk_probs:
+        return f"it holds the top-{settings.topk_probs}: --topk-mode top"
     return "it holds no teacher distribution"
 
 
-def _modes_reading(present: set[str], config: TrainConfig, settings: dict) -> list[str]:
+def _modes_reading(present: set[str], config: TrainConfig, settings: CacheSettings) -> list[str]:
     """The distillation modes that read only columns a cache holds."""
     readers = []
     for name, mode in MODES.items():

@@ -16,12 +16,10 @@ import numpy as np
 from pipeline.cache.manifest import CacheManifest, ShardRecord, write_manifest
 from pipeline.cache.schema import (
     DOC_ID,
-    SAMPLE_HEAD_SIZE,
     SAMPLE_IDS,
     SAMPLE_LOGPROBS,
     SAMPLE_RANKS,
     SPACE_LOGPROB,
-    TARGET_SPANS,
     TOPK_IDS,
     TOPK_PROBS,
     TOPK_REST,
@@ -29,6 +27,7 @@ from pipeline.cache.schema import (
     topk_id_dtype,
     write_shard,
 )
+from pipeline.cache.settings import CacheSettings
 from pipeline.cache.writer import build_unit_table
 from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.io import sha256_text
@@ -109,22 +108,18 @@ def build_cache(
     documents = documents if documents is not None else corpus_documents(num_documents)
     tokenizer = load_tokenizer(teacher_tokenizer)
     rng = np.random.default_rng(seed)
-    settings = {"loss_dtype": loss_dtype}
-    if space_logprob:
-        settings[SPACE_LOGPROB] = {"mode": "space+tab+newline+special", "fixture": True}
-    if topk:
-        settings |= {
-            TOPK_PROBS: topk,
-            TOPK_IDS: True,
-            "topk_id_dtype": topk_id_dtype(tokenizer.vocab_size),
-        }
-        if topk_mode == "sampled":
-            settings |= {"topk_mode": "sampled", "sample_seed": 0, "sample_temperature": 1.0,
-                         SAMPLE_HEAD_SIZE: tokenizer.vocab_size}  # fmt: skip
-        elif topk_encoding != "float16":
-            settings["topk_encoding"] = topk_encoding
-    if target_spans is not None:
-        settings[TARGET_SPANS] = True
+    sampled = bool(topk) and topk_mode == "sampled"
+    space = {"mode": "space+tab+newline+special", "fixture": True} if space_logprob else None
+    settings = CacheSettings(
+        loss_dtype=loss_dtype,
+        topk_probs=topk,
+        topk_id_dtype=topk_id_dtype(tokenizer.vocab_size) if topk else None,
+        topk_encoding=topk_encoding if topk and not sampled else "float16",
+        topk_mode="sampled" if sampled else "top",
+        sample_head_size=tokenizer.vocab_size if sampled else None,
+        target_spans=target_spans is not None,
+        space_logprob=space,
+    )
     shards = []
     for index, first in enumerate(range(0, len(documents), docs_per_shard)):
         part = documents[first : first + docs_per_shard]

@@ -10,6 +10,7 @@ import torch
 
 from pipeline.cache.rows import check_extra_columns, check_rows, token_values
 from pipeline.cache.schema import SAMPLE_IDS, SAMPLE_LOGPROBS, SAMPLE_RANKS
+from pipeline.cache.settings import CacheSettings
 from pipeline.cache.writer import build_unit_table
 from pipeline.errors import CacheError, ConfigError
 from pipeline.io import sha256_text
@@ -108,8 +109,7 @@ def test_the_draws_do_not_depend_on_the_batching(teacher):
 def test_a_sampled_table_passes_the_row_checks(teacher):
     tokenizer, _, columns = scored(teacher)
     losses = columns.pop("loss")
-    settings = {"topk_probs": K, "topk_ids": True, "topk_id_dtype": "uint16",
-                "topk_mode": "sampled", "sample_seed": 7}  # fmt: skip
+    settings = CacheSettings(topk_probs=K, topk_id_dtype="uint16", topk_mode="sampled", sample_seed=7)
     table = build_unit_table(
         [str(i) for i in range(len(TEXTS))], TEXTS, [sha256_text(t) for t in TEXTS],
         tokenizer.encode_batch(TEXTS), losses, "float16", columns, settings,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pipeline.cache.rows import check_extra_columns, check_rows
+from pipeline.cache.settings import CacheSettings
 from pipeline.cache.writer import build_unit_table
 from pipeline.errors import CacheError
 from pipeline.io import sha256_text
@@ -108,12 +109,7 @@ def test_a_cache_table_with_the_columns_passes_the_row_checks_and_tampering_is_n
     tokenizer = load_tokenizer(str(teachers["smollm2"]))
     mask, identity = space_mask(tokenizer, tokenizer.vocab_size)
     _, _, columns = score(teachers["smollm2"], HeadExtras(topk=8, space_mask=mask))
-    settings = {
-        "topk_probs": 8,
-        "topk_ids": True,
-        "topk_id_dtype": "uint16",
-        "space_logprob": identity,
-    }
+    settings = CacheSettings(topk_probs=8, topk_id_dtype="uint16", space_logprob=identity)
     losses = columns.pop("loss")
     encodings = tokenizer.encode_batch(TEXTS)
     table = build_unit_table(

@@ -68,7 +68,7 @@ def test_window_defaults_come_from_the_teacher():
     assert config.windows(2048) == (2048, 1024)
     with pytest.raises(ValueError, match="pass --max-length"):
         config.windows(None)
-    assert result_settings(config, 2048, 1024) == {
+    assert result_settings(config, 2048, 1024).to_json() == {
         "max_length": 2048,
         "stride": 1024,
         "loss_dtype": "float16",
@@ -79,26 +79,28 @@ def test_window_defaults_come_from_the_teacher():
 def test_optional_columns_join_the_identity_only_when_asked_for():
     config = parse_config(ScoreConfig, REQUIRED, "", SECTION)
     assert config.topk_probs == 0 and config.topk_ids and not config.space_logprob
-    plain = result_settings(config, 64, 32, 49152, {"sha256": "x"})
-    assert plain == result_settings(config, 64, 32)  # no new keys: old caches keep their identity
+    plain = result_settings(config, 64, 32, 49152, {"sha256": "x"}).to_json()
+    assert plain == result_settings(config, 64, 32).to_json()  # no new keys: old caches keep their identity
     asked = parse_config(ScoreConfig, [*REQUIRED, "--topk-probs", "8", "--space-logprob"], "", SECTION)
-    settings = result_settings(asked, 64, 32, 49152, {"sha256": "x"})
+    settings = result_settings(asked, 64, 32, 49152, {"sha256": "x"}).to_json()
     assert settings == plain | {
         "topk_probs": 8, "topk_ids": True, "topk_id_dtype": "uint16", "space_logprob": {"sha256": "x"},
         "topk_encoding": "compact",
     }  # fmt: skip
-    assert result_settings(asked, 64, 32, 151936, {})["topk_id_dtype"] == "int32"
+    assert result_settings(asked, 64, 32, 151936, {}).topk_id_dtype == "int32"
     no_ids = parse_config(ScoreConfig, [*REQUIRED, "--topk-probs", "8", "--no-topk-ids"], "", SECTION)
-    assert result_settings(no_ids, 64, 32, 151936) == plain | {
+    assert result_settings(no_ids, 64, 32, 151936).to_json() == plain | {
         "topk_probs": 8, "topk_ids": False, "topk_encoding": "compact"
     }  # fmt: skip
     drawn = [*REQUIRED, "--topk-probs", "8", "--topk-mode", "sampled", "--sample-seed", "3"]
-    assert result_settings(parse_config(ScoreConfig, drawn, "", SECTION), 64, 32, 49152) == plain | {
+    drawn_settings = result_settings(parse_config(ScoreConfig, drawn, "", SECTION), 64, 32, 49152)
+    assert drawn_settings.to_json() == plain | {
         "topk_probs": 8, "topk_ids": True, "topk_id_dtype": "uint16", "topk_mode": "sampled",
         "sample_seed": 3, "sample_temperature": 1.0, "sample_head_size": 49152,
     }  # fmt: skip
     # float16, the encoding of every top-k cache before the compact one: their settings as then
     half = [*REQUIRED, "--topk-probs", "8", "--topk-encoding", "float16"]
-    assert result_settings(parse_config(ScoreConfig, half, "", SECTION), 64, 32, 49152) == plain | {
+    half_settings = result_settings(parse_config(ScoreConfig, half, "", SECTION), 64, 32, 49152)
+    assert half_settings.to_json() == plain | {
         "topk_probs": 8, "topk_ids": True, "topk_id_dtype": "uint16"
     }  # fmt: skip

@@ -120,7 +120,7 @@ def test_two_workers_build_a_verified_cache_equal_to_the_teacher(built, teacher,
         ),
     ]
     assert manifest.corpus["documents"] + manifest.corpus["skipped"] == NUM_DOCS + 2
-    assert manifest.settings == {
+    assert manifest.settings.to_json() == {
         "max_length": MAX_LENGTH, "stride": STRIDE, "loss_dtype": "float32",
         "docs_per_shard": DOCS_PER_SHARD,
     }  # fmt: skip
@@ -171,9 +171,9 @@ def test_topk_probs_8_and_space_logprob_are_cached_by_the_fused_head_and_equal_t
     assert backend["compile"] == "off"  # auto on a CPU
     tokenizer = load_tokenizer(str(teacher))
     mask, identity = space_mask(tokenizer, tokenizer.vocab_size)
-    assert manifest.settings["topk_probs"] == 8 and manifest.settings["topk_id_dtype"] == "uint16"
-    assert manifest.settings["space_logprob"] == identity
-    assert manifest.settings["topk_encoding"] == "compact"  # the default
+    assert manifest.settings.topk_probs == 8 and manifest.settings.topk_id_dtype == "uint16"
+    assert manifest.settings.space_logprob == identity
+    assert manifest.settings.topk_encoding == "compact"  # the default
     per_column = cache_stats(out).column_bytes_per_token
     assert {"topk_codes", "topk_id_ranks", "topk_rest", "space_logprob"} <= set(per_column)
     model = load_model(teacher)
@@ -213,8 +213,8 @@ def test_a_sampled_cache_is_verified_and_a_rerun_draws_the_same_bytes(
     assert main(args(teacher, corpus, outs[0], *drawn)) == 0
     assert main([*args(teacher, corpus, outs[1], *drawn), "--batch-tokens", "256"]) == 0
     manifest, problems = verify_cache(outs[0])
-    assert problems == [] and manifest.settings["topk_mode"] == "sampled"
-    assert manifest.settings["sample_seed"] == 5 and "topk_encoding" not in manifest.settings
+    assert problems == [] and manifest.settings.topk_mode == "sampled"
+    assert manifest.settings.sample_seed == 5 and "topk_encoding" not in manifest.settings.to_json()
     for shard in manifest.shards:
         first, second = (pq.read_table(out / shard.file) for out in outs)
         assert "sample_ids" in first.column_names and "topk_rest" not in first.column_names
@@ -242,7 +242,7 @@ def test_chat_records_are_scored_whole_and_cached_with_their_assistant_spans(
     out = tmp_path / "cache"
     assert main(args(teacher, corpus, out, "--targets", "chat")) == 0
     manifest, problems = verify_cache(out)
-    assert problems == [] and manifest.settings["target_spans"] is True
+    assert problems == [] and manifest.settings.target_spans is True
     assert manifest.corpus["targets"]["template"] == {"name": "chatml", **TEMPLATES["chatml"].describe()}
     rows = read_cache_rows(out)
     for record in records:
@@ -551,11 +551,11 @@ def test_other_settings_refuse_to_mix_until_overwrite(built, tmp_path, capsys):
     error = capsys.readouterr().err
     assert "holds a cache made differently" in error and "settings.stride: 24 -> 16" in error
     assert "settings.loss_dtype" in error  # float32 there, the default float16 here
-    assert load_manifest(out).settings["stride"] == STRIDE  # untouched
+    assert load_manifest(out).settings.stride == STRIDE  # untouched
     assert main([*changed, "--overwrite"]) == 0
     manifest, problems = verify_cache(out)
-    assert problems == [] and manifest.settings["stride"] == 16
-    assert manifest.settings["loss_dtype"] == "float16"
+    assert problems == [] and manifest.settings.stride == 16
+    assert manifest.settings.loss_dtype == "float16"
     assert pq.read_schema(out / "shard-000000.parquet").field("loss").type.value_type == "halffloat"
 
 

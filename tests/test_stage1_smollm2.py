@@ -41,7 +41,7 @@ def test_real_teacher_scores_a_few_documents(tmp_path):
     manifest, problems = verify_cache(out)
     assert problems == [] and manifest.total_rows == 6
     assert manifest.teacher["architecture"]["model_type"] == "llama"
-    assert manifest.settings["max_length"] == 8192  # SmolLM2's context, from its config
+    assert manifest.settings.max_length == 8192  # SmolLM2's context, from its config
     rows = [r for s in manifest.shards for r in pq.read_table(out / s.file).to_pylist()]
     tokenizer = load_tokenizer(str(teacher))
     model = load_model(teacher)

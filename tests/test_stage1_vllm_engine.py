@@ -179,7 +179,7 @@ def test_vllm_writes_the_compact_encoding(ray_address, teacher, corpus, caches, 
     out = tmp_path / "compact"
     assert main(args(teacher, corpus, out, ray_address, "vllm", "compact")) == 0
     manifest, problems = verify_cache(out)
-    assert problems == [] and manifest.settings["topk_encoding"] == "compact"
+    assert problems == [] and manifest.settings.topk_encoding == "compact"
     for record in manifest.shards:
         ours = next(iter_shard_batches(out / record.file, list(TOPK_COLUMNS), 1 << 20))
         theirs = next(iter_shard_batches(caches["vllm"] / record.file, list(TOPK_COLUMNS), 1 << 20))

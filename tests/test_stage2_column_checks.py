@@ -83,7 +83,7 @@ def test_a_drawn_log_probability_above_0_is_refused_by_stage_2(tmp_path):
     """Before: verify refused it, stage 2 trained on it."""
     copy = sampled(tmp_path / "cache")
     rewrite_shard(copy, 0, lambda t: changed(t, SAMPLE_LOGPROBS, lambda v: [5.0, *v[1:]]))
-    head = load_manifest(copy).settings["sample_head_size"]
+    head = load_manifest(copy).settings.sample_head_size
     with pytest.raises(CacheError, match=r"row 0 token [0-9]+: sample_logprobs out of range"):
         first_batch(copy, SampledULDistillation(teacher_vocab=head))
 
@@ -91,7 +91,7 @@ def test_a_drawn_log_probability_above_0_is_refused_by_stage_2(tmp_path):
 def test_a_drawn_id_beyond_the_teachers_head_is_refused_by_verify_and_stage_2(tmp_path, capsys):
     """Before: neither checked drawn ids against the head size the cache records."""
     copy = sampled(tmp_path / "cache")
-    head = load_manifest(copy).settings["sample_head_size"]
+    head = load_manifest(copy).settings.sample_head_size
     rewrite_shard(copy, 0, lambda t: changed(t, SAMPLE_IDS, lambda v: [head + 3, *v[1:]]))
     said = f"{SAMPLE_IDS} out of range (below 0 or from {head:,}, the teacher's head size)"
     assert vocagno(["cache", "verify", str(copy)]) == 1

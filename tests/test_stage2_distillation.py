@@ -242,13 +242,11 @@ def test_a_sampled_cache_without_its_head_size_is_refused_for_uld_sampled(tmp_pa
     from dataclasses import replace
 
     from pipeline.cache.manifest import load_manifest, write_manifest
-    from pipeline.cache.schema import SAMPLE_HEAD_SIZE
 
     cache = tmp_path / "sampled"
     build_cache(cache, teacher_tokenizer="qwen2.5", num_documents=16, topk=8, topk_mode="sampled")
     manifest = load_manifest(cache)
-    settings = {k: v for k, v in manifest.settings.items() if k != SAMPLE_HEAD_SIZE}
-    write_manifest(cache, replace(manifest, settings=settings))
+    write_manifest(cache, replace(manifest, settings=replace(manifest.settings, sample_head_size=None)))
     out = tmp_path / "out"
     assert main(train_args(cache, out, "--guidance", "uld-sampled")) == 2
     err = capsys.readouterr().err.strip()

@@ -10,6 +10,7 @@ import pytest
 from pipeline.cache import topk_codec
 from pipeline.cache.rows import check_extra_columns, check_rows, token_values
 from pipeline.cache.schema import TOPK_CODES, TOPK_ID_RANKS, TOPK_IDS, TOPK_PROBS, TOPK_REST
+from pipeline.cache.settings import CacheSettings
 from pipeline.cache.writer import build_unit_table
 from pipeline.errors import CacheError
 from pipeline.io import sha256_text
@@ -77,9 +78,7 @@ def unit_table(k: int, encoding: str, seed: int = 0, texts: tuple[str, ...] = ()
     rng = np.random.default_rng(seed)
     columns = [teacher_topk(len(e), k, tokenizer.vocab_size, rng) for e in encodings]
     losses = [np.where(np.arange(len(e)) == 0, np.nan, 1.0).astype(np.float32) for e in encodings]
-    settings = {TOPK_PROBS: k, TOPK_IDS: True, "topk_id_dtype": "uint16"}
-    if encoding == "compact":
-        settings["topk_encoding"] = "compact"
+    settings = CacheSettings(topk_probs=k, topk_id_dtype="uint16", topk_encoding=encoding)
     extras = {name: [c[name] for c in columns] for name in columns[0]}
     table = build_unit_table(
         [str(i) for i in range(len(texts))], texts, [sha256_text(t) for t in texts], encodings,

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pipeline.cache.schema import SCHEMA_VERSION, shard_name
+from pipeline.cache.settings import CacheSettings
 from pipeline.errors import CacheError
 from pipeline.io import TEMPORARY_GLOB, fingerprint
 from pipeline.storage import Store
@@ -75,7 +76,7 @@ class CacheManifest:
 
     teacher: dict
     tokenizer: dict
-    settings: dict
+    settings: CacheSettings
     corpus: dict
     shards: list[ShardRecord] = field(default_factory=list)
     skipped: list[SkippedDocument] = field(default_factory=list)
@@ -92,7 +93,7 @@ class CacheManifest:
             "schema_version": self.schema_version,
             "teacher": self.teacher,
             "tokenizer": self.tokenizer,
-            "settings": self.settings,
+            "settings": self.settings.to_json(),
             "corpus": self.corpus,
         }
 
@@ -109,7 +110,7 @@ class CacheManifest:
         return sum(s.teacher_tokens for s in self.shards)
 
     def to_json(self) -> dict:
-        data = asdict(self)
+        data = asdict(self) | {"settings": self.settings.to_json()}
         data["producer_fingerprint"] = self.producer_fingerprint
         data["totals"] = {
             "shards": len(self.shards),
@@ -130,7 +131,7 @@ class CacheManifest:
             manifest = cls(
                 teacher=data["teacher"],
                 tokenizer=data["tokenizer"],
-                settings=data["settings"],
+                settings=CacheSettings.from_json(data["settings"], f"{where}: settings"),
                 corpus=data["corpus"],
                 shards=[ShardRecord(**s) for s in data["shards"]],
                 skipped=[SkippedDocument(**s) for s in data["skipped"]],

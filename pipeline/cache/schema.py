@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.cache.settings import CacheSettings
 from pipeline.cache.topk_codec import id_width
 from pipeline.choices import LOSS_DTYPE_NAMES
 from pipeline.errors import CacheError
@@ -32,7 +33,8 @@ LOSS = "loss"
 COLUMNS = (DOC_ID, TEXT, TEXT_SHA256, TOKEN_IDS, TOKEN_START, TOKEN_END, LOSS)
 LOSS_DTYPES = {name: pa.type_for_alias(name) for name in LOSS_DTYPE_NAMES}
 
-# Optional per-token columns (docs/cache-columns.md); the manifest's settings say which a cache has.
+# Optional per-token columns (docs/cache-columns.md); the manifest's settings say which a cache has
+# (pipeline.cache.settings: a column's name is the setting that adds it, where it has one).
 TOPK_PROBS = "topk_probs"  # list<fixed_size_list<float16>[K]>, null where unscored
 TOPK_IDS = "topk_ids"  # list<fixed_size_list<uint16 or int32>[K]>, null where unscored
 TOPK_REST = "topk_rest"  # list<float16>: 1 - sum(topk_probs), NaN where unscored
@@ -51,7 +53,6 @@ LOGICAL = {stored: logical for logical, stored in STORED_AS.items()}
 SAMPLE_IDS = "sample_ids"  # list<fixed_size_list<uint16 or int32>[K]>, null where unscored
 SAMPLE_LOGPROBS = "sample_logprobs"  # list<fixed_size_list<float32>[K]>: log t(id)
 SAMPLE_RANKS = "sample_ranks"  # list<fixed_size_list<int32>[K]>: the id's rank in t, from 0
-SAMPLE_HEAD_SIZE = "sample_head_size"  # a sampled cache's setting: the teacher's outputs, V_t
 SPACE_LOGPROB = "space_logprob"  # list<float16>: log P(next token in the space mask), NaN unscored
 OPTIONAL_COLUMNS = (
     TOPK_PROBS, TOPK_IDS, TOPK_CODES, TOPK_ID_RANKS, TOPK_REST,
@@ -74,51 +75,35 @@ def topk_id_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "int32"
 
 
-def topk_compact(settings: dict) -> bool:
-    """Whether a cache with these result settings stores its top-k compactly (topk_codec)."""
-    return settings.get("topk_encoding", "float16") == "compact"
-
-
-def topk_sampled(settings: dict) -> bool:
-    """Whether a cache with these result settings holds teacher draws rather than its top-k."""
-    return settings.get("topk_mode", "top") == "sampled"
-
-
-def head_size_of(settings: dict | None) -> int | None:
-    """The teacher's outputs (V_t) a sampled cache records, which its drawn ids lie below."""
-    size = (settings or {}).get(SAMPLE_HEAD_SIZE)
-    return size if isinstance(size, int) else None
-
-
-def extra_fields(settings: dict) -> list[pa.Field]:
+def extra_fields(settings: CacheSettings) -> list[pa.Field]:
     """The optional columns a cache made with these result settings holds, in column order."""
     fields = []
-    k = settings.get(TOPK_PROBS, 0)
-    if k and topk_sampled(settings):
-        ids = pa.type_for_alias(settings["topk_id_dtype"])
+    k = settings.topk_probs
+    if k and settings.sampled:
+        ids = pa.type_for_alias(settings.topk_id_dtype)
         kinds = {SAMPLE_IDS: ids, SAMPLE_LOGPROBS: pa.float32(), SAMPLE_RANKS: pa.int32()}
         for name, kind in kinds.items():
             fields.append(pa.field(name, pa.list_(pa.list_(kind, k)), nullable=False))
-    elif k and topk_compact(settings):
+    elif k and settings.compact:
         fields.append(pa.field(TOPK_CODES, pa.list_(pa.binary(k + 1)), nullable=False))
-        if settings.get(TOPK_IDS, True):
-            width = id_width(settings["topk_id_dtype"])
+        if settings.topk_ids:
+            width = id_width(settings.topk_id_dtype)
             fields.append(pa.field(TOPK_ID_RANKS, pa.list_(pa.binary(k * width)), nullable=False))
     elif k:
         fields.append(pa.field(TOPK_PROBS, pa.list_(pa.list_(pa.float16(), k)), nullable=False))
-        if settings.get(TOPK_IDS, True):
-            ids = pa.type_for_alias(settings["topk_id_dtype"])
+        if settings.topk_ids:
+            ids = pa.type_for_alias(settings.topk_id_dtype)
             fields.append(pa.field(TOPK_IDS, pa.list_(pa.list_(ids, k)), nullable=False))
-    if k and not topk_sampled(settings):
+    if k and not settings.sampled:
         fields.append(pa.field(TOPK_REST, pa.list_(pa.float16()), nullable=False))
-    if settings.get(SPACE_LOGPROB):
+    if settings.space_logprob:
         fields.append(pa.field(SPACE_LOGPROB, pa.list_(pa.float16()), nullable=False))
-    if settings.get(TARGET_SPANS):
+    if settings.target_spans:
         fields.append(pa.field(TARGET_SPANS, pa.list_(pa.int32()), nullable=False))
     return fields
 
 
-def cache_schema(loss_dtype: str = "float32", settings: dict | None = None) -> pa.Schema:
+def cache_schema(loss_dtype: str = "float32", settings: CacheSettings | None = None) -> pa.Schema:
     """The shard schema; `settings` (a manifest's result settings) add the optional columns."""
     if loss_dtype not in LOSS_DTYPES:
         raise ValueError(f"loss dtype must be one of {sorted(LOSS_DTYPES)}, not {loss_dtype!r}")
@@ -131,7 +116,7 @@ def cache_schema(loss_dtype: str = "float32", settings: dict | None = None) -> p
             pa.field(TOKEN_START, pa.list_(pa.int32()), nullable=False),
             pa.field(TOKEN_END, pa.list_(pa.int32()), nullable=False),
             pa.field(LOSS, pa.list_(LOSS_DTYPES[loss_dtype]), nullable=False),
-            *extra_fields(settings or {}),
+            *extra_fields(settings or CacheSettings()),
         ]
     )
 

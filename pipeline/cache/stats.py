@@ -38,7 +38,7 @@ class CacheStats:
     bytes_per_token_without_text: float
     teacher: dict
     tokenizer: dict
-    settings: dict
+    settings: dict  # the manifest's, as written (pipeline.cache.settings)
     # Compressed bytes per teacher token of each column (footer sizes; the file's own framing
     # and footer are the rest of bytes_per_token).
     column_bytes_per_token: dict[str, float] = field(default_factory=dict)
@@ -121,7 +121,7 @@ def cache_stats(cache_dir: str | Path) -> CacheStats:
         else float("nan"),
         teacher=manifest.teacher,
         tokenizer=manifest.tokenizer,
-        settings=manifest.settings,
+        settings=manifest.settings.to_json(),
         column_bytes_per_token={
             name: size / tokens if tokens else float("nan") for name, size in per_column.items()
         },

@@ -23,13 +23,8 @@ from pipeline.cache.manifest import (
     load_manifest,
 )
 from pipeline.cache.rows import check_extra_columns, check_rows
-from pipeline.cache.schema import (
-    COLUMNS,
-    LOSS_DTYPES,
-    cache_schema,
-    head_size_of,
-    iter_shard_batches,
-)
+from pipeline.cache.schema import COLUMNS, cache_schema, iter_shard_batches
+from pipeline.cache.settings import CacheSettings
 from pipeline.errors import CacheError
 from pipeline.storage.store import Store, as_location, child, open_parquet
 
@@ -64,21 +59,14 @@ def check_shard_bytes(
         )
 
 
-def loss_dtype_of(manifest: CacheManifest) -> str:
-    dtype = manifest.settings.get("loss_dtype", "float32")
-    if dtype not in LOSS_DTYPES:
-        raise CacheError(f"manifest names an unknown loss dtype {dtype!r}")
-    return dtype
-
-
-def _check_schema(path: str | Path, loss_dtype: str, settings: dict | None = None) -> list[str]:
+def _check_schema(path: str | Path, settings: CacheSettings) -> list[str]:
     """The shard's column names once every column the settings declare is there with its type."""
     try:
         actual = open_parquet(path).schema_arrow
     except Exception as exc:
         raise CacheError(f"shard {path} is not a readable Parquet file: {exc}") from exc
     try:
-        schema = cache_schema(loss_dtype, settings)
+        schema = cache_schema(settings.loss_dtype, settings)
     except (KeyError, TypeError, ValueError) as exc:
         raise CacheError(f"the manifest's settings declare no valid schema ({exc!r})") from None
     for expected in schema:
@@ -104,20 +92,18 @@ def _same_type(found: pa.DataType, expected: pa.DataType) -> bool:
     return found.equals(expected)
 
 
-def check_shard_contents(
-    cache_dir: str | Path, record: ShardRecord, loss_dtype: str, settings: dict | None = None
-) -> None:
+def check_shard_contents(cache_dir: str | Path, record: ShardRecord, settings: CacheSettings) -> None:
     """Schema, row count, token count and per-row consistency of one shard; `settings` (the
     manifest's) say which optional columns it must hold, whose values are checked too."""
     path = child(cache_dir, record.file)
-    names = _check_schema(path, loss_dtype, settings)
+    names = _check_schema(path, settings)
     extra = [name for name in names if name not in COLUMNS]
     rows = tokens = 0
     for batch in iter_shard_batches(path, [*COLUMNS, *extra], batch_size=1024):
         numbers = rows + np.arange(batch.num_rows)
         lengths = check_rows(path, batch, numbers).lengths
         if extra:
-            check_extra_columns(path, batch, numbers, lengths, head_size_of(settings))
+            check_extra_columns(path, batch, numbers, lengths, settings.sample_head_size)
         tokens += int(lengths.sum())
         rows += batch.num_rows
     if rows != record.rows:
@@ -154,13 +140,12 @@ def verify_cache(
     `cache_dir` is a local folder or a URI (pipeline.storage)."""
     cache_dir = as_location(cache_dir)
     manifest = load_manifest(cache_dir)
-    loss_dtype = loss_dtype_of(manifest)
     problems = _layout_problems(Store(cache_dir), manifest)
     for record in manifest.shards:
         problem = None
         try:
             verify_shard(cache_dir, record)
-            check_shard_contents(cache_dir, record, loss_dtype, manifest.settings)
+            check_shard_contents(cache_dir, record, manifest.settings)
         except CacheError as exc:
             problem = str(exc)
             problems.append(problem)

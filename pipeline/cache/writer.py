@@ -20,8 +20,8 @@ from pipeline.cache.schema import (
     TOPK_IDS,
     TOPK_PROBS,
     cache_schema,
-    topk_compact,
 )
+from pipeline.cache.settings import CacheSettings
 from pipeline.tokenizer import Encoding
 
 
@@ -56,7 +56,11 @@ def _binary_column(
 
 
 def _compact_topk(
-    schema: pa.Schema, extras: dict[str, list[np.ndarray]], offsets, unscored, settings: dict
+    schema: pa.Schema,
+    extras: dict[str, list[np.ndarray]],
+    offsets,
+    unscored,
+    settings: CacheSettings,
 ) -> tuple[pa.Schema, dict[str, pa.Array]]:
     """The compact columns (pipeline.cache.topk_codec) that stand for the top-k probabilities and
     ids in `extras`, which loses them; the schema gains the shard's id order."""
@@ -69,7 +73,7 @@ def _compact_topk(
     if TOPK_IDS in extras:
         ids = np.concatenate(extras.pop(TOPK_IDS)).reshape(len(unscored), -1).astype(np.int64)
         ids[unscored] = -1
-        width = topk_codec.id_width(settings["topk_id_dtype"])
+        width = topk_codec.id_width(settings.topk_id_dtype)
         order = topk_codec.id_order(ids)
         index = schema.get_field_index(TOPK_ID_RANKS)
         field = schema.field(index).with_metadata(topk_codec.order_metadata(order, width))
@@ -80,11 +84,15 @@ def _compact_topk(
 
 
 def _extra_columns(
-    schema: pa.Schema, extras: dict[str, list[np.ndarray]], losses, offsets, settings: dict
+    schema: pa.Schema,
+    extras: dict[str, list[np.ndarray]],
+    losses,
+    offsets,
+    settings: CacheSettings,
 ) -> tuple[pa.Schema, dict[str, pa.Array]]:
     unscored = np.isnan(np.concatenate(losses)) if losses else np.empty(0, dtype=bool)
     columns = {}
-    if TOPK_PROBS in extras and topk_compact(settings):
+    if TOPK_PROBS in extras and settings.compact:
         extras = dict(extras)
         schema, columns = _compact_topk(schema, extras, offsets, unscored, settings)
     for name, parts in extras.items():
@@ -104,7 +112,7 @@ def build_unit_table(
     losses: list[np.ndarray],
     loss_dtype: str,
     extras: dict[str, list[np.ndarray]] | None = None,
-    settings: dict | None = None,
+    settings: CacheSettings | None = None,
     target_spans: list | None = None,
 ) -> pa.Table:
     """One row per document; list columns are built from flat arrays, not per token.
@@ -124,7 +132,9 @@ def build_unit_table(
         TOKEN_END: _list_column([e.end for e in encodings], np.int32, offsets),
         LOSS: _list_column(losses, np.dtype(loss_dtype), offsets),
     }
-    schema, extra = _extra_columns(schema, extras or {}, losses, offsets, settings or {})
+    schema, extra = _extra_columns(
+        schema, extras or {}, losses, offsets, settings or CacheSettings()
+    )
     columns |= extra
     if TARGET_SPANS in schema.names:
         spans = [np.asarray(s, dtype=np.int32).reshape(-1) for s in target_spans or []]

@@ -33,7 +33,6 @@ from pipeline.cache.schema import (
     TEXT_SHA256,
     TOKEN_END,
     TOKEN_START,
-    head_size_of,
     iter_shard_batches,
 )
 from pipeline.errors import CacheError, ConfigError
@@ -81,7 +80,7 @@ def teacher_caches(
             )
         fingerprint_of, alignment = cache_fingerprint(other), align(other.tokenizer)
         caches.append(TeacherCache(location, tuple(other.shards), fingerprint_of, alignment,
-                                   head_size_of(other.settings)))  # fmt: skip
+                                   other.settings.sample_head_size))  # fmt: skip
     return tuple(caches)
 
 
@@ -95,7 +94,7 @@ def teacher_settings(config, manifest: CacheManifest, more: dict, align) -> dict
         "more_caches": teacher_caches(config.cache, manifest, more, align),
         "combine_teachers": config.combine_teachers,
         "source_teachers": source_indices(chosen, manifest, [config.cache, *more]),
-        "head_size": head_size_of(manifest.settings),
+        "head_size": manifest.settings.sample_head_size,
     }
 
 

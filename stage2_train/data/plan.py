@@ -27,7 +27,6 @@ import numpy as np
 
 from pipeline.alignment import DEFAULT_AGGREGATION
 from pipeline.cache.manifest import CacheManifest, ShardRecord, load_manifest
-from pipeline.cache.schema import TARGET_SPANS, head_size_of
 from pipeline.distillation import Distillation
 from pipeline.errors import CacheError, ConfigError
 from pipeline.io import fingerprint
@@ -89,7 +88,7 @@ class DataPlan:
             cache_dir=as_location(cache_dir),
             shards=tuple(manifest.shards),
             target_spans=has_target_spans(manifest),
-            head_size=head_size_of(manifest.settings),
+            head_size=manifest.settings.sample_head_size,
             **settings,
         )
 
@@ -138,7 +137,7 @@ class DataPlan:
 
 def has_target_spans(manifest: CacheManifest) -> bool:
     """Whether the cache's shards name each document's target spans (stage 1's --targets)."""
-    return bool(manifest.settings.get(TARGET_SPANS))
+    return manifest.settings.target_spans
 
 
 def cache_fingerprint(manifest: CacheManifest) -> str:
