@@ -124,6 +124,11 @@ def comparisons(config: RegimeConfig, prereg: RegimePreRegistration, chosen: dic
     return rows
 
 
+def _signed(x: float) -> str:
+    """+0.0123; a difference too small for four decimals keeps its digits (-2.28e-05)."""
+    return f"{x:+.4f}" if x == 0 or abs(x) >= 5e-4 else f"{x:+.2e}"
+
+
 def _said(row: dict) -> str:
     lower = METRICS[row["metric"]].lower_is_better
     if not row["excludes_zero"]:
@@ -151,8 +156,8 @@ def findings(config: RegimeConfig, prereg: RegimePreRegistration, rows: list[dic
             else:
                 outcome = "helped" if better else "hurt"
             lines.append(
-                f"- {METRICS[metric].label}: `{row['a']}` − `none` = {row['difference']:+.4f} "
-                f"[{row['low']:+.4f}, {row['high']:+.4f}] ({row['seeds']}): the cache's arm "
+                f"- {METRICS[metric].label}: `{row['a']}` − `none` = {_signed(row['difference'])} "
+                f"[{_signed(row['low'])}, {_signed(row['high'])}] ({row['seeds']}): the cache's arm "
                 f"{outcome}."
             )
     return lines
@@ -288,7 +293,8 @@ def write_regime_report(
                   "|---|---|---|---:|---:|---|"]  # fmt: skip
         for row in rows:
             lines.append(f"| {row['metric']} | {row['a']} − {row['b']} | {row['seeds']} | "
-                         f"{row['difference']:+.4f} | [{row['low']:+.4f}, {row['high']:+.4f}] | "
+                         f"{_signed(row['difference'])} | [{_signed(row['low'])}, "
+                         f"{_signed(row['high'])}] | "
                          f"{_said(row)} |")  # fmt: skip
         lines += ["", "## What it says", "", *findings(config, prereg, rows)]
     lines += ["", "## Timings (wall seconds of the run that did each step)", "",
