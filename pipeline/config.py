@@ -131,7 +131,9 @@ def build_parser(cls: type, description: str, section: str) -> argparse.Argument
 # Every table some command reads (each command's SECTION, and the demo's pre-registration);
 # tests/test_config_validation.py holds this list to those constants. A table outside it is
 # refused, so that a misspelled one ([stage_1]) is not ignored without a word.
-MANIFEST_TABLES = ("stage1", "stage2", "eval", "analyze", "demo", "curve", "dose", "preregistered")
+MANIFEST_TABLES = (
+    "stage1", "stage2", "eval", "analyze", "demo", "curve", "dose", "regime", "arms", "preregistered"
+)
 
 
 def load_manifest_section(path: Path, section: str) -> dict[str, Any]:
