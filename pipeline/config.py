@@ -15,8 +15,6 @@ import dataclasses
 import difflib
 import functools
 import json
-import math
-import re
 import tomllib
 import types
 import typing
@@ -24,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pipeline.errors import ConfigError
+from pipeline.option_values import SEED_OPTION, Refused, check_seeds, finite, no_credentials
 
 T = TypeVar("T")
 
@@ -160,10 +159,6 @@ def load_manifest_section(path: Path, section: str) -> dict[str, Any]:
     return {k.replace("-", "_"): v for k, v in table.items()}
 
 
-class _Refused(ValueError):
-    """A value that does not fit its field's type; the message says what is allowed."""
-
-
 def _show(value: Any) -> str:
     """A value as the user wrote it: TOML and JSON spell strings with double quotes."""
     try:
@@ -201,7 +196,7 @@ def _optional_of(hint: Any) -> Any:
 
 
 def _checked(hint: Any, value: Any) -> Any:
-    """`value` if it fits `hint` (an int widened to a float, a string made a Path), else _Refused.
+    """`value` if it fits `hint` (an int widened to a float, a string made a Path), else Refused.
 
     Strict on purpose: a string is never a bool or a number, a float is never an int, so that a
     typo in a manifest ("false", "no", 1.5) cannot silently become another setting.
@@ -220,8 +215,8 @@ def _checked(hint: Any, value: Any) -> Any:
             for index, element in enumerate(value):
                 try:
                     items.append(_checked(item, element))
-                except _Refused as exc:
-                    raise _Refused(f"item {index + 1}: {exc}") from None
+                except Refused as exc:
+                    raise Refused(f"item {index + 1}: {exc}") from None
             return items
     elif hint is bool:
         if isinstance(value, bool):
@@ -234,54 +229,12 @@ def _checked(hint: Any, value: Any) -> Any:
             return finite(float(value))
     elif hint is str:
         if isinstance(value, str):
-            return _no_credentials(value)
+            return no_credentials(value)
     elif hint is Path:
         if isinstance(value, str | Path):
-            return Path(_no_credentials(value))
+            return Path(no_credentials(value))
     kind = "is not allowed" if _scalar_type(hint) is type(value) else f"is {_kind_of(value)}"
-    raise _Refused(f"{_show(value)} {kind}; expected {_expected(hint)}")
-
-
-def _no_credentials(value: str | Path) -> str | Path:
-    """A location that carries credentials is refused, and shown masked (pipeline.storage)."""
-    from pipeline.storage.store import credentials_in
-
-    refusal = credentials_in(value)
-    if refusal:
-        raise _Refused(refusal)
-    return value
-
-
-def finite(value: float) -> float:
-    """Every float option's rule: NaN and infinities are refused, as no option means them (and
-    NaN passes every range check: `nan <= 0` is false)."""
-    if not math.isfinite(value):
-        raise _Refused(f"{value} is not allowed; expected a finite number")
-    return value
-
-
-def finite_float(text: str) -> float:
-    """`type=` for a float option of a command parsed by argparse alone."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    try:
-        return finite(value)
-    except _Refused as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-# Every seed option (`seed`, `sample_seed`, `seeds`, ...) reaches numpy's generators, which refuse
-# a negative seed, and torch's, which take at most 64 bits: refused here, not in a worker or a step.
-SEED_OPTION = re.compile(r"(^|_)seeds?$")
-MAX_SEED = 2**63 - 1
-
-
-def _seeds(value: int | list[int] | None) -> None:
-    for seed in value if isinstance(value, list) else [value]:
-        if seed is not None and not 0 <= seed <= MAX_SEED:
-            raise _Refused(f"{seed} is not allowed; expected a seed from 0 to 2**63 - 1")
+    raise Refused(f"{_show(value)} {kind}; expected {_expected(hint)}")
 
 
 def check_options(
@@ -301,8 +254,8 @@ def check_options(
         try:
             checked[key] = _checked(hints[key], value)
             if SEED_OPTION.search(key):
-                _seeds(checked[key])
-        except _Refused as exc:
+                check_seeds(checked[key])
+        except Refused as exc:
             name = "--" + key.replace("_", "-") if flags else key
             raise ConfigError(f"{where} {name}: {exc}") from None
     return checked

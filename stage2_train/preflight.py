@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 
 from pipeline.cache.manifest import CacheManifest
-from pipeline.cache.schema import COLUMN_OPTIONS, LOGICAL, extra_fields
-from pipeline.cache.settings import CacheSettings
 from pipeline.distillation import Distillation
-from pipeline.errors import CacheError, ConfigError, VocagnoError
+from pipeline.distillation.columns import check_columns
+from pipeline.errors import CacheError, ConfigError
 from pipeline.guidance_modes import MODES
 from pipeline.storage import Store
 from pipeline.tokenizer import TextTokenizer
@@ -96,50 +95,6 @@ def check_distillation_cache(
                 f"({tokenizer.vocab_size:,} tokens, another fingerprint): use the cache's "
                 "tokenizer for the student, or --guidance uld for a teacher with another vocabulary"
             )
-
-
-def check_columns(
-    config: TrainConfig, distillation: Distillation, cache: str, settings: CacheSettings
-) -> None:
-    """CacheError unless `cache` (a cache's description in words; `settings`, its manifest's)
-    holds every column the distillation reads, naming the stage-1 option that adds it."""
-    present = {LOGICAL.get(field.name, field.name) for field in extra_fields(settings)}
-    missing = [name for name in distillation.cache_columns if name not in present]
-    if not missing:
-        return
-    options = " and ".join(dict.fromkeys(COLUMN_OPTIONS[name] for name in missing))
-    if settings.sampled and options.startswith("--topk-probs K"):
-        options += " --topk-mode top"  # it has K entries a position, drawn ones
-    readers = _modes_reading(present, config, settings)
-    holds = f", or train from it with --guidance {' or '.join(readers)}" if readers else ""
-    raise CacheError(
-        f"--guidance {config.guidance} reads the teacher's {', '.join(missing)}, which {cache} "
-        f"does not hold ({_columns_held(settings)}): score the corpus with stage 1's "
-        f"{options}{holds}"
-    )
-
-
-def _columns_held(settings: CacheSettings) -> str:
-    if settings.sampled:
-        return f"it holds {settings.topk_probs} sampled draws a position: --topk-mode sampled"
-    if settings.topk_probs:
-        return f"it holds the top-{settings.topk_probs}: --topk-mode top"
-    return "it holds no teacher distribution"
-
-
-def _modes_reading(present: set[str], config: TrainConfig, settings: CacheSettings) -> list[str]:
-    """The distillation modes that read only columns a cache holds."""
-    readers = []
-    for name, mode in MODES.items():
-        if mode.distillation is None:
-            continue
-        try:
-            columns = mode.distillation(config, settings).cache_columns
-        except VocagnoError:  # the mode refuses this cache for another reason
-            continue
-        if columns and set(columns) <= present:
-            readers.append(name)
-    return readers
 
 
 def _tokenizer_of(record: dict) -> str:

@@ -456,7 +456,7 @@ def test_every_seed_option_refuses_a_negative_seed(capsys):
     where options are checked."""
     from experiments.curve import config as curve
     from experiments.dose import config as dose
-    from pipeline.config import SEED_OPTION
+    from pipeline.option_values import SEED_OPTION
 
     sections = {cls: section for cls, (section, _) in CONFIGS.items()}
     sections |= {dose.DoseConfig: dose.SECTION, curve.CurveConfig: curve.SECTION}

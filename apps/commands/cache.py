@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.config import finite_float
+from pipeline.option_values import finite_float
 from pipeline.storage.store import location_argument
 
 CACHE_HELP = (

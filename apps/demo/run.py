@@ -78,8 +78,8 @@ def _check_arms_columns(
     """Each arm's distillation reads only columns its cache will hold: a given cache's (`[dose]
     cache`), else those [stage1]'s options add."""
     from pipeline.cache.manifest import load_manifest
+    from pipeline.distillation.columns import check_columns
     from stage1_score.config import result_settings
-    from stage2_train.preflight import check_columns
 
     given = getattr(config, "cache", None)
     if given and not (Path(given) / "manifest.json").is_file():
