@@ -277,23 +277,19 @@ class TrainConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}"
                 )
-        for name in (
-            "warmup_steps", "num_workers", "weight_decay", "grad_clip", "read_ahead", "uld_lambda"
-        ):  # fmt: skip
+        for name in ("warmup_steps", "num_workers", "weight_decay", "grad_clip", "read_ahead",
+                     "uld_lambda"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative")
         if self.shard_cache_gib <= 0:
             raise ValueError(f"--shard-cache-gib must be positive, not {self.shard_cache_gib}")
         if self.warmup_steps >= self.max_steps:
-            raise ValueError(
-                f"--warmup-steps ({self.warmup_steps}) must be below --max-steps ({self.max_steps})"
-            )
+            raise ValueError(f"--warmup-steps ({self.warmup_steps}) must be below --max-steps "
+                             f"({self.max_steps})")  # fmt: skip
         if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.max_steps:
             raise ValueError(f"--stop-at-step must be in [1, --max-steps], not {self.stop_at_step}")
         if self.stop_at_step is not None and not self.save_at_end:
-            raise ValueError(
-                "--stop-at-step saves a checkpoint to resume from: drop --no-save-at-end"
-            )
+            raise ValueError("--stop-at-step saves a checkpoint to resume from: drop --no-save-at-end")
         if not 0 <= self.packing_context < 1:
             raise ValueError(f"--packing-context must be in [0, 1), not {self.packing_context}")
         if not 0 < self.min_lr <= self.lr:
@@ -301,9 +297,7 @@ class TrainConfig:
         if not self.alm_weight >= 0 or not self.alm_temperature > 0:
             raise ValueError("--alm-weight must not be negative and --alm-temperature positive")
         if not 0 <= self.alm_merge_threshold <= 1:
-            raise ValueError(
-                f"--alm-merge-threshold must be in [0, 1], not {self.alm_merge_threshold}"
-            )
+            raise ValueError(f"--alm-merge-threshold must be in [0, 1], not {self.alm_merge_threshold}")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1)")

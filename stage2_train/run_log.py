@@ -43,3 +43,39 @@ def repair_note(path: Path, kept: list[dict], up_to_step: int) -> str:
         shown = ", ".join(map(str, lost[:5])) + (" ..." if len(lost) > 5 else "")
         said += f"; no record of step {shown} (trained, not logged)"
     return said
+
+
+def diverged(kept: list, step: int, loss: float, grad_norm: float) -> str:
+    """The line a run stops with once its loss or gradient norm is NaN or infinite (`kept`: its
+    complete checkpoints, (step, folder) oldest first)."""
+    said = f"its checkpoints up to step {kept[-1][0]} are kept" if kept else "no checkpoint is kept"
+    return (
+        f"step {step}'s loss ({loss:.4g}) or gradient norm ({grad_norm:.4g}) is not finite: "
+        f"stopped before saving it; {said} and no final/ is written. A lower --lr or a "
+        "--grad-clip (in a new --out) may keep it finite"
+    )
+
+
+def no_target(step: int) -> str:
+    """A completion-only step may hold no answer token: no loss to log, not a loss of 0."""
+    return (
+        f"stage 2: step {step} held no target token (--completion-only: no answer fell in its "
+        "sequences); no loss logged for it"
+    )
+
+
+def step_record(step: int, tokens: int, lr: float, grad_norm: float, sums: tuple) -> dict:
+    """A step's metrics from its sums (kept loss, all loss, kept, mapped, valid targets): a
+    completion-only step may hold no answer token, which has no loss to log (None), not 0."""
+    kept_loss, all_loss, kept, mapped, valid = sums
+    targets = valid > 0
+    return {
+        "step": step,
+        "loss": kept_loss / max(kept, 1) if targets else None,
+        "loss_all": all_loss / valid if targets else None,
+        "kept_fraction": kept / valid if targets else None,
+        "mapped_fraction": mapped / valid if targets else None,
+        "tokens": tokens,
+        "lr": lr,
+        "grad_norm": grad_norm,
+    }

@@ -70,7 +70,7 @@ from stage2_train.preflight import (
     check_student_fits,
     remove_stale_logs,
 )
-from stage2_train.run_log import JsonLines
+from stage2_train.run_log import JsonLines, diverged, no_target, step_record
 from stage2_train.schedule import lr_at, make_optimizer
 from stage2_train.stop_request import StopRequest
 
@@ -96,20 +96,9 @@ def save_final(
     return final
 
 
-def diverged(config: TrainConfig, step: int, loss: float, grad_norm: float) -> str:
-    """The line a run stops with once its loss or gradient norm is NaN or infinite."""
-    kept = complete_checkpoints(config.out)
-    said = f"its checkpoints up to step {kept[-1][0]} are kept" if kept else "no checkpoint is kept"
-    return (
-        f"step {step}'s loss ({loss:.4g}) or gradient norm ({grad_norm:.4g}) is not finite: "
-        f"stopped before saving it; {said} and no final/ is written. A lower --lr or a "
-        "--grad-clip (in a new --out) may keep it finite"
-    )
-
-
 def train(config: TrainConfig) -> Path | None:
     """Run (or continue) the schedule up to --stop-at-step or --max-steps; returns OUT/final when
-    the schedule is complete (on rank 0; None on the others)."""
+    the schedule is complete and saved (on rank 0; None on the others, or --no-save-at-end)."""
     runtime = Runtime.start()
     try:
         with StopRequest() as stop, contextlib.ExitStack() as output:
@@ -301,26 +290,17 @@ def _train(
         (kept_loss, all_loss, kept, mapped, valid_count, stop_votes, distill_sum, distill_units,
          grad_norm) = logged.tolist()  # fmt: skip
         if not all(map(math.isfinite, (kept_loss, all_loss, distill_sum, grad_norm))):
-            raise TrainingDiverged(diverged(config, step, kept_loss / max(kept, 1), grad_norm))
+            kept_at = complete_checkpoints(config.out)
+            raise TrainingDiverged(diverged(kept_at, step, kept_loss / max(kept, 1), grad_norm))
         step_tokens += int(valid_count)
-        # a completion-only step may hold no answer token: no loss to log, not a loss of 0
         targets = valid_count > 0
-        record = {
-            "step": step,
-            "loss": kept_loss / max(kept, 1) if targets else None,
-            "loss_all": all_loss / valid_count if targets else None,
-            "kept_fraction": kept / valid_count if targets else None,
-            "mapped_fraction": mapped / valid_count if targets else None,
-            "tokens": step * config.global_batch_tokens,
-            "lr": lr,
-            "grad_norm": grad_norm,
-        }
+        record = step_record(step, step * config.global_batch_tokens, lr, grad_norm,
+                             (kept_loss, all_loss, kept, mapped, valid_count))  # fmt: skip
         if distillation is not None:  # the term's mean over its units (before its weight)
             record["distill_loss"] = distill_sum / distill_units if distill_units else None
         if documents is not None:
-            documents.append(
-                {"step": step, "documents": [d for b in micro_batches for d in b["documents"]]}
-            )
+            documents.append({"step": step,
+                              "documents": [d for b in micro_batches for d in b["documents"]]})
         if runtime.is_main:
             rates = step_rate.fields(int(valid_count), config.global_batch_tokens)
             metrics.append({**record, **rates})
@@ -328,11 +308,7 @@ def _train(
                 if record[key] is not None:
                     writer.add_scalar(f"train/{key}", record[key], step)
             if not targets:
-                progress.write(
-                    f"stage 2: step {step} held no target token (--completion-only: no answer "
-                    "fell in its sequences); no loss logged for it",
-                    file=sys.stderr,
-                )
+                progress.write(no_target(step), file=sys.stderr)
             rate = step_tokens / max(time.monotonic() - started, 1e-9)
             progress.set_postfix(
                 loss=f"{record['loss']:.3f}" if targets else "-",
@@ -343,7 +319,8 @@ def _train(
             progress.update()
 
         # save
-        if stop_votes or step % config.save_every == 0 or step == stop_step:
+        at_end = step == stop_step and config.save_at_end
+        if stop_votes or step % config.save_every == 0 or at_end:
             saved = save_checkpoint(
                 config, step, model, optimizer, scheduler, data_state, meta, runtime
             )
@@ -360,7 +337,7 @@ def _train(
             "to resume from it",
             stop.exit_signal,
         )
-    if stop_step < config.max_steps:
+    if stop_step < config.max_steps or not config.save_at_end:
         return None
     provenance = {
         "config": to_dict(config),
