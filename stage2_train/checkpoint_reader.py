@@ -46,13 +46,17 @@ METADATA_GLOBALS = {
 CODE = "objects other than the ones a checkpoint holds, which could run code when loaded"
 
 
+class _NotAllowed(pickle.UnpicklingError):
+    """A global the metadata may not name."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         allowed = (module, name) in METADATA_GLOBALS or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         )
         if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name}")
+            raise _NotAllowed(f"{module}.{name}")
         return super().find_class(module, name)
 
 
@@ -63,7 +67,7 @@ def read_state_metadata(state: Path) -> Metadata:
     try:
         with open(path, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
-    except pickle.UnpicklingError as exc:
+    except _NotAllowed as exc:
         raise CacheError(f"{path} holds {CODE} ({exc}): refusing it unloaded") from None
     except OSError:
         raise
