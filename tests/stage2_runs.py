@@ -68,3 +68,29 @@ def record_digests_again(checkpoint: Path) -> None:
     step = json.loads((checkpoint / MARKER).read_text())["step"]
     digests = digest_share(checkpoint, checkpoint_files(checkpoint), 0, 1)
     (checkpoint / MARKER).write_text(marker_text(step, digests))
+
+
+def wandb_history(out: Path) -> list[dict]:
+    """Each offline wandb run in OUT/wandb, oldest first, as wandb's own reader of its .wandb log
+    (`wandb leet inspect`) gives it: run_id, project, config, and history, a (step, {key: value})
+    per logged step (wandb's own `_` keys left out)."""
+    import subprocess
+    import sys
+
+    runs = []
+    for log in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):
+        inspect = [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)]
+        lines = subprocess.run(inspect, check=True, capture_output=True, text=True).stdout
+        run: dict = {"history": []}
+        for line in lines.splitlines():
+            entry = json.loads(line)
+            if entry["type"] == "run":
+                config = entry["run"]["config"]["update"]
+                run |= {k: entry["run"][k] for k in ("run_id", "project")}
+                run["config"] = {k: v for k, v in config.items() if k != "_wandb"}
+            elif entry["type"] == "history":
+                items = entry["history"]["item"]
+                logged = {k: v for k, v in items.items() if not k.startswith("_")}
+                run["history"].append((entry["history"]["step"]["num"], logged))
+        runs.append(run)
+    return runs
