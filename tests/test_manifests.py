@@ -78,19 +78,70 @@ def test_there_is_one_manifest_per_table1_run():
 @pytest.mark.parametrize(
     "path", [p for p in PAPER if p.stem.endswith(("-uld", "-kld"))], ids=lambda p: p.name
 )
-def test_uld_and_kld_rows_score_the_top_k_of_their_ours_rows_teacher(path):
+def test_uld_and_kld_rows_train_from_their_ours_rows_one_vllm_cache(path):
+    """The 7B teacher scores the corpus once: vLLM stores the top 32 beside the losses, and the
+    Ours row (`token`) and its logit-distillation baseline both train from that cache."""
     import re
 
     mode = path.stem[-3:]
     ours = path.with_name(re.search(r"\((table1-[^)]+\.toml)\)", path.read_text())[1])
-    stage1, stage2 = (load_manifest_section(path, name) for name in ("stage1", "stage2"))
-    assert stage1["teacher"] == load_manifest_section(ours, "stage1")["teacher"]
-    assert stage1["topk_probs"] == 32 and stage1["backend"] == "hf"  # vLLM refuses top-k
-    assert stage1.get("topk_ids", True) is (mode == "kld")  # ULD compares ranks, not ids
-    assert stage2["guidance"] == mode and stage2["cache"] == stage1["out"]
+    assert "stage1" not in _tables(path)  # no second scoring of the teacher
+    stage1, stage2 = load_manifest_section(ours, "stage1"), load_manifest_section(path, "stage2")
+    assert stage2["cache"] == stage1["out"] == load_manifest_section(ours, "stage2")["cache"]
+    assert f"The cache is {ours.name}'s [stage1]" in path.read_text()
+    assert stage1["backend"] == "vllm" and stage1["topk_probs"] == 32
+    assert stage1["topk_ids"] is (mode == "kld")  # ULD compares ranks, not ids
     config = from_dict(TrainConfig, stage2)
-    assert config.uld_lambda == 0.5  # appendix B
+    assert config.guidance == mode and config.uld_lambda == 0.5  # appendix B
     assert config.distillation({}).weight == (0.5 if mode == "uld" else 1.0)
+
+
+def _scored_caches() -> dict[str, list[tuple[Path, ScoreConfig]]]:
+    """Every manifest's [stage1] that names its `out`, by that cache."""
+    scored: dict[str, list[tuple[Path, ScoreConfig]]] = {}
+    for path in sorted(MANIFESTS.rglob("*.toml")):
+        stage1 = _tables(path).get("stage1", {})
+        if "out" in stage1:
+            config = from_dict(ScoreConfig, {**PLACEHOLDERS["stage1"], **stage1}, str(path))
+            scored.setdefault(str(config.out), []).append((path, config))
+    return scored
+
+
+def test_manifests_that_score_one_cache_score_it_alike():
+    """Two manifests whose [stage1] writes one cache must ask for the same cache: a second,
+    different one would be refused by stage 1 (or need --overwrite and break the first's runs)."""
+    for out, scorers in _scored_caches().items():
+        (first, config), *others = scorers
+        for path, other in others:
+            assert other == config, f"{path.name} and {first.name} score {out} differently"
+
+
+def test_a_cache_another_manifest_scores_has_the_columns_the_reading_run_needs():
+    """A [stage2] naming a cache that some manifest's [stage1] scores: that stage 1 stores what
+    the guidance reads (the top-k for uld and kld, with the ids for kld; the space log-probability
+    for alm)."""
+    scored, checked = _scored_caches(), 0
+    for path in sorted(MANIFESTS.rglob("*.toml")):
+        stage2 = _tables(path).get("stage2", {})
+        if stage2.get("cache") not in scored:
+            continue
+        (_, stage1), *_ = scored[stage2["cache"]]
+        guidance, checked = stage2.get("guidance", "token"), checked + 1
+        needs = {"uld": stage1.topk_probs > 0, "kld": stage1.topk_probs > 0 and stage1.topk_ids,
+                 "alm": bool(stage1.space_logprob)}  # fmt: skip
+        assert needs.get(guidance, True), f"{path.name}: {guidance} from {stage2['cache']}"
+    assert checked >= len(PAPER) + len(TABLE2)
+
+
+def test_the_plain_cpt_row_says_loudly_that_its_cache_is_another_runs():
+    """TinyLlama-CPT trains no teacher, but stage 2 reads its documents from a cache: the cache
+    it names is one a Table 1 manifest scores, and the file says so before anything else."""
+    path = MANIFESTS / "paper" / "table1-tinyllama-cpt.toml"
+    stage2 = load_manifest_section(path, "stage2")
+    (scorer, _), *_ = _scored_caches()[stage2["cache"]]
+    assert stage2["guidance"] == "none" and scorer.parent == path.parent
+    top = path.read_text().splitlines()[:3]
+    assert top[0].startswith("# !! CHANGE `cache`") and scorer.name in " ".join(top)
 
 
 def test_tinyllama_cpt_is_also_a_teacher_scoring_with_the_plain_rows_checkpoint():
@@ -115,6 +166,8 @@ def test_table2_has_every_chunk_row_and_its_random_control():
         assert stage2.max_steps * stage2.global_batch_tokens == pytest.approx(5e9, rel=1e-3)
         assert (stage2.topk, stage2.aggregate, stage2.unmapped) == (0.4, "max", "include")
         assert str(stage2.cache).endswith("mistral-proxmath-7b")  # paper 6.1's teacher
+        for world_size in (8, 32):  # one node, or the paper's 32 GPUs
+            _data_plan(stage2.data_consumers, world_size)
 
 
 @pytest.mark.parametrize("path", PAPER + TABLE2, ids=lambda p: p.name)
@@ -134,9 +187,22 @@ def test_paper_runs_use_the_papers_hyperparameters(path):
     assert (stage2.seq_len, stage2.global_batch_tokens) == (2048, 2**21)
     assert (stage2.lr, stage2.min_lr) == (8e-5, 8e-6)
     assert stage2.max_steps * stage2.global_batch_tokens == pytest.approx(15e9, rel=1e-3)
-    assert stage2.accumulation_steps(32) >= 1  # 32 GPUs, as in the paper
+    # the paper's 32 GPUs and the one 8-GPU node docs/stage2.md shows: the accumulation steps it
+    # states, and the data stream split among either world's ranks (stage 2 refuses otherwise)
+    assert (stage2.accumulation_steps(32), stage2.accumulation_steps(8)) == (4, 16)
+    for world_size in (8, 32):
+        _data_plan(stage2.data_consumers, world_size)
     if stage2.guidance == "token":
         assert (stage2.topk, stage2.aggregate, stage2.unmapped) == (0.4, "max", "include")
         stage1 = load_manifest_section(path, "stage1")
         assert stage1["out"] == str(stage2.cache)
         assert stage1["corpus"] == "hf:open-web-math/open-web-math"
+
+
+def _data_plan(consumers: int, world_size: int):
+    """Stage 2's stream plan over a cache of a million documents, which checks the split."""
+    from pipeline.cache.manifest import ShardRecord
+    from stage2_train.data.plan import DataPlan
+
+    shard = ShardRecord(0, "shard-00000.parquet", 10**6, 10**9, 1, "0" * 64)
+    return DataPlan("c", (shard,), "s", 2048, 8, consumers=consumers, world_size=world_size)
