@@ -1,13 +1,25 @@
-"""The run's append-only logs (metrics.jsonl, the per-rank document logs), cut back on resume."""
+"""The run's logs: each step's record to metrics.jsonl, TensorBoard, the progress bar and the
+per-rank document logs (the append-only ones cut back on resume), and the lines a run stops with."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline.io import atomic_write_text
-from pipeline.metrics import read_json_lines
+from pipeline.config import to_dict
+from pipeline.flops import StepRate, flop_parameters
+from pipeline.io import atomic_write_json, atomic_write_text
+from pipeline.metrics import METRICS_NAME, read_json_lines
+from stage2_train.parallel import unwrapped
+
+if TYPE_CHECKING:
+    from stage2_train.run_setup import Run
+    from stage2_train.step import StepTotals
+
+METRIC_KEYS = ("loss", "loss_all", "kept_fraction", "mapped_fraction")  # also on TensorBoard
 
 
 class JsonLines:
@@ -64,18 +76,99 @@ def no_target(step: int) -> str:
     )
 
 
-def step_record(step: int, tokens: int, lr: float, grad_norm: float, sums: tuple) -> dict:
-    """A step's metrics from its sums (kept loss, all loss, kept, mapped, valid targets): a
-    completion-only step may hold no answer token, which has no loss to log (None), not 0."""
-    kept_loss, all_loss, kept, mapped, valid = sums
-    targets = valid > 0
-    return {
+def step_record(step: int, tokens: int, lr: float, totals: StepTotals, distills: bool) -> dict:
+    """A step's metrics from its totals: a completion-only step may hold no answer token, which
+    has no loss to log (None), not 0; `distills`: the run trains a distillation term, whose mean
+    over its units (before its weight) is logged as distill_loss."""
+    targets = totals.valid > 0
+    record = {
         "step": step,
-        "loss": kept_loss / max(kept, 1) if targets else None,
-        "loss_all": all_loss / valid if targets else None,
-        "kept_fraction": kept / valid if targets else None,
-        "mapped_fraction": mapped / valid if targets else None,
+        "loss": totals.kept_loss / max(totals.kept, 1) if targets else None,
+        "loss_all": totals.all_loss / totals.valid if targets else None,
+        "kept_fraction": totals.kept / totals.valid if targets else None,
+        "mapped_fraction": totals.mapped / totals.valid if targets else None,
         "tokens": tokens,
         "lr": lr,
-        "grad_norm": grad_norm,
+        "grad_norm": totals.grad_norm,
     }
+    if distills:
+        units = totals.distill_units
+        record["distill_loss"] = totals.distill_loss / units if units else None
+    return record
+
+
+class RunLogs:
+    """Where each step's record goes: metrics.jsonl, TensorBoard and the progress bar on rank 0,
+    and with --record-documents the documents each rank trained on. Opening them writes the
+    run's config.json (its options and `Run.meta`) and says what the run trains."""
+
+    def __init__(self, run: Run):
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+
+        config, runtime, start = run.config, run.runtime, run.start_step
+        self.global_batch_tokens = config.global_batch_tokens
+        self.distills = run.distillation is not None  # logs distill_loss
+        self.metrics = self.documents = self.writer = self.step_rate = None
+        if runtime.is_main:
+            atomic_write_json(config.out / "config.json", {**to_dict(config), **run.meta})
+            self.metrics = JsonLines(config.out / METRICS_NAME, start)
+            self.writer = SummaryWriter(str(config.out / "tensorboard"), purge_step=start + 1)
+            self.step_rate = StepRate(flop_parameters(unwrapped(run.model)), runtime.device)
+            print(banner(run), file=sys.stderr)
+        if config.record_documents:
+            self.documents = JsonLines(
+                config.out / "documents" / f"rank-{runtime.rank}.jsonl", start
+            )
+        self.progress = tqdm(total=run.stop_step, initial=start, disable=not runtime.is_main,
+                             unit="step", dynamic_ncols=True, file=sys.stderr)  # fmt: skip
+        self.started, self.step_tokens = time.monotonic(), 0
+
+    def log_step(self, step: int, lr: float, totals: StepTotals, micro_batches: list[dict]) -> None:
+        """Log one step from its totals (every rank's sums) and this rank's micro-batches."""
+        self.step_tokens += int(totals.valid)
+        tokens = step * self.global_batch_tokens
+        record = step_record(step, tokens, lr, totals, self.distills)
+        if self.documents is not None:
+            trained = [document for batch in micro_batches for document in batch["documents"]]
+            self.documents.append({"step": step, "documents": trained})
+        if self.metrics is None:  # not rank 0
+            return
+        rates = self.step_rate.fields(int(totals.valid), self.global_batch_tokens)
+        self.metrics.append({**record, **rates})
+        for key in (*METRIC_KEYS, "lr", "grad_norm"):
+            if record[key] is not None:
+                self.writer.add_scalar(f"train/{key}", record[key], step)
+        self.show(step, record)
+
+    def show(self, step: int, record: dict) -> None:
+        """The progress bar's loss, kept fraction and tokens per second (and a no-target line)."""
+        targets = record["loss_all"] is not None
+        if not targets:
+            self.progress.write(no_target(step), file=sys.stderr)
+        rate = self.step_tokens / max(time.monotonic() - self.started, 1e-9)
+        self.progress.set_postfix(
+            loss=f"{record['loss']:.3f}" if targets else "-",
+            kept=f"{record['kept_fraction']:.2f}" if targets else "-",
+            tok_s=f"{rate:,.0f}",
+            refresh=False,
+        )
+        self.progress.update()
+
+    def close(self) -> None:
+        self.progress.close()
+        for log in (self.metrics, self.documents, self.writer):
+            if log is not None:
+                log.close()
+
+
+def banner(run: Run) -> str:
+    """The line a run starts with: its student, batch shape and guidance, and where it starts."""
+    config = run.config
+    parameters = sum(p.numel() for p in unwrapped(run.model).parameters())
+    return (
+        f"stage 2: {parameters / 1e6:.2f}M-parameter student, {run.runtime.world_size} rank(s) x "
+        f"{run.accumulation} micro-batch(es) of {config.micro_batch_size} x {config.seq_len} "
+        f"tokens per step, guidance {config.guidance}; "
+        + (f"resuming at step {run.start_step}" if run.start_step else "starting at step 0")
+    )

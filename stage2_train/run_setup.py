@@ -1,0 +1,182 @@
+"""Building a stage 2 run: read the cache's manifests and the student's tokenizer, refuse what
+cannot train (every refusal before OUT's lock, which creates OUT: a refused run leaves nothing
+behind), plan the data, build and wrap the student, its optimizer and schedule, and continue from
+the newest checkpoint where there is one. The loop (stage2_train.trainer) gets it all as one
+`Run`."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pipeline.cache.manifest import CacheManifest, load_manifest
+from pipeline.distillation import Distillation, vocabulary_subset_on
+from pipeline.guidance import GuidanceSettings
+from pipeline.models.student import build_student, student_tokenizer_spec
+from pipeline.tokenizer import load_tokenizer
+from stage2_train.attention import use_attention
+from stage2_train.checkpoint import check_resumable, load_checkpoint, resume_from
+from stage2_train.checkpoint_trust import trusted_checkpoint
+from stage2_train.config import TrainConfig
+from stage2_train.data.documents import choose_alignment
+from stage2_train.data.loader import batches, make_loader
+from stage2_train.data.more_teachers import run_cache_fingerprint, teacher_settings
+from stage2_train.data.plan import DataPlan, has_target_spans
+from stage2_train.data.position import DataState
+from stage2_train.data.shards import verify_local_shards
+from stage2_train.distributed import Runtime
+from stage2_train.kernels import ResolvedKernels
+from stage2_train.output import check_output_is_a_run, hold_output
+from stage2_train.parallel import autocast, wrap
+from stage2_train.preflight import (
+    check_distillation_cache,
+    check_output_and_cache,
+    check_scratch,
+    check_student_fits,
+    remove_stale_logs,
+)
+from stage2_train.schedule import lr_at, make_optimizer
+
+
+@dataclass
+class Run:
+    """What the loop needs, built once. `meta`: what config.json and every checkpoint save
+    beside the config (world size, workers, fingerprints, threads, the resolved switches);
+    `start_step`: the checkpoint's step (0 when fresh); `stop_step`: the last step this run
+    takes (--stop-at-step or --max-steps)."""
+
+    config: TrainConfig
+    runtime: Runtime
+    settings: GuidanceSettings
+    manifest: CacheManifest
+    tokenizer: object
+    distillation: Distillation | None  # None unless the mode trains one
+    plan: DataPlan
+    meta: dict
+    kernels: ResolvedKernels
+    compute: contextlib.AbstractContextManager  # the forward pass's autocast
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data_state: DataState
+    start_step: int
+    stop_step: int
+    accumulation: int  # micro-batches per rank and step
+    subset: torch.Tensor | None  # a distillation's vocabulary subset (e.g. ALM's space mask)
+
+    def batches(self) -> Iterator[dict]:
+        """This rank's micro-batches from where the run stands."""
+        pin = self.runtime.device.type == "cuda"  # page-locked batches for asynchronous copies
+        first = self.start_step * self.accumulation  # the rank's micro-batches taken so far
+        loader = make_loader(
+            self.plan, self.runtime.rank, self.data_state, first, pin, self.accumulation
+        )
+        return batches(loader)
+
+
+def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStack) -> Run:
+    """The run, checked and (from a checkpoint) restored; `output` takes OUT's lock."""
+    settings = config.guidance_settings()
+    manifest = load_manifest(config.cache)
+    more = {location: load_manifest(location) for location in config.more_caches}
+    # one term per teacher's cache, summed
+    distillation = config.distillation(manifest.settings, *(m.settings for m in more.values()))
+    tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
+    check_output_and_cache(config, manifest, more)
+    check_output_is_a_run(config)
+    check_distillation_cache(config, distillation, {config.cache: manifest, **more}, tokenizer)
+    accumulation = config.accumulation_steps(runtime.world_size)
+    plan = data_plan(config, runtime, settings, tokenizer, distillation, manifest, more)
+    check_scratch(plan.workers)
+    meta = {
+        "world_size": runtime.world_size,
+        "workers_per_rank": plan.workers,
+        "cache_fingerprint": run_cache_fingerprint(manifest, plan.more_caches),
+        "config_fingerprint": config.fingerprint,
+        "torch_threads": torch.get_num_threads(),
+    }
+    student = build_student(config.student, tokenizer, config.seed, config.seq_len)
+    kernels = ResolvedKernels.on(config, student, runtime.device)
+    meta |= kernels.saved()
+    use_attention(student, kernels.attention)
+    check_student_fits(config, student.config, runtime.device)
+    model = wrap(student, runtime, config.fsdp, kernels.compile, kernels.fsdp_param_dtype)
+    optimizer = make_optimizer(model, config, kernels.adamw_kernel)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda index: lr_at(index + 1, config) / config.lr
+    )
+    start_step, data_state = resume(
+        config, runtime, output, plan, meta, model, optimizer, scheduler
+    )
+    return Run(
+        config=config, runtime=runtime, settings=settings, manifest=manifest,
+        tokenizer=tokenizer, distillation=distillation, plan=plan, meta=meta, kernels=kernels,
+        compute=autocast(runtime, config.dtype), model=model, optimizer=optimizer,
+        scheduler=scheduler, data_state=data_state, start_step=start_step,
+        stop_step=config.stop_at_step or config.max_steps, accumulation=accumulation,
+        subset=vocabulary_subset_on(distillation, runtime.device),
+    )  # fmt: skip
+
+
+def data_plan(
+    config: TrainConfig,
+    runtime: Runtime,
+    settings: GuidanceSettings,
+    tokenizer,
+    distillation: Distillation | None,
+    manifest: CacheManifest,
+    more: dict,
+) -> DataPlan:
+    """What every rank's data stream reads, aligns and packs."""
+    align = functools.partial(choose_alignment, settings, tokenizer.fingerprint)
+    return DataPlan(
+        cache_dir=config.cache,
+        shards=tuple(manifest.shards),
+        student_tokenizer=tokenizer.spec,
+        alignment=align(manifest.tokenizer),
+        num_chunks=config.num_chunks,
+        aggregate=config.aggregate,
+        packing=config.packing,
+        packing_context=config.packing_context,
+        seq_len=config.seq_len,
+        micro_batch_size=config.micro_batch_size,
+        seed=config.seed,
+        consumers=config.data_consumers,
+        world_size=runtime.world_size,
+        num_workers=config.num_workers,
+        distillation=distillation,
+        target_spans=config.completion_only and has_target_spans(manifest),
+        **teacher_settings(config, manifest, more, align),
+        shard_cache=config.shard_cache,
+        shard_cache_bytes=int(config.shard_cache_gib * (1 << 30)),
+        read_ahead=config.read_ahead,
+    )
+
+
+def resume(
+    config: TrainConfig,
+    runtime: Runtime,
+    output: contextlib.ExitStack,
+    plan: DataPlan,
+    meta: dict,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> tuple[int, DataState]:
+    """Take OUT's lock once the newest checkpoint (if any) is found resumable, then restore it;
+    returns the step to start after and this rank's data position."""
+    newest = resume_from(config)
+    checkpoint = trusted_checkpoint(config, newest, runtime)
+    start_step = 0 if checkpoint is None else check_resumable(checkpoint, config, meta)
+    verify_local_shards(plan)
+    output.enter_context(hold_output(config, runtime, newest))
+    if checkpoint is not None:
+        return start_step, load_checkpoint(checkpoint, model, optimizer, scheduler, plan, runtime)
+    if runtime.is_main:
+        remove_stale_logs(config.out)
+    return start_step, DataState.fresh(plan, runtime.rank)
