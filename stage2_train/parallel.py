@@ -1,5 +1,5 @@
-"""Put the student on this rank's device, compile its layers, and wrap it for data parallelism
-(DDP or FSDP2), plus the few helpers the loop needs around the wrapper: gradient-sync control,
+"""Put the student on this rank's device, checkpoint and compile its layers, and wrap it for data
+parallelism (DDP or FSDP2), plus the few helpers the loop needs around the wrapper: gradient-sync control,
 autocast, full state."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from pipeline.choices import on_device
 from pipeline.errors import ConfigError
@@ -59,6 +60,35 @@ def wrap(
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
     return model
+
+
+def checkpoint_layers(model: nn.Module) -> None:
+    """--activation-checkpointing: each decoder layer keeps only its inputs for the backward pass,
+    which runs its forward again (torch.utils.checkpoint, non-reentrant, RNG state restored).
+
+    The checkpoint goes inside the layer, around its forward: FSDP's gathering hooks stay
+    outside it, and `--compile layers`, which compiles from the layer's forward on, traces the
+    checkpoint as one region it may recompute (torchtitan's order: compile(checkpoint(layer))).
+    The layer keeps its class and parameter names, so checkpoints and exports do not change, and
+    it applies whether or not the model is in training mode (transformers' own switch needs it).
+    """
+    layers = decoder_layers(model)
+    if not layers:
+        raise ConfigError(
+            "--activation-checkpointing: the student has no decoder layers at model.layers; "
+            "drop --activation-checkpointing"
+        )
+    for layer in layers:
+        layer.forward = _checkpointed(layer.forward)
+
+
+def _checkpointed(forward):
+    # a function of its own, not a functools.partial of checkpoint: dynamo starts tracing a
+    # compiled layer at its forward, and would skip torch's checkpoint (marked not to be traced)
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
 
 
 @contextlib.contextmanager
