@@ -163,6 +163,54 @@ def test_each_file_keeps_to_one_responsibility_in_size(folder):
     assert not long, f"over {LINE_LIMIT} lines, split by responsibility:\n" + "\n".join(long)
 
 
+# Stage 2's loop reads top to bottom (issue 79): the loop a page, every function one screen.
+FUNCTION_LINE_LIMIT = {"stage2_train": 60}
+LOOP_LINE_LIMIT = 80  # stage2_train/trainer.py's _train
+DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def function_lengths(path: Path) -> dict[str, int]:
+    """Lines of every function and method in a file (decorators and docstrings included), by
+    qualified name."""
+    lengths = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, DEFINITIONS):
+                visit(child, prefix)
+                continue
+            name = prefix + child.name
+            if not isinstance(child, ast.ClassDef):
+                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                lengths[name] = child.end_lineno - first + 1
+            visit(child, f"{name}.")
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), "")
+    return lengths
+
+
+@pytest.mark.parametrize("folder", sorted(FUNCTION_LINE_LIMIT))
+def test_each_function_fits_a_screen(folder):
+    limit = FUNCTION_LINE_LIMIT[folder]
+    long = [
+        f"{path.relative_to(REPO)}: {name}, {n} lines"
+        for path in _sources(folder)
+        for name, n in function_lengths(path).items()
+        if n > limit
+    ]
+    assert not long, f"over {limit} lines, split by responsibility:\n" + "\n".join(long)
+    loop = function_lengths(REPO / "stage2_train" / "trainer.py")["_train"]
+    assert loop <= LOOP_LINE_LIMIT, f"stage2_train/trainer.py: _train is {loop} lines"
+
+
+def test_function_lengths_count_methods_and_nested_functions(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "class A:\n    @staticmethod\n    def f():\n        def g():\n            pass\n"
+    )
+    assert function_lengths(probe) == {"A.f": 4, "A.f.g": 2}
+
+
 def _without_install(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run Python as on a fresh clone: no `site`, so no editable install of this project; the
     environment's third-party packages stay importable through PYTHONPATH."""

@@ -157,20 +157,14 @@ class _Piece(NamedTuple):
     last: int
 
 
-def _assemble(pieces: list[_Piece], batches: int, rows: int, width: int) -> dict:
-    """The tensors of `batches` micro-batches, shaped (batches, rows, width, ...), from their
-    pieces (a piece's row counts across the micro-batches): index arithmetic over all tokens at
-    once, one gather per column from each read the pieces come from."""
-    shape = (batches, rows, width)
-    size = batches * rows * width
-    input_ids = np.full(size, PAD_ID, dtype=np.int64)
-    labels = np.full(size, IGNORE_INDEX, dtype=np.int64)
-    teacher_loss = np.full(size, np.nan, dtype=np.float32)
-    position_ids = np.zeros(size, dtype=np.int64)
-    segment_ids = np.zeros(size, dtype=np.int64)
-    chunk_start = np.zeros(size, dtype=bool)
-    extras = {}
-    if pieces:
+class _Tokens:
+    """Every token of a group's pieces (a piece's row counts across the micro-batches), by index
+    arithmetic over all of them at once: its `slot` in the flat (batches x rows x width) tensors,
+    its index in its piece (`local`), its input's index in its read (`source`; its target's is
+    one more), whether its target is new (`fresh`: not trained before, else context), and its
+    piece's `segment`."""
+
+    def __init__(self, pieces: list[_Piece], width: int):
         lengths = [p.last - p.first for p in pieces]
         offsets = list(itertools.accumulate(lengths, initial=0))  # each piece's first token
         # Per piece, minus its first token's index t0, so that for token t of the micro-batch:
@@ -188,41 +182,55 @@ def _assemble(pieces: list[_Piece], batches: int, rows: int, width: int) -> dict
         ]
         token = np.arange(offsets[-1], dtype=np.int64)
         per_token = np.repeat(np.array(per_piece, dtype=np.int64), lengths, axis=0)
-        slot, local, source, fresh = (per_token[:, column] + token for column in range(4))
-        fresh = fresh > 0
-        target = source + 1  # the index of each slot's target in its read
+        self.slot, self.local, self.source, fresh = (per_token[:, c] + token for c in range(4))
+        self.fresh = fresh > 0
+        self.segment = per_token[:, 4]
         # Consecutive pieces of one read are one token range: gather per read, not per piece.
-        runs = [i for i, p in enumerate(pieces) if i == 0 or p.read is not pieces[i - 1].read]
-        bounds = [offsets[i] for i in runs] + [offsets[-1]]
+        self.pieces = pieces
+        self.runs = [i for i, p in enumerate(pieces) if i == 0 or p.read is not pieces[i - 1].read]
+        self.bounds = [offsets[i] for i in self.runs] + [offsets[-1]]
 
-        def take(values_of, index: np.ndarray) -> np.ndarray:
-            if len(runs) == 1:
-                return values_of(pieces[0].read.docs)[index]
-            return np.concatenate([
-                values_of(pieces[i].read.docs)[index[a:b]]
-                for i, a, b in zip(runs, bounds[:-1], bounds[1:], strict=True)
-            ])  # fmt: skip
+    def take(self, values_of, index: np.ndarray) -> np.ndarray:
+        """`values_of(docs)` at `index` (one per token), gathered once per read."""
+        if len(self.runs) == 1:
+            return values_of(self.pieces[0].read.docs)[index]
+        return np.concatenate([
+            values_of(self.pieces[i].read.docs)[index[a:b]]
+            for i, a, b in zip(self.runs, self.bounds[:-1], self.bounds[1:], strict=True)
+        ])  # fmt: skip
 
-        input_ids[slot] = take(lambda d: d.ids, source)
+
+def _assemble(pieces: list[_Piece], batches: int, rows: int, width: int) -> dict:
+    """The tensors of `batches` micro-batches, shaped (batches, rows, width, ...), from their
+    pieces: one gather per column from each read the pieces come from."""
+    shape = (batches, rows, width)
+    size = batches * rows * width
+    input_ids = np.full(size, PAD_ID, dtype=np.int64)
+    labels = np.full(size, IGNORE_INDEX, dtype=np.int64)
+    teacher_loss = np.full(size, np.nan, dtype=np.float32)
+    position_ids = np.zeros(size, dtype=np.int64)
+    segment_ids = np.zeros(size, dtype=np.int64)
+    chunk_start = np.zeros(size, dtype=bool)
+    extras = {}
+    if pieces:
+        tokens = _Tokens(pieces, width)
+        slot, fresh, take = tokens.slot, tokens.fresh, tokens.take
+        target = tokens.source + 1  # the index of each slot's target in its read
+        input_ids[slot] = take(lambda d: d.ids, tokens.source)
         trained = fresh & take(lambda d: d.target, target)  # new, and a target of its record
         labels[slot] = np.where(trained, take(lambda d: d.ids, target), IGNORE_INDEX)
         teacher_loss[slot] = np.where(
             fresh, take(lambda d: d.teacher_loss, target), np.float32(np.nan)
         )
-        position_ids[slot] = local
-        segment_ids[slot] = per_token[:, 4]
+        position_ids[slot] = tokens.local
+        segment_ids[slot] = tokens.segment
         # Chunk starts of the targets; and each piece's first new target begins a chunk, since
         # token 0 (where a document's first chunk begins) is never a target here, and a
         # continuation is selected on its own, as a chunk cut by a micro-batch boundary is
         # (pipeline.chunk_selection).
-        fresh_before = np.concatenate(([False], fresh[:-1])) & (local > 0)
+        fresh_before = np.concatenate(([False], fresh[:-1])) & (tokens.local > 0)
         chunk_start[slot] = fresh & (take(lambda d: d.chunk_start, target) | ~fresh_before)
-        for name in pieces[0].read.docs.extras:
-            values = take(lambda d, name=name: d.extras[name], target)
-            blank = fill_value(values.dtype)
-            extra = np.full((size, *values.shape[1:]), blank, dtype=values.dtype)
-            extra[slot] = np.where(fresh.reshape(-1, *[1] * (values.ndim - 1)), values, blank)
-            extras[name] = torch.from_numpy(extra.reshape(*shape, *values.shape[1:]))
+        extras = _extras(tokens, target, shape)
     return {
         "input_ids": torch.from_numpy(input_ids.reshape(shape)),
         "labels": torch.from_numpy(labels.reshape(shape)),
@@ -231,3 +239,16 @@ def _assemble(pieces: list[_Piece], batches: int, rows: int, width: int) -> dict
         "segment_ids": torch.from_numpy(segment_ids.reshape(shape)),
         "chunk_start": torch.from_numpy(chunk_start.reshape(shape)),
     } | extras
+
+
+def _extras(tokens: _Tokens, target: np.ndarray, shape: tuple) -> dict[str, torch.Tensor]:
+    """A distillation's extras of the targets, travelling like the teacher loss (padding and
+    context slots hold their fill_value)."""
+    size, fresh, extras = int(np.prod(shape)), tokens.fresh, {}
+    for name in tokens.pieces[0].read.docs.extras:
+        values = tokens.take(lambda d, name=name: d.extras[name], target)
+        blank = fill_value(values.dtype)
+        extra = np.full((size, *values.shape[1:]), blank, dtype=values.dtype)
+        extra[tokens.slot] = np.where(fresh.reshape(-1, *[1] * (values.ndim - 1)), values, blank)
+        extras[name] = torch.from_numpy(extra.reshape(*shape, *values.shape[1:]))
+    return extras

@@ -20,13 +20,8 @@ import pyarrow as pa
 
 from pipeline.alignment import DEFAULT_AGGREGATION, chunk_starts
 from pipeline.cache.rows import (
-    CheckedRows,
     check_extra_columns,
     check_rows,
-    list_column,
-    rows_index,
-    target_spans,
-    token_values,
 )
 from pipeline.cache.schema import (
     DOC_ID,
@@ -47,6 +42,7 @@ from pipeline.tokenizer import TextTokenizer, load_tokenizer
 from stage2_train.data.more_teachers import RowFeed, TeacherTokens, document_teachers
 from stage2_train.data.plan import DataPlan, work_items
 from stage2_train.data.position import StreamPosition
+from stage2_train.data.read_rows import ReadRows
 from stage2_train.data.shards import verified_shard
 
 READ_ROWS = 128  # rows per Parquet read: the I/O unit and the shuffle window inside an item
@@ -135,38 +131,10 @@ def annotate(
         ),
         *more_teachers,
     ]  # fmt: skip
-    mappings = [
-        student_teacher_loss(
-            student_start, student_end, lengths, teacher.start, teacher.end, teacher.loss,
-            teacher.lengths, text_lengths, alignment=teacher.alignment, num_chunks=num_chunks,
-            aggregate=aggregate,
-        )
-        for teacher in teachers
-    ]  # fmt: skip
+    mappings = _align(student, text_lengths, teachers, num_chunks, aggregate)
     ids = student.ids
     starts = chunk_starts(lengths, num_chunks) if alignment == "chunk" else None
-    extras = {}
-    if distillation is not None:
-        reads = [
-            AlignedRead(
-                student_ids=ids,
-                student_start=student_start,
-                student_end=student_end,
-                student_lengths=lengths,
-                teacher_start=teacher.start,
-                teacher_end=teacher.end,
-                teacher_lengths=teacher.lengths,
-                teacher_loss=teacher.loss,
-                text_lengths=text_lengths,
-                map_start=mapping.map_start,
-                map_end=mapping.map_end,
-                teacher_columns=teacher.columns,
-            )
-            for teacher, mapping in zip(teachers, mappings, strict=True)
-        ]
-        # several teachers: a TeacherMixture (pipeline.distillation.teachers) takes every read
-        many = bool(more_teachers)
-        extras = distillation.teacher_extras(reads) if many else distillation.extras(reads[0])
+    extras = _extras(distillation, student, text_lengths, teachers, mappings)
     target = None
     if target_spans is not None:
         target = target_tokens(student_start, student_end, lengths, text_lengths, *target_spans)
@@ -174,6 +142,57 @@ def annotate(
     combined = combine_teacher_losses([m.teacher_loss for m in mappings], combine, chosen)
     return AnnotatedDocuments(
         ids, combined, lengths, chunk_start=starts, extras=extras, target=target
+    )
+
+
+def _align(
+    student,
+    text_lengths: np.ndarray,
+    teachers: list[TeacherTokens],
+    num_chunks: int,
+    aggregate: str,
+) -> list:
+    """Each teacher's tokens aligned to the student's on their own (pipeline.teacher_loss)."""
+    return [
+        student_teacher_loss(
+            student.start, student.end, student.lengths, teacher.start, teacher.end, teacher.loss,
+            teacher.lengths, text_lengths, alignment=teacher.alignment, num_chunks=num_chunks,
+            aggregate=aggregate,
+        )
+        for teacher in teachers
+    ]  # fmt: skip
+
+
+def _extras(
+    distillation: Distillation | None,
+    student,
+    text_lengths: np.ndarray,
+    teachers: list[TeacherTokens],
+    mappings: list,
+) -> dict[str, np.ndarray]:
+    """The distillation's extras per student token, from every teacher's aligned read."""
+    if distillation is None:
+        return {}
+    reads = [
+        AlignedRead(
+            student_ids=student.ids,
+            student_start=student.start,
+            student_end=student.end,
+            student_lengths=student.lengths,
+            teacher_start=teacher.start,
+            teacher_end=teacher.end,
+            teacher_lengths=teacher.lengths,
+            teacher_loss=teacher.loss,
+            text_lengths=text_lengths,
+            map_start=mapping.map_start,
+            map_end=mapping.map_end,
+            teacher_columns=teacher.columns,
+        )
+        for teacher, mapping in zip(teachers, mappings, strict=True)
+    ]
+    # several teachers: a TeacherMixture (pipeline.distillation.teachers) takes every read
+    return (
+        distillation.teacher_extras(reads) if len(teachers) > 1 else distillation.extras(reads[0])
     )
 
 
@@ -214,17 +233,7 @@ class DocumentReader:
         plan = self.plan
         record = plan.shards[shard]
         path = verified_shard(plan, record, [plan.shards[i] for i in ahead])
-        feeds = [  # the other teachers' caches, read in step with this one
-            RowFeed(
-                verified_shard(plan, cache.shards[shard], [cache.shards[i] for i in ahead],
-                               cache.location),
-                cache.alignment,
-                READ_ROWS,
-                plan.distillation_columns,
-                cache.head_size,
-            )
-            for cache in plan.more_caches
-        ]  # fmt: skip
+        feeds = self._more_feeds(shard, ahead)
         parts = plan.parts_per_shard
         rows_seen = 0
         columns = READ_COLUMNS + list(plan.distillation_columns)
@@ -267,6 +276,20 @@ class DocumentReader:
                 f"shard {path} has {rows_seen} rows but the manifest says {record.rows}"
             )
 
+    def _more_feeds(self, shard: int, ahead: list[int]) -> list[RowFeed]:
+        """The other teachers' caches' rows of `shard`, read in step with this one."""
+        return [
+            RowFeed(
+                verified_shard(self.plan, cache.shards[shard], [cache.shards[i] for i in ahead],
+                               cache.location),
+                cache.alignment,
+                READ_ROWS,
+                self.plan.distillation_columns,
+                cache.head_size,
+            )
+            for cache in self.plan.more_caches
+        ]  # fmt: skip
+
     def _annotate_rows(
         self, rows: ReadRows, more: Sequence[TeacherTokens] = ()
     ) -> AnnotatedDocuments:
@@ -295,52 +318,3 @@ class DocumentReader:
         )
         docs.doc_ids = rows.doc_ids
         return docs
-
-
-@dataclass(frozen=True)
-class ReadRows:
-    """The rows of one read a consumer trains on, in stream order: texts, document ids, tokens per
-    row, and the per-token cache columns (pipeline.cache.rows.token_values), rows concatenated."""
-
-    texts: list[str]
-    doc_ids: list[str]
-    lengths: np.ndarray
-    columns: dict[str, np.ndarray]
-    target_spans: tuple[np.ndarray, np.ndarray] | None = None  # (spans [n, 2], per row)
-
-    @classmethod
-    def of(
-        cls,
-        batch: pa.RecordBatch,
-        checked: CheckedRows,
-        order: np.ndarray,
-        names: list[str],
-        decoded: dict[str, np.ndarray],
-    ) -> ReadRows:
-        """The `batch` rows in `order`, from what check_rows read and check_extra_columns
-        `decoded`, and the other `names`."""
-        index = rows_index(checked.lengths, order)
-        known = {
-            TOKEN_START: checked.token_start,
-            TOKEN_END: checked.token_end,
-            LOSS: list_column(batch, LOSS, np.float32)[0],
-            **decoded,
-        }
-        columns = {
-            name: (known[name] if name in known else token_values(batch, name))[index]
-            for name in names
-            if name not in (DOC_ID, TEXT, TEXT_SHA256, TARGET_SPANS)
-        }
-        spans = None
-        if TARGET_SPANS in names:
-            stored, per_row = target_spans(batch)
-            spans = (stored[rows_index(per_row, order)], per_row[order])
-        doc_ids = batch.column(DOC_ID).to_pylist()
-        rows = order.tolist()
-        return cls(
-            [checked.texts[i] for i in rows],
-            [doc_ids[i] for i in rows],
-            checked.lengths[order],
-            columns,
-            spans,
-        )
