@@ -88,7 +88,8 @@ class MemoryEstimate:
 
 
 def gib(size: int) -> str:
-    return f"{size / 2**30:.1f} GiB"
+    """'16.4 GiB', or below one GiB '380 MiB'."""
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
 
 
 def estimate_memory(

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pipeline.cache.manifest import CacheManifest
 from pipeline.distillation import Distillation
@@ -19,13 +20,10 @@ from pipeline.guidance_modes import MODES
 from pipeline.storage import Store
 from pipeline.tokenizer import TextTokenizer
 from stage2_train.config import TrainConfig
-
-# Bytes per target token of a float32 forward and backward: the logits, their softmax and its
-# gradient (3 x 4 bytes x vocabulary) and, per layer, about 34 activations of the hidden size
-# (Korthikanti et al., 2022, for 16-bit; doubled for float32). An estimate, meant to catch
-# orders of magnitude, not to plan memory.
-LOGIT_BYTES_PER_ENTRY = 12
-ACTIVATION_BYTES_PER_HIDDEN_PER_LAYER = 68
+from stage2_train.distributed import Runtime
+from stage2_train.kernels import ResolvedKernels
+from stage2_train.memory import StudentShape, estimate_memory, gib
+from stage2_train.parallel import compute_dtype
 
 
 def check_output_and_cache(
@@ -104,29 +102,44 @@ def _tokenizer_of(record: dict) -> str:
     return f"{own} ({size})"
 
 
-def check_student_fits(config: TrainConfig, model_config, device: torch.device) -> None:
-    """--seq-len within the student's positions, and a micro-batch that fits in memory."""
-    text_config = model_config.get_text_config()
-    positions = getattr(text_config, "max_position_embeddings", None)
+def check_student_fits(
+    config: TrainConfig, student: nn.Module, runtime: Runtime, kernels: ResolvedKernels
+) -> None:
+    """--seq-len within the student's positions, and a training step within one rank's memory:
+    the model's state, its copies in the compute dtype and a micro-batch's activations
+    (stage2_train.memory), checked before the student is placed."""
+    positions = getattr(student.config.get_text_config(), "max_position_embeddings", None)
     if positions is not None and config.seq_len > positions:
         raise ConfigError(
             f"--seq-len {config.seq_len} is beyond the student's {positions} positions; "
             f"use --seq-len {positions} or less"
         )
-    per_token = (
-        LOGIT_BYTES_PER_ENTRY * text_config.vocab_size
-        + ACTIVATION_BYTES_PER_HIDDEN_PER_LAYER
-        * text_config.hidden_size
-        * text_config.num_hidden_layers
+    estimate = estimate_memory(
+        StudentShape.of(student),
+        micro_batch_size=config.micro_batch_size,
+        seq_len=config.seq_len,
+        world_size=runtime.world_size,
+        fsdp=config.fsdp,
+        compute_dtype=compute_dtype(runtime.device, config.dtype),
+        fsdp_param_dtype=kernels.fsdp_param_dtype,
+        loss_kernel=kernels.loss_kernel,
+        activation_checkpointing=False,
     )
-    needed = per_token * config.micro_batch_size * config.seq_len
-    available = available_memory(device)
-    if needed > available:
+    available = available_memory(runtime.device)
+    if estimate.total > available:
+        ways = []
+        if config.micro_batch_size > 1:
+            ways.append("lower --micro-batch-size (the step keeps its size through accumulation)")
+        ways.append(
+            "run more ranks (--fsdp divides the model's state among them)"
+            if config.fsdp
+            else "shard the model's state with --fsdp (divided among torchrun's ranks)"
+        )
         raise ConfigError(
-            f"--micro-batch-size {config.micro_batch_size} x --seq-len {config.seq_len} needs "
-            f"about {needed / 2**30:.1f} GiB for one forward and backward (an estimate), and "
-            f"{available / 2**30:.1f} GiB is free on {device}: lower --micro-batch-size (the "
-            "step keeps its size through gradient accumulation)"
+            f"a training step needs about {gib(estimate.total)} per rank ({estimate.parts()}, "
+            f"for a micro-batch of {config.micro_batch_size} x {config.seq_len} tokens on "
+            f"{runtime.world_size} rank(s); an estimate) and {gib(available)} is free on "
+            f"{runtime.device}: " + ", or ".join(ways)
         )
 
 

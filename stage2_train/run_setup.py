@@ -104,7 +104,7 @@ def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStac
     kernels = ResolvedKernels.on(config, student, runtime.device)
     meta |= kernels.saved()
     use_attention(student, kernels.attention)
-    check_student_fits(config, student.config, runtime.device)
+    check_student_fits(config, student, runtime, kernels)
     model = wrap(student, runtime, config.fsdp, kernels.compile, kernels.fsdp_param_dtype)
     optimizer = make_optimizer(model, config, kernels.adamw_kernel)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -64,13 +64,36 @@ def test_a_sequence_beyond_the_students_positions_is_refused(cache, tmp_path):
 
 
 def test_a_micro_batch_that_cannot_fit_in_memory_is_refused(cache, tmp_path, monkeypatch):
-    # 32 x 32 tokens of a 32,000-token vocabulary need about 0.4 GiB; give it a quarter of that.
+    # 32 x 32 tokens of a 32,000-token vocabulary: about 0.4 GiB of logits; give it a quarter.
     monkeypatch.setattr(preflight, "available_memory", lambda device: 2**27)
     argv = train_args(
         cache, tmp_path / "out", "--micro-batch-size", "32", "--global-batch-tokens", "1024"
     )
-    with pytest.raises(ConfigError, match=r"--micro-batch-size 32 x --seq-len 32 needs about"):
+    with pytest.raises(ConfigError) as refusal:
         run(argv)
+    message = str(refusal.value)
+    assert message.startswith(
+        "a training step needs about 447 MiB per rank (64 MiB of float32 weights"
+    )
+    assert "of activations, for a micro-batch of 32 x 32 tokens on 1 rank(s)" in message
+    assert "lower --micro-batch-size" in message and "with --fsdp" in message
+
+
+def test_a_student_whose_state_alone_cannot_fit_is_refused(cache, tmp_path, monkeypatch):
+    """The model counts, not only the activations: llama-tiny's 4.2M parameters need 16 bytes
+    each (float32 weights, gradients, AdamW's two moments), more than the memory given it."""
+    from pipeline.models.student import build_student
+    from pipeline.tokenizer import load_tokenizer
+
+    student = build_student("llama-tiny", load_tokenizer("tinyllama"), 0, 32)
+    parameters = sum(p.numel() for p in student.parameters())
+    monkeypatch.setattr(preflight, "available_memory", lambda device: 16 * parameters - 1)
+    argv = train_args(cache, tmp_path / "out", "--micro-batch-size", "1",
+                      "--global-batch-tokens", "64")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"\(64 MiB of float32 weights, gradients and AdamW "
+                       r"moments, 12 MiB of activations.*: shard the model's state with --fsdp"):  # fmt: skip
+        run(argv)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_step_larger_than_the_whole_cache_is_refused(cache, tmp_path):
