@@ -52,7 +52,7 @@ def measure(final: Path) -> dict:
     answers = evaluate(EvalConfig(model=str(final), data=data, targets="chat", num_docs=0,
                                   answer_problems=RECORDS, accuracy_problems=0, max_length=512))
     whole = evaluate(EvalConfig(model=str(final), data=data, targets="chat", num_docs=RECORDS,
-                                accuracy_problems=0, max_length=512))  # fmt: skip
+                                answer_problems=0, accuracy_problems=0, max_length=512))  # fmt: skip
     return {"answer_bits": answers["answer_bits"], "bits_per_character": whole["bits_per_character"]}
 
 

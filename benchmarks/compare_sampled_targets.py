@@ -93,8 +93,8 @@ def full_kl(student_dir: Path, teacher, tokenizer, texts: list[str]) -> np.ndarr
 
 
 def measure(final: Path, tokenizer: str, teacher, texts: list[str]) -> dict:
-    config = EvalConfig(model=str(final), num_docs=EVAL_DOCS, accuracy_problems=0,
-                        max_length=MAX_TOKENS)  # fmt: skip
+    config = EvalConfig(model=str(final), num_docs=EVAL_DOCS, answer_problems=0,
+                        accuracy_problems=0, max_length=MAX_TOKENS)  # fmt: skip
     bits = evaluate(config)["bits_per_character"]
     result = {
         "bits_per_character": bits["bits_per_character"],

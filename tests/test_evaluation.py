@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from apps.evaluation.answer_accuracy import (
 from apps.evaluation.answer_bits import answer_bits, answer_start
 from apps.evaluation.bits_per_character import bits_per_character
 from apps.evaluation.bootstrap import paired_bootstrap
+from apps.evaluation.config import EvalConfig
 from pipeline.scoring.hf import HFScorer
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.tokenizer import load_tokenizer
@@ -118,12 +120,41 @@ def test_eval_data_with_a_bad_record_stops_or_skips_as_asked(tmp_path, capsys):
     rows.append({"text": "Seven days.\n#### 7"})
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     args = ["eval", "--model", str(folder), "--data", str(data), "--num-docs", "2"]
-    args += ["--accuracy-problems", "0", "--max-length", "256"]
+    args += ["--accuracy-problems", "0", "--answer-problems", "0", "--max-length", "256"]
     assert main(args) == 2
     assert "record 1: text holds a lone surrogate" in capsys.readouterr().err
     assert main([*args, "--on-bad-record", "skip"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["bits_per_character"]["documents"] == 2 and report["skipped_records"] == 1
+
+
+def test_eval_computes_the_readmes_primary_metric_without_being_asked(tmp_path, capsys):
+    """README: the primary metric is answer bits per character given the question on 200
+    held-out problems, as the demo pre-registers it; `vocagno eval` computes it by default, and
+    says so when the held-out data hold fewer problems (or refuses in one line when none)."""
+    from pipeline.config import load_manifest_section
+
+    demo = Path(__file__).resolve().parents[1] / "manifests" / "demo.toml"
+    assert EvalConfig(model="m").answer_problems == 200
+    assert load_manifest_section(demo, "eval")["answer_problems"] == 200
+    folder = make_tiny_teacher(tmp_path / "m", "tinyllama")
+    data = tmp_path / "held-out.jsonl"
+    rows = [f"Question: {n} + 1?\nAnswer: {n + 1} #### {n + 1}" for n in range(3)]
+    data.write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    args = ["eval", "--model", str(folder), "--data", str(data), "--accuracy-problems", "0"]
+    args += ["--max-length", "256"]
+    assert main([*args, "--num-docs", "1"]) == 0  # no --answer-problems: 2 of the 200 left
+    out, err = capsys.readouterr()
+    primary = json.loads(out)["answer_bits"]
+    assert primary["problems"] == 2 and 0 < primary["bits_per_character"] < 30
+    assert primary["per_problem_characters"] == [len(" 2 #### 2"), len(" 3 #### 3")]
+    assert "only 2 held-out problems after the documents" in err
+    assert main([*args, "--num-docs", "3"]) == 2  # none left: one line, not an empty metric
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith(
+        "vocagno eval: error: no held-out problems left after the 3 bits-per-character documents"
+    )
 
 
 def test_generation_stops_per_row_once_the_final_answer_line_is_written():

@@ -9,8 +9,10 @@ from apps.commands.subcommand import config_from_args, config_subcommand
 from apps.evaluation.config import SECTION, EvalConfig
 
 DESCRIPTION = (
-    "Evaluate a causal LM: held-out loss in bits per character (comparable across tokenizers) and "
-    "math answer accuracy by greedy generation with a few-shot prompt. Prints a JSON summary."
+    "Evaluate a causal LM. By default: the primary metric, answer bits per character given the "
+    "question on 200 held-out problems; held-out bits per character of 200 documents (both "
+    "comparable across tokenizers); and math answer accuracy by greedy generation with a "
+    "few-shot prompt. Prints a JSON summary."
 )
 
 
@@ -22,7 +24,7 @@ def add_parser(subparsers) -> None:
         SECTION,
         DESCRIPTION,
         _run,
-        help="bits per character and answer accuracy of a model",
+        help="answer bits per character (primary), bits per character and answer accuracy",
     )
 
 

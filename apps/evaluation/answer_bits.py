@@ -18,6 +18,7 @@ import numpy as np
 
 from apps.evaluation.bits_per_character import context_prefix
 from pipeline.corpus.targets import Spans, target_tokens
+from pipeline.errors import CorpusError
 from pipeline.tokenizer import TextTokenizer
 
 ANSWER_MARK = "\nAnswer:"
@@ -27,7 +28,10 @@ def answer_start(text: str) -> int:
     """Offset of the answer section's first character."""
     at = text.find(ANSWER_MARK)
     if at < 0:
-        raise ValueError("document has no '\\nAnswer:' line")
+        raise CorpusError(
+            "held-out document has no '\\nAnswer:' line: answer bits read 'Question: ... "
+            "\\nAnswer: ...' problems (--answer-problems 0 skips them)"
+        )
     return at + len(ANSWER_MARK)
 
 

@@ -39,7 +39,9 @@ class EvalConfig:
         "(LAMBADA-style; apps/evaluation/last_word.py)",
     )
     answer_problems: int = option(
-        0, help="held-out problems for answer bits per character given the question (0: skip)"
+        200,
+        help="held-out problems for answer bits per character given the question, the primary "
+        "metric (README; it compares models across tokenizers) (0: skip)",
     )
     accuracy_problems: int = option(
         50, help="held-out problems for greedy answer accuracy (0: skip)"

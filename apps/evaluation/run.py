@@ -1,7 +1,7 @@
 """`vocagno eval`: load a model once, measure bits per character, answer bits per character given
-the question, and answer accuracy. Both answer metrics use the same held-out problems (those after
-the bits-per-character documents), in the same order, so models can be compared problem by
-problem."""
+the question (the primary metric, README: on by default, 200 problems), and answer accuracy. Both
+answer metrics use the same held-out problems (those after the bits-per-character documents), in
+the same order, so models can be compared problem by problem."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from apps.evaluation.config import EvalConfig
 from apps.evaluation.last_word import last_word_accuracy
 from pipeline.config import to_dict
 from pipeline.corpus import Corpus, CorpusOptions, Document
+from pipeline.errors import CorpusError
 from pipeline.io import atomic_write_json
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.hf import HFScorer
@@ -73,6 +74,8 @@ def evaluate(config: EvalConfig) -> dict:
     )
     documents, skipped = evaluation_documents(data, config.num_docs + count, options)
     docs = documents[config.num_docs :]
+    if count and len(docs) < count:
+        _few_problems(len(docs), config)
     if config.num_docs:
         texts = [d.text for d in documents[: config.num_docs]]
         print(f"eval: bits per character over {len(texts)} documents", file=sys.stderr)
@@ -110,3 +113,15 @@ def evaluate(config: EvalConfig) -> dict:
     if config.out:
         atomic_write_json(config.out, report)
     return report
+
+
+def _few_problems(found: int, config: EvalConfig) -> None:
+    """Fewer held-out problems than asked: said on stderr, or refused when none is left."""
+    asked = f"--answer-problems {config.answer_problems}, --accuracy-problems "
+    asked += f"{config.accuracy_problems}"
+    if not found:
+        raise CorpusError(
+            f"no held-out problems left after the {config.num_docs} bits-per-character "
+            f"documents ({asked}): pass 0 for both, or a smaller --num-docs"
+        )
+    print(f"eval: only {found} held-out problems after the documents ({asked})", file=sys.stderr)
