@@ -21,7 +21,10 @@ TextSplit = Literal["file", "line"]
 # which characters of a record are training targets (pipeline.corpus.targets): all of them, the
 # record's own spans, or the assistant turns of its chat messages rendered by a named template
 Targets = Literal["all", "spans", "chat"]
-ChatTemplate = Literal["chatml", "plain"]
+# how chat messages become text: a named template (pipeline.corpus.targets), or the teacher's or
+# the student's tokenizer's own chat_template (pipeline.corpus.own_template; stage 1 only)
+NamedChatTemplate = Literal["chatml", "plain"]
+ChatTemplate = Literal["chatml", "plain", "teacher"]
 OnBadRecord = Literal["error", "skip"]
 # a teacher's weights as loaded; checkpoint: the dtype its checkpoint was saved in
 TorchDtype = Literal["float32", "bfloat16", "float16", "checkpoint"]
@@ -68,6 +71,8 @@ TEXT_SPLITS: tuple[str, ...] = get_args(TextSplit)
 ON_BAD_RECORD: tuple[str, ...] = get_args(OnBadRecord)
 TARGETS: tuple[str, ...] = get_args(Targets)
 CHAT_TEMPLATES: tuple[str, ...] = get_args(ChatTemplate)
+NAMED_CHAT_TEMPLATES: tuple[str, ...] = get_args(NamedChatTemplate)
+OWN_CHAT_TEMPLATES = tuple(t for t in CHAT_TEMPLATES if t not in NAMED_CHAT_TEMPLATES)
 TORCH_DTYPES: tuple[str, ...] = get_args(TorchDtype)
 LOSS_DTYPE_NAMES: tuple[str, ...] = get_args(LossDtype)
 PACKINGS: tuple[str, ...] = get_args(Packing)

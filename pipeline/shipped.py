@@ -32,3 +32,8 @@ def shipped_corpus(split: str) -> Path:
 def shipped_tokenizer_file(file_name: str) -> Path:
     """A tokenizer.json.zst from pipeline/assets/tokenizers (names are in tokenizers.toml)."""
     return ASSETS / "tokenizers" / file_name
+
+
+def shipped_chat_template(file_name: str) -> Path:
+    """A Jinja chat template from pipeline/assets/chat_templates (named in chat_templates.toml)."""
+    return ASSETS / "chat_templates" / file_name

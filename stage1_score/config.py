@@ -91,7 +91,9 @@ class ScoreConfig:
     spans_column: str = CORPUS("target_spans", help="--targets spans: its [[start, end], ...]")
     messages_column: str = CORPUS("messages", help="--targets chat: its [{role, content}, ...]")
     chat_template: ChatTemplate = CORPUS(
-        "chatml", help="--targets chat: <|im_start|>role ... <|im_end|>, or plain role: ..."
+        "chatml",
+        help="--targets chat: <|im_start|>role ... <|im_end|>; plain role: ...; teacher: the "
+        "teacher tokenizer's own chat_template (apply_chat_template)",
     )
     docs_per_shard: int = BATCHING(1000, help="documents per work unit; unit k becomes shard k")
     backend: ScoringBackend = TEACHER(

@@ -21,8 +21,10 @@ from pipeline.cache.manifest import (
     write_manifest,
 )
 from pipeline.cache.settings import CacheSettings
+from pipeline.choices import OWN_CHAT_TEMPLATES
 from pipeline.config import to_dict
 from pipeline.corpus import Corpus
+from pipeline.corpus.own_template import OwnTemplate, own_template
 from pipeline.errors import ConfigError, CorpusError
 from pipeline.io import sha256_text
 from pipeline.log import counted, get_logger
@@ -111,14 +113,19 @@ def teacher_dtype(config: ScoreConfig) -> str:
 
 def plan(config: ScoreConfig) -> Plan:
     """Resolve and check corpus, teacher, tokenizer and windows; CorpusError/TeacherError/... if bad."""
-    corpus = Corpus(config.corpus, config.corpus_options())
-    check_out_apart(as_location(config.out), corpus)
+    options = config.corpus_options()
+    # the corpus is checked before any teacher file is read, unless it is rendered by the
+    # teacher's own chat template: that is read with the teacher's tokenizer
+    own = options.targets == "chat" and options.chat_template in OWN_CHAT_TEMPLATES
+    corpus = None if own else checked_corpus(config)
     teacher = resolve_teacher(config.teacher, config.teacher_revision)
     teacher_config = load_teacher_config(teacher)
     check_weights_readable(teacher)
     check_model_weights(teacher, teacher_config)
     tokenizer = load_teacher_tokenizer(teacher, config.tokenizer)
     check_tokenizer_fits(tokenizer, teacher_config, teacher, config.force_tokenizer)
+    if corpus is None:
+        corpus = checked_corpus(config, own_template(options.chat_template, tokenizer))
     context = teacher_context_length(teacher_config)
     try:
         max_length, stride = config.windows(context)
@@ -149,6 +156,12 @@ def plan(config: ScoreConfig) -> Plan:
         "corpus": corpus.describe(),
     }
     return Plan(config, corpus, teacher, dtype, max_length, stride, settings, identity)
+
+
+def checked_corpus(config: ScoreConfig, template: OwnTemplate | None = None) -> Corpus:
+    corpus = Corpus(config.corpus, config.corpus_options(), template)
+    check_out_apart(as_location(config.out), corpus)
+    return corpus
 
 
 def check_out_apart(out: str | Path, corpus: Corpus) -> None:

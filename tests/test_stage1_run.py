@@ -254,6 +254,77 @@ def test_chat_records_are_scored_whole_and_cached_with_their_assistant_spans(
     assert "--overwrite" in one_line_error(capsys)
 
 
+@pytest.fixture(scope="module")
+def chat_teacher(tmp_path_factory) -> Path:
+    """A tiny teacher whose tokenizer (SmolLM2's) carries SmolLM2-Instruct's chat template."""
+    from pipeline.shipped import shipped_chat_template
+
+    smol = make_tiny_teacher(tmp_path_factory.mktemp("teacher") / "smol", "smollm2")
+    config = json.loads((smol / "tokenizer_config.json").read_text())
+    config["chat_template"] = shipped_chat_template("smollm2-instruct.jinja").read_text()
+    (smol / "tokenizer_config.json").write_text(json.dumps(config))
+    return smol
+
+
+def chat_corpus(folder: Path, count: int) -> tuple[Path, list[dict]]:
+    from pipeline.shipped import shipped_corpus
+
+    lines = zstandard.decompress(shipped_corpus("chat-train").read_bytes()).decode().splitlines()
+    records = [json.loads(line) for line in lines[:count]]
+    corpus = folder / "chat.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return corpus, records
+
+
+def test_the_teacher_s_own_template_renders_the_plan_s_documents(
+    chat_teacher, teacher, tmp_path, capsys
+):
+    """`--chat-template teacher`, planned without Ray: each document's text is the teacher
+    tokenizer's chat_template rendered by apply_chat_template, its spans the assistant turns, and
+    the cache's identity names the template; a teacher whose tokenizer has none is one line."""
+    from transformers import PreTrainedTokenizerFast
+
+    from stage1_score import job
+    from stage1_score.config import ScoreConfig
+
+    corpus, records = chat_corpus(tmp_path, 3)
+    chat = ("--targets", "chat", "--chat-template", "teacher")
+    planned = job.plan(
+        parse_config(ScoreConfig, args(chat_teacher, corpus, tmp_path / "o", *chat), "", "stage1")
+    )
+    hf = PreTrainedTokenizerFast.from_pretrained(chat_teacher)
+    for record, document in zip(records, planned.corpus, strict=True):
+        assert document.text == hf.apply_chat_template(record["messages"], tokenize=False)
+        ((start, end),) = document.target_spans
+        assert document.text[start:end] == record["messages"][-1]["content"] + "<|im_end|>"
+    template = planned.identity["corpus"]["targets"]["template"]
+    assert template["name"] == "teacher" and len(template["chat_template_sha256"]) == 64
+    assert main(args(teacher, corpus, tmp_path / "other", *chat)) == 2
+    assert "has no chat_template" in one_line_error(capsys)
+
+
+@pytest.mark.slow
+def test_chat_records_in_the_teacher_s_own_template_end_to_end(ray_cluster, chat_teacher, tmp_path):
+    """The cache of such a run holds the rendered text and the spans, and verifies."""
+    corpus, records = chat_corpus(tmp_path, 4)
+    out = tmp_path / "cache"
+    assert (
+        main(args(chat_teacher, corpus, out, "--targets", "chat", "--chat-template", "teacher"))
+        == 0
+    )
+    manifest, problems = verify_cache(out)
+    assert problems == [] and manifest.corpus["targets"]["template"]["name"] == "teacher"
+    rows = read_cache_rows(out)
+    for record in records:
+        row = rows[record["id"]]
+        start, end = row["target_spans"]
+        assert row["text"][start:end] == record["messages"][-1]["content"] + "<|im_end|>"
+        assert row["text"].startswith(
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM"
+        )
+        assert not np.isnan(np.asarray(row["loss"][1:], dtype=float)).any()
+
+
 def test_dtype_auto_is_bfloat16_where_the_workers_get_gpus(teacher, corpus, tmp_path, monkeypatch):
     """What the driver resolves --dtype auto to, from the GPUs of the cluster it will join
     (stage 2's --dtype auto computes alike), into the cache's identity; any other choice stands."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.choices import ChatTemplate, OnBadRecord, Targets, TorchDtype
+from pipeline.choices import NamedChatTemplate, OnBadRecord, Targets, TorchDtype
 from pipeline.config import option
 
 SECTION = "eval"
@@ -31,7 +31,7 @@ class EvalConfig:
         help="the answer of each problem: all: its text after '\\nAnswer:'; spans or chat: its "
         "target spans, as stage 1's --targets reads them (field target_spans or messages)",
     )
-    chat_template: ChatTemplate = option("chatml", help="--targets chat: as stage 1's")
+    chat_template: NamedChatTemplate = option("chatml", help="--targets chat: as stage 1's")
     num_docs: int = option(200, help="held-out documents for bits per character (0: skip)")
     last_words: bool = option(
         False,

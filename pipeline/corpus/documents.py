@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.cache.manifest import SkippedDocument
+from pipeline.choices import OWN_CHAT_TEMPLATES
+from pipeline.corpus.own_template import OwnTemplate
 from pipeline.corpus.records import (
     BadRecord,
     CorpusOptions,
@@ -21,6 +23,7 @@ from pipeline.corpus.targets import (
     TEMPLATES,
     BadTargets,
     checked_spans,
+    named_template_identity,
     render_chat,
     targets_identity,
 )
@@ -30,9 +33,23 @@ from pipeline.errors import CorpusError
 class Corpus:
     """The documents of a corpus spec, streamed in a fixed order."""
 
-    def __init__(self, spec: str | Path, options: CorpusOptions | None = None):
+    def __init__(
+        self,
+        spec: str | Path,
+        options: CorpusOptions | None = None,
+        own_template: OwnTemplate | None = None,
+    ):
+        """`own_template`: the tokenizer's template that `chat_template` teacher or student
+        names (pipeline.corpus.own_template), which the caller loads: it knows the tokenizers."""
         self.spec = str(spec)
         self.options = options or CorpusOptions()
+        own = self.options.targets == "chat" and self.options.chat_template in OWN_CHAT_TEMPLATES
+        if own != (own_template is not None):
+            raise ValueError(
+                f"chat_template {self.options.chat_template!r} with targets "
+                f"{self.options.targets!r} {'needs' if own else 'takes no'} own_template"
+            )
+        self.own_template = own_template
         self.format, self.sources = resolve_sources(self.spec, self.options.split)
         self.root = corpus_root(self.spec)  # what it reads, at or below
         self._finished_bytes = 0
@@ -55,8 +72,12 @@ class Corpus:
         options = self.options
         if options.targets == "all":
             return {}
-        template = options.chat_template if options.targets == "chat" else None
-        return {"targets": targets_identity(options.targets, options.targets_column, template)}
+        identity = targets_identity(options.targets, options.targets_column)
+        if self.own_template is not None:
+            identity["template"] = self.own_template.describe()
+        elif options.targets == "chat":
+            identity["template"] = named_template_identity(options.chat_template)
+        return {"targets": identity}
 
     @property
     def total_bytes(self) -> int:
@@ -91,7 +112,10 @@ class Corpus:
         text, spans = raw.text, None
         if self.options.targets == "chat":
             try:
-                text, spans = render_chat(raw.targets, TEMPLATES[self.options.chat_template])
+                if self.own_template is not None:
+                    text, spans = self.own_template.render(raw.targets)
+                else:
+                    text, spans = render_chat(raw.targets, TEMPLATES[self.options.chat_template])
             except BadTargets as bad:
                 raise BadRecord(raw.record, str(bad), doc_id) from None
         if isinstance(text, bytes):

@@ -80,16 +80,24 @@ def checked_spans(value: Any, text_length: int) -> Spans:
     return tuple(spans)
 
 
-def render_chat(messages: Any, template: ChatTemplate) -> tuple[str, Spans]:
-    """The text of `messages` and its assistant spans, or BadTargets."""
+def checked_messages(messages: Any) -> list[dict]:
+    """A record's messages, or BadTargets: a non-empty list of dicts, each with a string role
+    and content (other keys are kept: a tokenizer's own template may read them)."""
     if not isinstance(messages, list | tuple) or not messages:
         raise BadTargets(f"messages must be a non-empty list, not {messages!r:.60}")
-    parts, spans, length = [], [], 0
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(role, str) or not role or not isinstance(content, str):
             raise BadTargets(f"message {index} needs a string role and content: {message!r:.60}")
+    return list(messages)
+
+
+def render_chat(messages: Any, template: ChatTemplate) -> tuple[str, Spans]:
+    """The text of `messages` and its assistant spans, or BadTargets."""
+    parts, spans, length = [], [], 0
+    for message in checked_messages(messages):
+        role, content = message["role"], message["content"]
         before = template.before.format(role=role)
         trained = len(content) + template.closing  # the content and its end-of-turn marker
         if role == ASSISTANT and trained:
@@ -144,10 +152,12 @@ def span_problems(spans: np.ndarray, spans_per_document: np.ndarray, text_length
     return problems | (np.asarray(spans_per_document) == 0)
 
 
-def targets_identity(mode: str, column: str, template: str | None) -> dict:
-    """What a cache records of how its targets were read: the mode, the record field and, for
-    chat, the template's strings (a changed template is another rendering)."""
-    identity = {"mode": mode, "column": column}
-    if template is not None:
-        identity["template"] = {"name": template, **TEMPLATES[template].describe()}
-    return identity
+def targets_identity(mode: str, column: str) -> dict:
+    """What a cache records of how its targets were read: the mode and the record field (and,
+    for chat, its template's: named_template_identity, or a tokenizer's own)."""
+    return {"mode": mode, "column": column}
+
+
+def named_template_identity(template: str) -> dict:
+    """A named template's record: its strings (a changed template is another rendering)."""
+    return {"name": template, **TEMPLATES[template].describe()}
