@@ -13,6 +13,7 @@ from pipeline.config import to_dict
 from pipeline.flops import StepRate, flop_parameters
 from pipeline.io import atomic_write_json, atomic_write_text
 from pipeline.metrics import METRICS_NAME, read_json_lines
+from stage2_train.data.epochs import cache_passes, epoch_boundary
 from stage2_train.parallel import unwrapped
 
 if TYPE_CHECKING:
@@ -116,6 +117,13 @@ class RunLogs:
             self.writer = SummaryWriter(str(config.out / "tensorboard"), purge_step=start + 1)
             self.step_rate = StepRate(flop_parameters(unwrapped(run.model)), runtime.device)
             print(banner(run), file=sys.stderr)
+            passes = cache_passes(
+                run.plan,
+                run.manifest.total_teacher_tokens,
+                config.max_steps * config.global_batch_tokens,
+                run.tokenizer,
+            )
+            print(f"stage 2: {passes.note()}", file=sys.stderr)
         if config.record_documents:
             self.documents = JsonLines(
                 config.out / "documents" / f"rank-{runtime.rank}.jsonl", start
@@ -123,6 +131,8 @@ class RunLogs:
         self.progress = tqdm(total=run.stop_step, initial=start, disable=not runtime.is_main,
                              unit="step", dynamic_ncols=True, file=sys.stderr)  # fmt: skip
         self.started, self.step_tokens = time.monotonic(), 0
+        # the newest pass over the cache this rank's documents come from (0: the first)
+        self.epoch = max(position.epoch for position in run.data_state.positions.values())
 
     def log_step(self, step: int, lr: float, totals: StepTotals, micro_batches: list[dict]) -> None:
         """Log one step from its totals (every rank's sums) and this rank's micro-batches."""
@@ -134,12 +144,20 @@ class RunLogs:
             self.documents.append({"step": step, "documents": trained})
         if self.metrics is None:  # not rank 0
             return
+        self.note_epoch(step, micro_batches)
         rates = self.step_rate.fields(int(totals.valid), self.global_batch_tokens)
         self.metrics.append({**record, **rates})
         for key in (*METRIC_KEYS, "lr", "grad_norm"):
             if record[key] is not None:
                 self.writer.add_scalar(f"train/{key}", record[key], step)
         self.show(step, record)
+
+    def note_epoch(self, step: int, micro_batches: list[dict]) -> None:
+        """Log the step whose documents begin a new pass over the cache (rank 0's consumers)."""
+        epochs = [epoch for batch in micro_batches for epoch, _ in batch["documents"]]
+        if epochs and max(epochs) > self.epoch:
+            self.epoch = max(epochs)
+            self.progress.write(epoch_boundary(step, self.epoch), file=sys.stderr)
 
     def show(self, step: int, record: dict) -> None:
         """The progress bar's loss, kept fraction and tokens per second (and a no-target line)."""
