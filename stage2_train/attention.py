@@ -10,7 +10,8 @@ piece); the student then attends causally within a piece only (pipeline.document
   ids: blocks outside every document are skipped, nothing of size T² is kept. PyTorch has no flex
   backward pass on the CPU, so training with it needs a GPU; its forward runs (compiled) on the
   CPU, where tests prove it equal to the dense path.
-- auto (default): flex on a GPU, dense elsewhere. The resolved choice is saved with the run.
+- auto (default): flex on a GPU, dense elsewhere (stage2_train.resolve). The resolved choice is
+  saved with the run.
 
 Both are built on the device from the segment ids: no host sync. A batch without segment ids
 (`--packing stream`) attends causally over the whole window either way.
@@ -31,22 +32,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.choices import on_device
 from pipeline.document_attention import FLEX, document_block_mask, document_mask
 from pipeline.errors import ConfigError
 from stage2_train.parallel import unwrapped
-
-
-def resolve_attention(choice: str, device: torch.device) -> str:
-    """`flex` or `dense` for `--attention` on `device`; flex training on a CPU is refused."""
-    attention = on_device(choice, device, gpu="flex", cpu="dense")
-    if attention == "flex" and device.type != "cuda":
-        raise ConfigError(
-            "--attention flex trains on a GPU only (PyTorch's flex_attention has no backward pass "
-            "on the CPU): use --attention dense, or auto"
-        )
-    return attention
-
 
 # transformers' kernel -> the same kernel behind the cast (registered by `use_attention`)
 CAST = {FLEX: "vocagno_flex_attention", "sdpa": "vocagno_sdpa"}

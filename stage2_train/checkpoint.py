@@ -7,7 +7,7 @@ A step folder holds:
   trainer.pt       the learning-rate scheduler
   config.json      the run's TrainConfig
   checkpoint.json  step, world size, workers per rank, cache and config fingerprints, and what
-                   the device-dependent options resolved to (stage2_train.kernels)
+                   the device-dependent options resolved to (stage2_train.resolve)
   COMPLETE         written last, with every other file's size and digest
                    (stage2_train.checkpoint_digests: verified before a resume reads any state)
 Everything is written into `.step-N.partial/`, flushed, and renamed: a crash mid-save leaves no
@@ -53,7 +53,7 @@ from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
-from stage2_train.kernels import ResolvedKernels
+from stage2_train.resolve import first_difference
 
 CHECKPOINTS = "checkpoints"
 
@@ -235,7 +235,7 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
             f"{config.cache} is cache {meta['cache_fingerprint']}: resume with the same cache "
             "or start a new --out"
         )
-    differs = ResolvedKernels.from_saved(saved).first_difference(ResolvedKernels.from_saved(meta))
+    differs = first_difference(saved, meta)
     if differs is not None:
         option, used, ours = differs
         flag = f"--{option.replace('_', '-')}"

@@ -10,7 +10,7 @@
   sharded head weight is whole, and its gradient reaches FSDP's reduce-scatter like any other.
   It needs a model whose logits are the bare product of a bias-free linear head (the families in
   `CHUNKED_FAMILIES`).
-- auto (default): chunked on a GPU where it applies, plain otherwise.
+- auto (default): chunked on a GPU where it applies, plain otherwise (stage2_train.resolve).
 
 The distillation's extras of a micro-batch (`extras_of`) go to the device here too.
 """
@@ -20,13 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.choices import on_device
 from pipeline.chunked_loss import chunked_head_outputs
 from pipeline.distillation import Distillation
-from pipeline.errors import ConfigError
 from pipeline.head_outputs import HeadOutputs, HeadReads, head_outputs
 from stage2_train.attention import model_inputs, student_logits
-from stage2_train.config import TrainConfig
 from stage2_train.parallel import unwrapped
 
 # transformers model types whose causal-LM logits are lm_head(hidden states) and nothing more
@@ -44,14 +41,6 @@ def chunked_loss_blocker(student: nn.Module) -> str | None:
             f"product (supported: {', '.join(CHUNKED_FAMILIES)})"
         )
     return None
-
-
-def resolve_loss_kernel(config: TrainConfig, student: nn.Module, device: torch.device) -> str:
-    """`chunked` or `plain` for `--loss-kernel`; a chunked that cannot apply is refused."""
-    blocker = chunked_loss_blocker(student)
-    if config.loss_kernel == "chunked" and blocker:
-        raise ConfigError(f"--loss-kernel chunked: {blocker}; use --loss-kernel plain")
-    return on_device(config.loss_kernel, device, gpu="plain" if blocker else "chunked", cpu="plain")
 
 
 def student_forward(

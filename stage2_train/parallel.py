@@ -1,6 +1,6 @@
 """Put the student on this rank's device, checkpoint and compile its layers, and wrap it for data
-parallelism (DDP or FSDP2), plus the few helpers the loop needs around the wrapper: gradient-sync control,
-autocast, full state."""
+parallelism (DDP or FSDP2), plus the few helpers the loop needs around the wrapper: gradient-sync
+control, full state. What each switch's `auto` means on the device: stage2_train.resolve."""
 
 from __future__ import annotations
 
@@ -10,33 +10,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.choices import on_device
 from pipeline.errors import ConfigError
 from pipeline.models.layers import compile_layers, decoder_layers
-from stage2_train.config import TrainConfig
 from stage2_train.distributed import Runtime
-
-
-def resolve_fsdp_param_dtype(config: TrainConfig, device: torch.device) -> str:
-    """`bfloat16` or `float32` for `--fsdp-param-dtype` (float32 without --fsdp: the parameters
-    as they are); an explicit bfloat16 without --fsdp is refused."""
-    if not config.fsdp:
-        if config.fsdp_param_dtype == "bfloat16":
-            raise ConfigError(
-                "--fsdp-param-dtype bfloat16 applies to --fsdp; add --fsdp or drop it"
-            )
-        return "float32"
-    return on_device(
-        config.fsdp_param_dtype, device, gpu=compute_dtype(device, config.dtype), cpu="float32"
-    )
 
 
 def wrap(
     model: nn.Module, runtime: Runtime, fsdp: bool, compile_student: str, param_dtype: str
 ) -> nn.Module:
-    """Move to the device, compile its layers if asked (`resolve_compile`); DDP across ranks, or
+    """Move to the device, compile its layers if asked; DDP across ranks, or
     FSDP (per decoder layer, then the root) gathering its parameters in `param_dtype`
-    (`resolve_fsdp_param_dtype`) and reducing gradients in float32."""
+    (stage2_train.resolve) and reducing gradients in float32."""
     model = model.to(runtime.device)
     # before wrapping, as torchtitan orders it
     compile_layers(model, compile_student, "the student")
@@ -102,20 +86,6 @@ def gradient_sync(model: nn.Module, enabled: bool):
         yield
     else:
         yield
-
-
-def compute_dtype(device: torch.device, dtype: str) -> str:
-    """What `--dtype` computes in on `device`: bfloat16 (autocast) or float32."""
-    if dtype == "bfloat16" and device.type != "cuda":
-        raise ConfigError("--dtype bfloat16 needs a GPU; on CPU use --dtype float32 (or auto)")
-    return on_device(dtype, device, gpu="bfloat16", cpu="float32")
-
-
-def autocast(runtime: Runtime, dtype: str):
-    """bfloat16 autocast on GPU; CPU runs in float32."""
-    if compute_dtype(runtime.device, dtype) == "bfloat16":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def unwrapped(model: nn.Module) -> nn.Module:

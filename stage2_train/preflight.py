@@ -21,9 +21,8 @@ from pipeline.storage import Store
 from pipeline.tokenizer import TextTokenizer
 from stage2_train.config import TrainConfig
 from stage2_train.distributed import Runtime
-from stage2_train.kernels import ResolvedKernels
 from stage2_train.memory import StudentShape, estimate_memory, gib
-from stage2_train.parallel import compute_dtype
+from stage2_train.resolve import Resolved
 
 
 def check_output_and_cache(
@@ -103,7 +102,7 @@ def _tokenizer_of(record: dict) -> str:
 
 
 def check_student_fits(
-    config: TrainConfig, student: nn.Module, runtime: Runtime, kernels: ResolvedKernels
+    config: TrainConfig, student: nn.Module, runtime: Runtime, resolved: Resolved
 ) -> None:
     """--seq-len within the student's positions, and a training step within one rank's memory:
     the model's state, its copies in the compute dtype and a micro-batch's activations
@@ -120,9 +119,9 @@ def check_student_fits(
         seq_len=config.seq_len,
         world_size=runtime.world_size,
         fsdp=config.fsdp,
-        compute_dtype=compute_dtype(runtime.device, config.dtype),
-        fsdp_param_dtype=kernels.fsdp_param_dtype,
-        loss_kernel=kernels.loss_kernel,
+        compute_dtype=resolved.dtype,
+        fsdp_param_dtype=resolved.fsdp_param_dtype,
+        loss_kernel=resolved.loss_kernel,
         activation_checkpointing=False,
     )
     available = available_memory(runtime.device)

@@ -30,9 +30,8 @@ from stage2_train.data.plan import DataPlan, has_target_spans
 from stage2_train.data.position import DataState
 from stage2_train.data.shards import verify_local_shards
 from stage2_train.distributed import Runtime
-from stage2_train.kernels import ResolvedKernels
 from stage2_train.output import check_output_is_a_run, hold_output
-from stage2_train.parallel import autocast, wrap
+from stage2_train.parallel import wrap
 from stage2_train.preflight import (
     check_distillation_cache,
     check_output_and_cache,
@@ -40,6 +39,7 @@ from stage2_train.preflight import (
     check_student_fits,
     remove_stale_logs,
 )
+from stage2_train.resolve import Resolved, resolve
 from stage2_train.schedule import lr_at, make_optimizer
 
 
@@ -58,8 +58,7 @@ class Run:
     distillation: Distillation | None  # None unless the mode trains one
     plan: DataPlan
     meta: dict
-    kernels: ResolvedKernels
-    compute: contextlib.AbstractContextManager  # the forward pass's autocast
+    resolved: Resolved  # every device-dependent decision (stage2_train.resolve)
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -71,8 +70,8 @@ class Run:
 
     def batches(self) -> Iterator[dict]:
         """This rank's micro-batches from where the run stands."""
-        pin = self.runtime.device.type == "cuda"  # page-locked batches for asynchronous copies
         first = self.start_step * self.accumulation  # the rank's micro-batches taken so far
+        pin = self.resolved.pin_memory
         loader = make_loader(
             self.plan, self.runtime.rank, self.data_state, first, pin, self.accumulation
         )
@@ -101,12 +100,12 @@ def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStac
         "torch_threads": torch.get_num_threads(),
     }
     student = build_student(config.student, tokenizer, config.seed, config.seq_len)
-    kernels = ResolvedKernels.on(config, student, runtime.device)
-    meta |= kernels.saved()
-    use_attention(student, kernels.attention)
-    check_student_fits(config, student, runtime, kernels)
-    model = wrap(student, runtime, config.fsdp, kernels.compile, kernels.fsdp_param_dtype)
-    optimizer = make_optimizer(model, config, kernels.adamw_kernel)
+    resolved = resolve(config, runtime.device, student)
+    meta |= resolved.saved()
+    use_attention(student, resolved.attention)
+    check_student_fits(config, student, runtime, resolved)
+    model = wrap(student, runtime, config.fsdp, resolved.compile, resolved.fsdp_param_dtype)
+    optimizer = make_optimizer(model, config, resolved.adamw_kernel)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda index: lr_at(index + 1, config) / config.lr
     )
@@ -115,8 +114,8 @@ def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStac
     )
     return Run(
         config=config, runtime=runtime, settings=settings, manifest=manifest,
-        tokenizer=tokenizer, distillation=distillation, plan=plan, meta=meta, kernels=kernels,
-        compute=autocast(runtime, config.dtype), model=model, optimizer=optimizer,
+        tokenizer=tokenizer, distillation=distillation, plan=plan, meta=meta, resolved=resolved,
+        model=model, optimizer=optimizer,
         scheduler=scheduler, data_state=data_state, start_step=start_step,
         stop_step=config.stop_at_step or config.max_steps, accumulation=accumulation,
         subset=vocabulary_subset_on(distillation, runtime.device),

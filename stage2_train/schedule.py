@@ -8,7 +8,6 @@ import math
 import torch
 from torch import nn
 
-from pipeline.choices import on_device
 from stage2_train.config import TrainConfig
 
 
@@ -20,13 +19,8 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def resolve_adamw_kernel(choice: str, device: torch.device) -> str:
-    """`fused` or `plain` for `--adamw-kernel` on `device`."""
-    return on_device(choice, device, gpu="fused", cpu="plain")
-
-
 def make_optimizer(model: nn.Module, config: TrainConfig, kernel: str) -> torch.optim.AdamW:
-    """AdamW; matrices decay, norms and biases do not. `kernel` (resolve_adamw_kernel): fused is
+    """AdamW; matrices decay, norms and biases do not. `kernel` (stage2_train.resolve): fused is
     torch's one-launch kernel; plain leaves torch its default."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [

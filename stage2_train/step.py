@@ -143,8 +143,9 @@ def micro_forward_backward(
     if distillation is not None:
         extras = extras_of(batch, distillation, device)
         reads = distillation.reads(extras, run.subset)
+    compute, loss_kernel = run.resolved.autocast(), run.resolved.loss_kernel
     student = student_forward(
-        run.model, batch, labels, reads or HeadReads(), run.compute, run.kernels.loss_kernel, device
+        run.model, batch, labels, reads or HeadReads(), compute, loss_kernel, device
     )
     result = guided_loss(
         student.loss,

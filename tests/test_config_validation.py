@@ -307,7 +307,7 @@ def test_every_configuration_dataclass_is_walked():
 
 def test_a_checkpoints_saved_config_is_read_through_the_same_checks(tmp_path):
     from stage2_train.checkpoint import check_resumable
-    from stage2_train.kernels import BEFORE
+    from stage2_train.resolve import BEFORE
 
     config = from_dict(TrainConfig, {"cache": "c", "student": "s", "out": "o", "max_steps": 10,
                                      "warmup_steps": 1})  # fmt: skip

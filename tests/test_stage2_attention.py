@@ -15,7 +15,8 @@ import torch
 from pipeline.document_attention import FLEX
 from pipeline.errors import ConfigError
 from pipeline.tokenizer import load_tokenizer
-from stage2_train.attention import CAST, resolve_attention, student_logits, use_attention
+from stage2_train.attention import CAST, student_logits, use_attention
+from stage2_train.resolve import resolve_attention
 
 CPU = torch.device("cpu")
 # A 150-token row over two 128-token blocks: three documents, one across the block boundary,

@@ -417,7 +417,7 @@ def test_student_specs_and_device_options_are_checked(cache, tmp_path, capsys):
 
     from pipeline.models.student import student_kind
     from stage2_train.distributed import Runtime
-    from stage2_train.parallel import autocast
+    from stage2_train.resolve import resolve_dtype
 
     assert student_kind("llama-tiny") == "preset"
     assert student_kind("TinyLlama/TinyLlama_v1.1") == "pretrained"  # a hub id
@@ -433,7 +433,7 @@ def test_student_specs_and_device_options_are_checked(cache, tmp_path, capsys):
         student_kind("llama-huge")
     cpu = Runtime(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="bfloat16 needs a GPU"):
-        autocast(cpu, "bfloat16")
+        resolve_dtype("bfloat16", cpu.device)
     assert main(train_args(cache, tmp_path / "out", "--fsdp")) == 2
     assert "--fsdp shards the student across ranks" in capsys.readouterr().err
 
@@ -477,7 +477,7 @@ def test_fsdp_parameters_follow_the_compute_dtype_and_bfloat16_ones_need_fsdp(
     """--fsdp-param-dtype auto: bfloat16 where FSDP computes in bfloat16 (a GPU with --dtype auto
     or bfloat16), float32 elsewhere; bfloat16 without --fsdp is refused in one line. (Training
     with it: test_stage2_torchrun.py.)"""
-    from stage2_train.parallel import resolve_fsdp_param_dtype
+    from stage2_train.resolve import resolve_fsdp_param_dtype
 
     def resolved(*extra: str, device: str) -> str:
         config = parse_train_config(train_args(cache, tmp_path / "unused", *extra))
