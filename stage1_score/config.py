@@ -95,6 +95,11 @@ class ScoreConfig:
         help="--targets chat: <|im_start|>role ... <|im_end|>; plain role: ...; teacher: the "
         "teacher tokenizer's own chat_template (apply_chat_template)",
     )
+    max_docs: int | None = CORPUS(
+        None,
+        help="score only the corpus's first N records, in corpus order (a record skipped as bad "
+        "counts): a cache of that slice, to try a corpus without cutting it (default: all)",
+    )
     docs_per_shard: int = BATCHING(1000, help="documents per work unit; unit k becomes shard k")
     backend: ScoringBackend = TEACHER(
         "hf",

@@ -233,3 +233,21 @@ def test_description_changes_with_the_files(tmp_path):
     write_jsonl(path, ROWS[:2])
     assert Corpus(path).describe() != before
     assert Corpus(path, CorpusOptions(text_column="body")).describe() != Corpus(path).describe()
+
+
+def test_max_docs_reads_the_first_records_and_is_part_of_the_identity_only_when_given(tmp_path):
+    rows = [{"text": f"document {i}"} for i in range(5)]
+    rows[1] = {"text": " "}  # a bad record counts toward the slice
+    path = write_jsonl(tmp_path / "docs.jsonl", rows)
+    whole = Corpus(path, CorpusOptions(on_bad_record="skip"))
+    sliced = Corpus(path, CorpusOptions(on_bad_record="skip", max_docs=3))
+    items = list(sliced)
+    assert [type(item) for item in items] == [Document, SkippedDocument, Document]
+    assert [item.text for item in items if isinstance(item, Document)] == ["document 0",
+                                                                            "document 2"]  # fmt: skip
+    assert sliced.fraction_read() == 1.0
+    assert "max_docs" not in whole.describe()
+    assert sliced.describe() == {**whole.describe(), "max_docs": 3}
+    assert len([item for item in Corpus(path, CorpusOptions(max_docs=99, on_bad_record="skip"))]) == 5
+    with pytest.raises(ValueError, match="max_docs must be at least 1"):
+        CorpusOptions(max_docs=0)

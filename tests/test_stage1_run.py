@@ -343,6 +343,22 @@ def test_dtype_auto_is_bfloat16_where_the_workers_get_gpus(teacher, corpus, tmp_
     assert planned(2, "--dtype", "checkpoint").dtype == "checkpoint"
 
 
+def test_max_docs_caches_the_first_records_and_refuses_to_mix_with_another_slice(
+    ray_cluster, teacher, corpus, tmp_path, capsys
+):
+    out = tmp_path / "cache"
+    assert main(args(teacher, corpus, out, "--max-docs", "7")) == 0
+    manifest = load_manifest(out)
+    assert manifest.corpus["max_docs"] == 7
+    assert manifest.total_rows + len(manifest.skipped) == 7  # record 3 is skipped as empty
+    whole = Corpus(corpus, CorpusOptions(id_column="id", on_bad_record="skip"))
+    first = [doc.doc_id for doc, _ in zip(whole, range(7)) if not isinstance(doc, SkippedDocument)]
+    assert list(read_cache_rows(out)) == first
+    capsys.readouterr()
+    assert main(args(teacher, corpus, out, "--max-docs", "8")) == 2
+    assert "max_docs" in one_line_error(capsys)
+
+
 def test_rerun_is_byte_identical_and_recomputes_only_a_missing_shard(built):
     out, command, first = built
     assert main(command) == 0

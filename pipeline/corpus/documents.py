@@ -52,7 +52,7 @@ class Corpus:
         self.own_template = own_template
         self.format, self.sources = resolve_sources(self.spec, self.options.split)
         self.root = corpus_root(self.spec)  # what it reads, at or below
-        self._finished_bytes = 0
+        self._records_read = 0
 
     def describe(self) -> dict:
         """What identifies this corpus without reading it: files and sizes, and the options."""
@@ -64,7 +64,7 @@ class Corpus:
             "split": self.options.split,
             "text_split": self.options.text_split,
             "on_bad_record": self.options.on_bad_record,
-        } | self.targets_description()
+        } | self.targets_description() | self.slice_description()
 
     def targets_description(self) -> dict:
         """How the targets are read, only where not every character is one: a corpus read
@@ -79,22 +79,36 @@ class Corpus:
             identity["template"] = named_template_identity(options.chat_template)
         return {"targets": identity}
 
+    def slice_description(self) -> dict:
+        """A slice (--max-docs) is part of the identity; the whole corpus keeps the description
+        (and the caches' identity) it always had."""
+        max_docs = self.options.max_docs
+        return {} if max_docs is None else {"max_docs": max_docs}
+
     @property
     def total_bytes(self) -> int:
         return sum(s.size for s in self.sources)
 
     def fraction_read(self) -> float:
-        """Share of the corpus (by file size) streamed so far, for progress and ETA."""
+        """Share of the corpus (by file size; of --max-docs' records) streamed so far, for
+        progress and ETA."""
+        if self.options.max_docs is not None:
+            return self._records_read / self.options.max_docs
         total = self.total_bytes
         if total == 0:
             return 0.0
         return min(1.0, sum(s.size * s.fraction for s in self.sources) / total)
 
     def __iter__(self) -> Iterator[Document | SkippedDocument]:
-        """Documents in corpus order; bad records raise CorpusError or come out as skips."""
+        """Documents in corpus order; bad records raise CorpusError or come out as skips. Under
+        --max-docs N, the first N records only."""
         seen_ids: dict[str, tuple[str, int]] = {}
+        self._records_read = 0
         for source in self.sources:
             for raw in source.records(self.options):
+                if self._records_read == self.options.max_docs:
+                    return
+                self._records_read += 1
                 try:
                     if isinstance(raw, BadRecord):
                         raise raw

@@ -28,6 +28,7 @@ class CorpusOptions:
     spans_column: str = "target_spans"  # targets "spans": the field of [[start, end], ...]
     messages_column: str = "messages"  # targets "chat": the field of the messages, as text
     chat_template: ChatTemplate = "chatml"
+    max_docs: int | None = None  # only the corpus's first N records (a skipped one counts)
 
     @property
     def targets_column(self) -> str | None:
@@ -43,6 +44,8 @@ class CorpusOptions:
             raise ValueError(
                 f"chat_template must be one of {CHAT_TEMPLATES}, not {self.chat_template!r}"
             )
+        if self.max_docs is not None and self.max_docs < 1:
+            raise ValueError(f"max_docs must be at least 1, not {self.max_docs}")
         if self.targets_column == "":
             raise ValueError(f"the {self.targets} column must not be empty")
         if self.text_split not in TEXT_SPLITS:
