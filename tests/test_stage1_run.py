@@ -352,7 +352,7 @@ def test_max_docs_caches_the_first_records_and_refuses_to_mix_with_another_slice
     assert manifest.corpus["max_docs"] == 7
     assert manifest.total_rows + len(manifest.skipped) == 7  # record 3 is skipped as empty
     whole = Corpus(corpus, CorpusOptions(id_column="id", on_bad_record="skip"))
-    first = [doc.doc_id for doc, _ in zip(whole, range(7)) if not isinstance(doc, SkippedDocument)]
+    first = [doc.doc_id for doc in itertools.islice(whole, 7) if not isinstance(doc, SkippedDocument)]
     assert list(read_cache_rows(out)) == first
     capsys.readouterr()
     assert main(args(teacher, corpus, out, "--max-docs", "8")) == 2
