@@ -24,7 +24,7 @@ Targets = Literal["all", "spans", "chat"]
 # how chat messages become text: a named template (pipeline.corpus.targets), or the teacher's or
 # the student's tokenizer's own chat_template (pipeline.corpus.own_template; stage 1 only)
 NamedChatTemplate = Literal["chatml", "plain"]
-ChatTemplate = Literal["chatml", "plain", "teacher"]
+ChatTemplate = Literal["chatml", "plain", "teacher", "student"]
 OnBadRecord = Literal["error", "skip"]
 # a teacher's weights as loaded; checkpoint: the dtype its checkpoint was saved in
 TorchDtype = Literal["float32", "bfloat16", "float16", "checkpoint"]

@@ -92,8 +92,13 @@ class ScoreConfig:
     messages_column: str = CORPUS("messages", help="--targets chat: its [{role, content}, ...]")
     chat_template: ChatTemplate = CORPUS(
         "chatml",
-        help="--targets chat: <|im_start|>role ... <|im_end|>; plain role: ...; teacher: the "
-        "teacher tokenizer's own chat_template (apply_chat_template)",
+        help="--targets chat: <|im_start|>role ... <|im_end|>; plain role: ...; teacher or "
+        "student: that tokenizer's own chat_template (apply_chat_template)",
+    )
+    student_tokenizer: str | None = CORPUS(
+        None,
+        help="--chat-template student: the student's tokenizer (shipped name, folder, .gguf, hub "
+        "id) whose chat_template renders the records that the teacher then scores",
     )
     max_docs: int | None = CORPUS(
         None,
@@ -246,6 +251,12 @@ class ScoreConfig:
     )
 
     def __post_init__(self) -> None:
+        if (self.chat_template == "student") != (self.student_tokenizer is not None):
+            raise ValueError(
+                "--student-tokenizer is read only by --chat-template student"
+                if self.student_tokenizer
+                else "--chat-template student needs --student-tokenizer, whose template renders"
+            )
         if self.lock_lease < 3:
             raise ValueError(f"lock_lease must be at least 3 seconds, not {self.lock_lease}")
         positive = ("docs_per_shard", "batch_tokens", "vllm_max_num_batched_tokens")

@@ -43,6 +43,7 @@ from pipeline.scoring.teacher import (
 )
 from pipeline.space_mask import space_mask
 from pipeline.storage import Store, as_location
+from pipeline.tokenizer import load_tokenizer
 from stage1_score.cluster import (
     check_output_outside,
     cluster_gpus,
@@ -113,9 +114,7 @@ def teacher_dtype(config: ScoreConfig) -> str:
 
 def plan(config: ScoreConfig) -> Plan:
     """Resolve and check corpus, teacher, tokenizer and windows; CorpusError/TeacherError/... if bad."""
-    options = config.corpus_options()
-    # the corpus is checked before any teacher file is read, unless it is rendered by the
-    # teacher's own chat template: that is read with the teacher's tokenizer
+    options = config.corpus_options()  # read before the teacher unless its tokenizer renders it
     own = options.targets == "chat" and options.chat_template in OWN_CHAT_TEMPLATES
     corpus = None if own else checked_corpus(config)
     teacher = resolve_teacher(config.teacher, config.teacher_revision)
@@ -125,7 +124,8 @@ def plan(config: ScoreConfig) -> Plan:
     tokenizer = load_teacher_tokenizer(teacher, config.tokenizer)
     check_tokenizer_fits(tokenizer, teacher_config, teacher, config.force_tokenizer)
     if corpus is None:
-        corpus = checked_corpus(config, own_template(options.chat_template, tokenizer))
+        owner = load_tokenizer(config.student_tokenizer) if config.student_tokenizer else tokenizer
+        corpus = checked_corpus(config, own_template(options.chat_template, owner))
     context = teacher_context_length(teacher_config)
     try:
         max_length, stride = config.windows(context)

@@ -101,6 +101,7 @@ RIGHT = {
 # options a right value needs beside it (the config refuses it alone)
 COMPANIONS = {  # a value that needs another option beside it
     (ScoreConfig, "topk_mode"): {"topk_probs": 8},
+    (ScoreConfig, "student_tokenizer"): {"chat_template": "student"},
     (TrainConfig, "teacher_weights"): {"guidance": "uld", "more_caches": ["b"]},
     (TrainConfig, "source_teachers"): {"more_caches": ["b"], "combine_teachers": "source"},
     (SelectionConfig, "source_teachers"): {"more_caches": ["b"], "combine_teachers": "source"},

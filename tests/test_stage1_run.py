@@ -303,6 +303,30 @@ def test_the_teacher_s_own_template_renders_the_plan_s_documents(
     assert "has no chat_template" in one_line_error(capsys)
 
 
+def test_the_student_s_own_template_renders_the_text_the_teacher_scores(teacher, tmp_path, capsys):
+    """`--chat-template student --student-tokenizer qwen2.5`: the records are rendered in the
+    student's template (Qwen2.5-Instruct's, which the shipped qwen2.5 tokenizer carries) and the
+    teacher (TinyLlama's vocabulary, no template) scores that text; the option is refused where
+    it would be missing or unread."""
+    from pipeline.corpus.own_template import own_template
+    from stage1_score import job
+    from stage1_score.config import ScoreConfig
+
+    corpus, records = chat_corpus(tmp_path, 2)
+    chat = ("--targets", "chat", "--chat-template", "student")
+    argv = args(teacher, corpus, tmp_path / "o", *chat, "--student-tokenizer", "qwen2.5")
+    planned = job.plan(parse_config(ScoreConfig, argv, "", "stage1"))
+    qwen = own_template("student", load_tokenizer("qwen2.5"))
+    for record, document in zip(records, planned.corpus, strict=True):
+        text = qwen.tokenizer.apply_chat_template(record["messages"], tokenize=False)
+        assert document.text == text and text.startswith("<|im_start|>system\nYou are Qwen")
+    assert planned.identity["corpus"]["targets"]["template"] == qwen.describe()
+    assert main(args(teacher, corpus, tmp_path / "p", *chat)) == 2
+    assert "student needs --student-tokenizer" in one_line_error(capsys)
+    assert main(args(teacher, corpus, tmp_path / "q", "--student-tokenizer", "qwen2.5")) == 2
+    assert "read only by --chat-template student" in one_line_error(capsys)
+
+
 @pytest.mark.slow
 def test_chat_records_in_the_teacher_s_own_template_end_to_end(ray_cluster, chat_teacher, tmp_path):
     """The cache of such a run holds the rendered text and the spans, and verifies."""
