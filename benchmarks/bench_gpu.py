@@ -172,6 +172,7 @@ from pipeline.models.hf_tokenizer import save_tokenizer  # noqa: E402
 from pipeline.profiling import traced  # noqa: E402
 from pipeline.scoring.head import HeadColumns, HeadExtras, triton_module  # noqa: E402
 from pipeline.scoring.hf import HFScorer  # noqa: E402
+from pipeline.scoring.resolve import Asked  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.scoring.windows import plan_document_windows  # noqa: E402
 from pipeline.space_mask import space_mask  # noqa: E402
@@ -604,11 +605,11 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
           f"{phase_summary(teacher.out)}; {device_summary(teacher.out)}", flush=True)  # fmt: skip
     keep_trace(bench, teacher.out, f"{teacher.name}-stage1")
     load = functools.partial(
-        HFScorer, resolve_teacher(str(teacher.folder)), dtype=dtype, max_length=max_length,
+        HFScorer, resolve_teacher(str(teacher.folder)), asked=Asked(dtype), max_length=max_length,
         stride=stride, batch_tokens=batch_tokens, device=str(device),
     )  # fmt: skip
     loaded = time.perf_counter()
-    scorer = load()
+    scorer = load().load()
     load_seconds = time.perf_counter() - loaded
     model = scorer.model
     parameters = teacher.parameters = flop_parameters(model)
@@ -647,7 +648,7 @@ def stage1_and_floors(bench: Bench, teacher: Teacher, dtype: str) -> None:
 
     def scorer_with_space() -> float:  # whether what `+space` costs the job is the call's own cost
         mask = space_mask(load_tokenizer(str(teacher.folder)), vocab_size)[0]
-        spaced["scorer+space"] = load(extras=HeadExtras(space_mask=mask))
+        spaced["scorer+space"] = load(extras=HeadExtras(space_mask=mask)).load()
         score = functools.partial(spaced["scorer+space"].score_columns, token_ids)
         return best_rate(score, tokens, repeats, device)
 

@@ -28,12 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from stage1_runs import batch_inputs  # noqa: E402
 
+from pipeline.cache.settings import CacheSettings  # noqa: E402
 from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
 from pipeline.log import configure  # noqa: E402
+from pipeline.scoring.resolve import Asked, resolve  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.scoring.windows import plan_document_windows  # noqa: E402
 from pipeline.shipped import shipped_corpus  # noqa: E402
 from pipeline.space_mask import space_mask  # noqa: E402
+from stage1_score.config import ScoreConfig  # noqa: E402
 from stage1_score.units import plan_units  # noqa: E402
 from stage1_score.worker import UnitScorer, WorkerSpec  # noqa: E402
 
@@ -61,11 +64,14 @@ def main() -> int:
     documents = itertools.islice(Corpus(CORPUS, CorpusOptions(id_column="id")), args.docs)
     unit = next(plan_units(documents, args.docs))
     with tempfile.TemporaryDirectory() as out:
+        config = ScoreConfig(
+            teacher=args.teacher, corpus=str(CORPUS), out=out, dtype="float32",
+            batch_tokens=args.batch_tokens, progress_seconds=1e9,
+        )  # fmt: skip
+        windows = CacheSettings(max_length=args.max_length, stride=args.stride, loss_dtype="float16")
         spec = WorkerSpec(
-            teacher=resolve_teacher(args.teacher), tokenizer=None, backend="hf", dtype="float32",
-            max_length=args.max_length, stride=args.stride, batch_tokens=args.batch_tokens,
-            loss_dtype="float16", out=Path(out), run_fingerprint="benchmark",
-            threads=args.threads, progress_seconds=1e9,
+            config, resolve(Asked.of(config), torch.device("cpu")), resolve_teacher(args.teacher),
+            windows, Path(out), run_fingerprint="benchmark", threads=args.threads,
         )  # fmt: skip
         worker = UnitScorer(spec)
         print(f"teacher {args.teacher}: {worker.describe()}")
@@ -92,13 +98,14 @@ def main() -> int:
             head = worker._scorer.vocab_size
             mask = space_mask(worker._tokenizer, head)[1]
             from pipeline.cache.schema import topk_id_dtype
-            from pipeline.cache.settings import CacheSettings
 
             for name, settings in (
-                ("stage 1 --space-logprob", CacheSettings(space_logprob=mask)),
+                ("stage 1 --space-logprob", dataclasses.replace(windows, space_logprob=mask)),
                 (
                     f"stage 1 --topk-probs {args.topk}",
-                    CacheSettings(topk_probs=args.topk, topk_id_dtype=topk_id_dtype(head)),
+                    dataclasses.replace(
+                        windows, topk_probs=args.topk, topk_id_dtype=topk_id_dtype(head)
+                    ),
                 ),
             ):
                 other = UnitScorer(dataclasses.replace(spec, settings=settings))

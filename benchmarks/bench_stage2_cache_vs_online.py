@@ -189,17 +189,18 @@ def main() -> None:
 
         # 2. The same epoch twice: teacher in the loop, then from the cache.
         from pipeline.scoring.hf import HFScorer
+        from pipeline.scoring.resolve import Asked
         from pipeline.scoring.teacher import resolve_teacher
 
         with measure() as teacher_load:
             scorer = HFScorer(
                 resolve_teacher(str(teacher)),
-                dtype="float32",
                 max_length=2048,
                 stride=1024,
                 batch_tokens=16384,
+                asked=Asked("float32"),
                 extras=HeadExtras(topk=args.topk_probs if term else 0, topk_ids=False),
-            )
+            ).load()
         online_stream = OnlineTeacherStream(plan, scorer, load_tokenizer(str(teacher)))
         results = train_side_by_side(
             {"online": online_stream, "cached": ConsumerStream(plan, 0)},

@@ -42,3 +42,13 @@ def document_block_mask(segment_ids: torch.Tensor):
         same_document_causal, size, None, length, length, segment_ids.device,
         _compile=compiles_on(segment_ids.device),
     )  # fmt: skip
+
+
+def packed_inputs(
+    model, ids: torch.Tensor, segments: torch.Tensor, positions: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """A transformers model's inputs for packed rows `ids`: each segment attends to itself only,
+    from position 0, through the mask of the attention `model` is set to (flex or dense)."""
+    flex = model.config._attn_implementation == FLEX
+    mask = document_block_mask(segments) if flex else document_mask(segments)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}

@@ -8,10 +8,13 @@ the shard's bytes.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
 
 from pipeline.cache.manifest import (
     RUN_RECORD_NAME,
@@ -28,7 +31,7 @@ from pipeline.corpus.own_template import OwnTemplate, own_template
 from pipeline.errors import ConfigError, CorpusError
 from pipeline.io import sha256_text
 from pipeline.log import counted, get_logger
-from pipeline.scoring.switches import HeadSwitches
+from pipeline.scoring.resolve import Asked, resolve
 from pipeline.scoring.teacher import (
     TeacherSource,
     check_model_weights,
@@ -104,12 +107,14 @@ def backend_version(backend: str) -> str:
 
 
 def teacher_dtype(config: ScoreConfig) -> str:
-    """--dtype as the workers load the teacher: auto is bfloat16 where the Ray cluster the run
-    joins has GPUs (every worker then gets one), float32 on CPUs, as stage 2's --dtype auto;
-    asked of the cluster without joining it (stage1_score.cluster.cluster_gpus)."""
+    """--dtype as the workers load the teacher, for the cache's identity: auto resolved
+    (pipeline.scoring.resolve) for the device each worker gets, a GPU where the Ray cluster the
+    run joins has GPUs, else CPUs; the cluster is asked without joining it
+    (stage1_score.cluster.cluster_gpus), and only for auto."""
     if config.dtype != "auto":
         return config.dtype
-    return "bfloat16" if cluster_gpus(config.ray_address) else "float32"
+    device = torch.device("cuda" if cluster_gpus(config.ray_address) else "cpu")
+    return resolve(Asked.of(config), device).dtype
 
 
 def plan(config: ScoreConfig) -> Plan:
@@ -234,30 +239,16 @@ def run(config: ScoreConfig) -> CacheManifest:
         if config.profile_unit is not None:  # an earlier run's trace is not this run's
             Store(out).delete(profile_name(config.profile_unit))
 
-        def spec(threads: int) -> WorkerSpec:
-            return WorkerSpec(
-                teacher=teacher,
-                tokenizer=config.tokenizer,
-                backend=config.backend,
-                dtype=job.dtype,
-                max_length=job.max_length,
-                stride=job.stride,
-                batch_tokens=config.batch_tokens,
-                switches=HeadSwitches.asked_by(config),
-                loss_dtype=config.loss_dtype,
-                settings=job.settings,
-                out=out if isinstance(out, str) else out.resolve(),
-                run_fingerprint=run_fingerprint,
-                threads=threads,
-                progress_seconds=config.progress_seconds,
-                vllm_max_num_batched_tokens=config.vllm_max_num_batched_tokens,
-                vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                vllm_cpu_kvcache_gib=config.vllm_cpu_kvcache_gib,
-                vllm_enforce_eager=config.vllm_enforce_eager,
-                profile_unit=config.profile_unit,
-            )
-
-        pool = WorkerPool(config, spec, job.identity["teacher"]["backend_version"])
+        # the pool adds what it resolves for its workers' device, and their threads
+        spec = functools.partial(
+            WorkerSpec,
+            config,
+            teacher=teacher,
+            settings=job.settings,
+            out=out if isinstance(out, str) else out.resolve(),
+            run_fingerprint=run_fingerprint,
+        )
+        pool = WorkerPool(config, spec, job.identity["teacher"]["backend_version"], job.dtype)
         try:
             manifest = _score_corpus(job, pool, run_fingerprint)
             pool.close_teachers()

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from pipeline.errors import ConfigError, VocagnoError
 from pipeline.log import counted, get_logger
+from pipeline.scoring.resolve import Asked, resolve
 from stage1_score.cluster import connect_ray, describe_cluster
 from stage1_score.config import ScoreConfig
 from stage1_score.output import Sidecar
@@ -96,11 +99,18 @@ class WorkerPool:
     """Ray actors, started when the first unit needs scoring: a finished cache needs none."""
 
     def __init__(
-        self, config: ScoreConfig, spec: Callable[[int], WorkerSpec], backend_version: str
+        self,
+        config: ScoreConfig,
+        spec: Callable[..., WorkerSpec],
+        backend_version: str,
+        dtype: str,
     ):
+        """`spec(resolved=, threads=)`: the workers' WorkerSpec once the pool is sized;
+        `dtype`: the teacher's, as the cache's identity holds it."""
         self.config = config
         self.spec = spec
         self.backend_version = backend_version
+        self.dtype = dtype
         self.actors: list[_Actor] = []
         self.started_ray = False
         self.info: dict = {"workers": 0}
@@ -118,9 +128,10 @@ class WorkerPool:
         self.started_ray = connect_ray(self.config.ray_address)
         log.info(describe_cluster())
         workers, cpus, gpus = size_pool(self.config)
-        overlap = self.config.unit_overlap
-        if overlap == "auto":  # on where the teacher is on a GPU and the CPU work is idle beside it
-            overlap = "on" if gpus else "off"
+        # every choice of the device each worker gets (a GPU each, or CPUs), the dtype the identity's
+        asked = replace(Asked.of(self.config), dtype=self.dtype)
+        resolved = resolve(asked, torch.device("cuda" if gpus else "cpu"))
+        overlap = resolved.unit_overlap
         log.info(
             f"starting {workers} worker(s) with {cpus} CPU(s) and {gpus} GPU(s) each, unit "
             f"overlap {overlap}"
@@ -136,7 +147,7 @@ class WorkerPool:
             max_task_retries=0,
             scheduling_strategy="SPREAD",
         )
-        self._worker_spec = self.spec(cpus)
+        self._worker_spec = self.spec(resolved=resolved, threads=cpus)
         for _ in range(workers):
             self._launch()
         self.replacements_left = REPLACEMENTS_PER_WORKER * workers

@@ -21,39 +21,29 @@ from pipeline.io import space_checked
 from pipeline.log import configure, get_logger
 from pipeline.profiling import traced
 from pipeline.scoring.head import HeadExtras
-from pipeline.scoring.switches import HeadSwitches
+from pipeline.scoring.resolve import Asked, Resolved, check_worker, resolve
 from pipeline.scoring.teacher import TeacherSource, load_teacher_tokenizer
 from pipeline.space_mask import space_mask
 from pipeline.storage import Store
 from pipeline.storage.store import child
 from pipeline.versions import software_versions
+from stage1_score.config import ScoreConfig
 from stage1_score.output import Sidecar, write_sidecar
 from stage1_score.units import WorkUnit
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs, resolved by the driver (picklable)."""
+    """What a worker needs (picklable): stage 1's config as given, what the driver resolved, and
+    the run's own facts."""
 
-    teacher: TeacherSource
-    tokenizer: str | None
-    backend: str
-    dtype: str
-    max_length: int
-    stride: int
-    batch_tokens: int
-    loss_dtype: str
-    out: Path | str  # a URI in object storage (pipeline.storage)
+    config: ScoreConfig
+    resolved: Resolved  # the driver's, for the device a worker gets (the identity's dtype)
+    teacher: TeacherSource  # as the driver resolved it, inside the shipped working directory
+    settings: CacheSettings  # the cache's: its windows and which optional columns it holds
+    out: Path | str  # the cache, resolved; a URI in object storage (pipeline.storage)
     run_fingerprint: str
-    threads: int
-    progress_seconds: float
-    vllm_max_num_batched_tokens: int = 8192
-    vllm_gpu_memory_utilization: float = 0.85
-    vllm_cpu_kvcache_gib: int = 1
-    vllm_enforce_eager: bool = False
-    settings: CacheSettings | None = None  # the cache's: which optional columns to compute
-    switches: HeadSwitches = HeadSwitches()  # hf backend, as asked (pipeline.scoring.switches)
-    profile_unit: int | None = None  # the unit whose scoring is traced (--profile-unit)
+    threads: int  # the CPUs the pool gives each worker
 
 
 @dataclass(frozen=True)
@@ -89,7 +79,7 @@ def phase(phases: dict[str, list[float]], name: str):
 def head_extras(spec: WorkerSpec, tokenizer) -> HeadExtras:
     """The optional columns the settings ask for; the space mask is rebuilt here from the
     tokenizer and must be the one the driver recorded in the cache's identity."""
-    settings = spec.settings or CacheSettings()
+    settings = spec.settings
     mask = None
     if settings.space_logprob:
         recorded = settings.space_logprob
@@ -101,34 +91,23 @@ def head_extras(spec: WorkerSpec, tokenizer) -> HeadExtras:
     )
 
 
-def load_scorer(spec: WorkerSpec, extras: HeadExtras | None = None):
-    """The backend named in `spec`; vLLM is imported only when chosen."""
-    if spec.backend == "vllm":
+def load_scorer(spec: WorkerSpec, extras: HeadExtras):
+    """The backend the config names, loaded; vLLM is imported only when chosen. A worker whose
+    device would load the teacher in another dtype than the cache's identity holds is refused
+    before it loads anything."""
+    config = spec.config
+    windows = {"max_length": spec.settings.max_length, "stride": spec.settings.stride}
+    if config.backend == "vllm":
         from stage1_score.backends.vllm_backend import VLLMScorer
 
-        return VLLMScorer(
-            spec.teacher,
-            dtype=spec.dtype,
-            max_length=spec.max_length,
-            stride=spec.stride,
-            max_num_batched_tokens=spec.vllm_max_num_batched_tokens,
-            gpu_memory_utilization=spec.vllm_gpu_memory_utilization,
-            cpu_kvcache_gib=spec.vllm_cpu_kvcache_gib,
-            threads=spec.threads,
-            enforce_eager=spec.vllm_enforce_eager,
-            extras=extras,
-        )
+        dtype, threads = spec.resolved.dtype, spec.threads
+        return VLLMScorer(spec.teacher, config, dtype, threads, extras=extras, **windows).load()
     from pipeline.scoring.hf import HFScorer
 
-    return HFScorer(
-        spec.teacher,
-        dtype=spec.dtype,
-        max_length=spec.max_length,
-        stride=spec.stride,
-        batch_tokens=spec.batch_tokens,
-        extras=extras,
-        switches=spec.switches,
-    )
+    asked, batch_tokens = Asked.of(config), config.batch_tokens
+    scorer = HFScorer(spec.teacher, asked=asked, batch_tokens=batch_tokens, extras=extras, **windows)
+    check_worker(spec.resolved, resolve(scorer.asked, scorer.device))
+    return scorer.load()
 
 
 class UnitScorer:
@@ -154,7 +133,7 @@ class UnitScorer:
         import torch
 
         torch.set_num_threads(self.spec.threads)
-        self._tokenizer = load_teacher_tokenizer(self.spec.teacher, self.spec.tokenizer)
+        self._tokenizer = load_teacher_tokenizer(self.spec.teacher, self.spec.config.tokenizer)
         self._extras = head_extras(self.spec, self._tokenizer)
         self._scorer = load_scorer(self.spec, self._extras)
         # once the teacher is loaded, so that each package it imported names its build
@@ -188,8 +167,9 @@ class UnitScorer:
             plan = self._scorer.plan(ids)
         lengths = [len(e) for e in encodings]
         scorable = sum(max(n - 1, 0) for n in lengths)  # token 0 has no prediction
-        report = _ProgressLog(self.worker, unit.index, scorable, self.spec.progress_seconds)
-        with traced(unit.index == self.spec.profile_unit) as trace:
+        config = self.spec.config
+        report = _ProgressLog(self.worker, unit.index, scorable, config.progress_seconds)
+        with traced(unit.index == config.profile_unit) as trace:
             with self._device, phase(phases, "score"):
                 queued = self._scorer.queue_columns(ids, progress=report, plan=plan)
             # The teacher is released: the next unit queues its batches behind this one's last.
@@ -219,7 +199,7 @@ def write_unit(
         unit.text_sha256,
         encodings,
         losses,
-        spec.loss_dtype,
+        spec.settings.loss_dtype,
         columns,
         spec.settings,
         unit.target_spans,

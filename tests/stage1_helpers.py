@@ -16,6 +16,7 @@ from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.io import read_bytes
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.resolve import Asked
 from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.shipped import shipped_corpus, shipped_tokenizer_file
@@ -140,9 +141,9 @@ def columns_of(
     ids = [e.ids for e in tokenizer.encode_batch(texts)]
     extras = HeadExtras(topk=topk, space_mask=space_mask(tokenizer, tokenizer.vocab_size)[0])
     scorer = HFScorer(
-        resolve_teacher(str(folder)), dtype="float32", max_length=MAX_LENGTH, stride=STRIDE,
-        batch_tokens=64, device="cpu", extras=extras, switches=HeadSwitches(**switches),
-    )  # fmt: skip
+        resolve_teacher(str(folder)), max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=64,
+        asked=Asked("float32", HeadSwitches(**switches)), device="cpu", extras=extras,
+    ).load()  # fmt: skip
     columns = scorer.score_columns(ids)
     return scorer, joined_columns(columns)
 

@@ -22,6 +22,7 @@ VLLM_IMPORTS = importlib.util.find_spec("vllm") is not None  # `make test` insta
 
 from pipeline.scoring.head import HeadColumns  # noqa: E402
 from pipeline.scoring.hf import HFScorer  # noqa: E402
+from pipeline.scoring.resolve import Asked  # noqa: E402
 from pipeline.scoring.switches import HeadSwitches  # noqa: E402
 from pipeline.scoring.teacher import resolve_teacher  # noqa: E402
 from pipeline.scoring.windows import plan_document_windows  # noqa: E402
@@ -38,9 +39,9 @@ def test_tiny_teacher_floors_and_direct_losses(tmp_path, monkeypatch):
     shape = bench_gpu.TEACHERS["tiny"]["qwen2.5-1.5b-like"]
     folder = bench_gpu.build_teacher(tmp_path / "teacher", shape, cpu, torch.float32)
     scorer = HFScorer(
-        resolve_teacher(str(folder)), dtype="float32", max_length=32, stride=16, batch_tokens=64,
-        device="cpu", switches=HeadSwitches(head_kernel="fused"),
-    )  # fmt: skip
+        resolve_teacher(str(folder)), max_length=32, stride=16, batch_tokens=64, device="cpu",
+        asked=Asked("float32", HeadSwitches(head_kernel="fused")),
+    ).load()  # fmt: skip
     model = scorer.model
     assert model.config.vocab_size == shape["vocab_size"] >= load_tokenizer("qwen2.5").vocab_size
     ids = [np.arange(1, n, dtype=np.int64) * 7 for n in (40, 90, 15)]

@@ -23,6 +23,7 @@ from apps.evaluation.bits_per_character import bits_per_character
 from apps.evaluation.bootstrap import paired_bootstrap
 from apps.evaluation.config import EvalConfig
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.resolve import Asked
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.tokenizer import load_tokenizer
 from tests.stage1_helpers import make_tiny_teacher
@@ -35,8 +36,9 @@ def test_bits_per_character_equals_direct_cross_entropy(tmp_path, tokenizer_name
     folder = make_tiny_teacher(tmp_path / "m", tokenizer_name)
     tokenizer = load_tokenizer(str(folder))
     scorer = HFScorer(
-        resolve_teacher(str(folder)), dtype="float32", max_length=64, stride=32, batch_tokens=512
-    )
+        resolve_teacher(str(folder)), asked=Asked("float32"), max_length=64, stride=32,
+        batch_tokens=512,
+    ).load()
     result = bits_per_character(scorer, tokenizer, TEXTS)
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -176,8 +178,9 @@ def test_answer_bits_are_the_answer_tokens_loss_given_the_question(tmp_path):
     folder = make_tiny_teacher(tmp_path / "m", "tinyllama")
     tokenizer = load_tokenizer(str(folder))
     scorer = HFScorer(
-        resolve_teacher(str(folder)), dtype="float32", max_length=64, stride=32, batch_tokens=512
-    )
+        resolve_teacher(str(folder)), asked=Asked("float32"), max_length=64, stride=32,
+        batch_tokens=512,
+    ).load()
     texts = [TEXTS[0], "Question: 10 - 4?\nAnswer: 10 - 4 = 6\n#### 6"]
     result = answer_bits(scorer, tokenizer, texts)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()

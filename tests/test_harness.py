@@ -11,6 +11,7 @@ from apps.evaluation.harness import heldout_task, run_lm_eval, task_manager
 from apps.evaluation.run import evaluation_documents
 from pipeline.models.hf_tokenizer import save_tokenizer
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.resolve import Asked
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.shipped import shipped_corpus
 from pipeline.tokenizer import load_tokenizer
@@ -30,8 +31,9 @@ def test_lm_eval_scores_heldout_documents_exactly_as_vocagno_eval(tmp_path, toke
     )
     harness_nats = {s["doc"]["text"]: -float(s["resps"][0][0]) for s in results["samples"][task]}
     scorer = HFScorer(
-        resolve_teacher(str(model)), dtype="float32", max_length=256, stride=128, batch_tokens=2048
-    )
+        resolve_teacher(str(model)), asked=Asked("float32"), max_length=256, stride=128,
+        batch_tokens=2048,
+    ).load()
     tokenizer = load_tokenizer(str(model))
     for text in texts:
         ours = bits_per_character(scorer, tokenizer, [text])

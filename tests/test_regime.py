@@ -138,6 +138,7 @@ def test_the_greedy_ids_the_eval_reads_are_the_models_argmax_at_each_position(tm
     from pipeline.models.student import build_student
     from pipeline.scoring.head import HeadExtras
     from pipeline.scoring.hf import HFScorer
+    from pipeline.scoring.resolve import Asked
     from pipeline.scoring.teacher import resolve_teacher
     from pipeline.tokenizer import load_tokenizer
 
@@ -145,8 +146,8 @@ def test_the_greedy_ids_the_eval_reads_are_the_models_argmax_at_each_position(tm
     model = build_student("llama-tiny", tokenizer, seed=0, seq_len=64)
     model.save_pretrained(tmp_path)
     save_tokenizer(tokenizer, tmp_path)
-    scorer = HFScorer(resolve_teacher(str(tmp_path)), dtype="float32", max_length=512,
-                      stride=256, batch_tokens=2048, extras=HeadExtras(topk=1))  # fmt: skip
+    scorer = HFScorer(resolve_teacher(str(tmp_path)), asked=Asked("float32"), max_length=512,
+                      stride=256, batch_tokens=2048, extras=HeadExtras(topk=1)).load()  # fmt: skip
     texts = ["In the beginning God created the heaven and the earth.\nAnd the earth was void.",
              "Jesus wept.\nThe the the the the the the the"]  # fmt: skip
     encodings, columns = score_documents(scorer, tokenizer, texts)

@@ -17,6 +17,7 @@ from pipeline.io import sha256_text
 from pipeline.scoring import draws
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.resolve import Asked
 from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.tokenizer import load_tokenizer
@@ -36,9 +37,10 @@ def scored(folder, batch_tokens: int = 64, extras: HeadExtras = EXTRAS, **switch
     tokenizer = load_tokenizer(str(folder))
     ids = [np.asarray(e.ids) for e in tokenizer.encode_batch(TEXTS)]
     scorer = HFScorer(
-        resolve_teacher(str(folder)), dtype="float32", max_length=MAX_LENGTH, stride=STRIDE,
-        batch_tokens=batch_tokens, device="cpu", extras=extras, switches=HeadSwitches(**switches),
-    )  # fmt: skip
+        resolve_teacher(str(folder)), max_length=MAX_LENGTH, stride=STRIDE,
+        batch_tokens=batch_tokens, device="cpu", extras=extras,
+        asked=Asked("float32", HeadSwitches(**switches)),
+    ).load()  # fmt: skip
     return tokenizer, ids, scorer.score_columns(ids)
 
 
@@ -139,9 +141,9 @@ def test_the_sampled_mode_takes_the_plain_head_only(teacher):
 def test_auto_keeps_head_chunks_fixed_for_the_draws_even_on_a_gpu(teacher, monkeypatch):
     """A sampled head holds ~3x the plain head's bytes a logit, beyond what sized chunks budget
     for: under auto, a GPU (as `on_device` answers there) keeps fixed chunks for it."""
-    from pipeline.scoring import hf
+    from pipeline.scoring import resolve
 
-    monkeypatch.setattr(hf, "on_device", lambda choice, device, gpu, cpu: gpu
+    monkeypatch.setattr(resolve, "on_device", lambda choice, device, gpu, cpu: gpu
                         if choice == "auto" else choice)  # fmt: skip
     assert scored_scorer(teacher, EXTRAS).switches.head_chunks == "fixed"
     assert scored_scorer(teacher, HeadExtras(topk=K)).switches.head_chunks == "sized"
@@ -149,6 +151,6 @@ def test_auto_keeps_head_chunks_fixed_for_the_draws_even_on_a_gpu(teacher, monke
 
 def scored_scorer(folder, extras: HeadExtras) -> HFScorer:
     return HFScorer(
-        resolve_teacher(str(folder)), dtype="float32", max_length=MAX_LENGTH, stride=STRIDE,
-        batch_tokens=64, device="cpu", extras=extras, switches=HeadSwitches(row_packing="padded"),
-    )  # fmt: skip
+        resolve_teacher(str(folder)), max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=64,
+        device="cpu", extras=extras, asked=Asked("float32", HeadSwitches(row_packing="padded")),
+    ).load()  # fmt: skip

@@ -16,6 +16,7 @@ from pipeline.errors import CacheError
 from pipeline.io import sha256_text
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.resolve import Asked
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.space_mask import space_mask
 from pipeline.tokenizer import load_tokenizer
@@ -56,9 +57,9 @@ def score(folder, extras):
     tokenizer = load_tokenizer(str(folder))
     ids = [e.ids for e in tokenizer.encode_batch(TEXTS)]
     scorer = HFScorer(
-        resolve_teacher(str(folder)), dtype="float32", max_length=MAX_LENGTH, stride=STRIDE,
-        batch_tokens=64, device="cpu", extras=extras,
-    )  # fmt: skip
+        resolve_teacher(str(folder)), asked=Asked("float32"), max_length=MAX_LENGTH,
+        stride=STRIDE, batch_tokens=64, device="cpu", extras=extras,
+    ).load()  # fmt: skip
     return tokenizer, ids, scorer.score_columns(ids)
 
 

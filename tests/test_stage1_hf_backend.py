@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.resolve import Asked
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.tokenizer import load_tokenizer
 from tests.stage1_helpers import (
@@ -38,12 +39,12 @@ def score(folder, texts, *, max_length=256, stride=128, batch_tokens=512):
     ids = [e.ids for e in tokenizer.encode_batch(texts)]
     scorer = HFScorer(
         resolve_teacher(str(folder)),
-        dtype="float32",
         max_length=max_length,
         stride=stride,
         batch_tokens=batch_tokens,
+        asked=Asked("float32"),
         device="cpu",
-    )
+    ).load()
     return scorer, ids, scorer.score(ids)
 
 
@@ -51,7 +52,7 @@ def score(folder, texts, *, max_length=256, stride=128, batch_tokens=512):
 def test_losses_equal_a_direct_forward_pass(teachers, name):
     scorer, ids, losses = score(teachers[name], TEXTS)
     model = load_model(teachers[name])
-    assert scorer.plain_head
+    assert scorer.resolved.plain_head
     for doc_ids, loss in zip(ids, losses, strict=True):
         assert loss.dtype == np.float32 and loss.shape == doc_ids.shape
         if len(doc_ids) > 1:
@@ -89,7 +90,7 @@ def test_same_input_gives_bit_identical_losses(teachers):
 
 def test_a_soft_capped_head_falls_back_to_the_models_forward(teachers):
     scorer, ids, losses = score(teachers["gemma2"], TEXTS[:2])
-    assert not scorer.plain_head
+    assert not scorer.resolved.plain_head
     model = load_model(teachers["gemma2"])
     for doc_ids, loss in zip(ids, losses, strict=True):
         np.testing.assert_allclose(loss, direct_losses(model, doc_ids), atol=1e-4, rtol=0)

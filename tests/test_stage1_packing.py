@@ -23,9 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline import choices, document_attention
 from pipeline.errors import ConfigError
-from pipeline.scoring import device, head, head_kernels, hf
+from pipeline.scoring import device, head, head_kernels, hf, resolve
 from pipeline.scoring.batching import pack_rows, packed_layouts, padded_layouts
 from pipeline.scoring.head import HeadExtras
+from pipeline.scoring.resolve import Asked
 from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.scoring.windows import plan_document_windows
@@ -168,9 +169,7 @@ def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     1%)."""
     from torch._dynamo.utils import counters
 
-    settings = dict(
-        dtype="float32", max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=64, device="cpu",
-    )  # fmt: skip
+    settings = dict(max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=64, device="cpu")
     switches = HeadSwitches(
         head_kernel="fused", row_packing=packing, attention="flex" if packing == "packed" else "auto"
     )
@@ -179,7 +178,7 @@ def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     if columns == "all":
         mask = space_mask(tokenizer, tokenizer.vocab_size)[0]
         settings["extras"] = HeadExtras(topk=8, space_mask=mask)
-    scorer = hf.HFScorer(teacher, switches=replace(switches, compile="layers"), **settings)
+    scorer = hf.HFScorer(teacher, asked=Asked("float32", replace(switches, compile="layers")), **settings).load()
     compiled = counters["stats"]["unique_graphs"]
     assert (scorer.describe()["head_kernel"], scorer.describe()["compile"]) == ("fused", "layers")
     text = " ".join(["seven apples and six pears"] * 2)
@@ -196,7 +195,7 @@ def test_compiled_layers_score_what_eager_ones_do_and_compile_only_at_load(
     assert scorer.describe()["attention"] == ("flex" if packed else None)
     switches = replace(switches, attention="dense" if packed else "auto")
     compiled_as_on_a_gpu()  # the reference: eager, as on a CPU
-    eager = hf.HFScorer(teacher, switches=replace(switches, compile="off"), **settings)
+    eager = hf.HFScorer(teacher, asked=Asked("float32", replace(switches, compile="off")), **settings).load()
     assert scorer.columns.compute is not eager.columns.compute is head_kernels.fused_columns
     assert (eager.describe()["compile"], eager.describe()["attention"]) == (
         "off", "dense" if packed else None
@@ -225,13 +224,13 @@ def test_a_teacher_without_decoder_layers_is_refused_compiling_or_runs_eagerly(
     )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((teachers["smollm2"] / name).read_bytes())
-    settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
+    settings = dict(max_length=16, stride=6, batch_tokens=64, device="cpu")
     teacher = resolve_teacher(str(folder))
     with pytest.raises(ConfigError, match=r"^--compile layers: the teacher has no decoder layers "
                        r"at model.layers; use --compile off$"):  # fmt: skip
-        hf.HFScorer(teacher, switches=HeadSwitches(compile="layers"), **settings)
-    monkeypatch.setattr(hf, "resolve_compile", lambda choice, device: "layers")  # auto on a GPU
-    assert hf.HFScorer(teacher, switches=HeadSwitches(compile="auto"), **settings).describe()["compile"] == "off"
+        hf.HFScorer(teacher, asked=Asked("float32", HeadSwitches(compile="layers")), **settings).load()
+    monkeypatch.setattr(resolve, "resolve_compile", lambda choice, device: "layers")  # auto on a GPU
+    assert hf.HFScorer(teacher, asked=Asked("float32", HeadSwitches(compile="auto")), **settings).load().describe()["compile"] == "off"
 
 
 def test_layers_that_fail_to_compile_are_refused_or_run_eagerly_under_auto(
@@ -253,24 +252,24 @@ def test_layers_that_fail_to_compile_are_refused_or_run_eagerly_under_auto(
     monkeypatch.setattr(hf, "compile_layers", compile_failing)
     torch._dynamo.reset()
     teacher = resolve_teacher(str(teachers["smollm2"]))
-    settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
+    settings = dict(max_length=16, stride=6, batch_tokens=64, device="cpu")
     with pytest.raises(ConfigError, match=r"^--compile layers: compiling the teacher's layers "
                        r"failed \(RuntimeError: no kernel for this layer\); use --compile off$"):  # fmt: skip
-        hf.HFScorer(teacher, switches=HeadSwitches(compile="layers"), **settings)
-    monkeypatch.setattr(hf, "resolve_compile", lambda choice, device: "layers"
+        hf.HFScorer(teacher, asked=Asked("float32", HeadSwitches(compile="layers")), **settings).load()
+    monkeypatch.setattr(resolve, "resolve_compile", lambda choice, device: "layers"
                         if choice == "auto" else choice)  # auto as on a GPU  # fmt: skip
     configure()
-    scorer = hf.HFScorer(teacher, switches=HeadSwitches(compile="auto"), **settings)
+    scorer = hf.HFScorer(teacher, asked=Asked("float32", HeadSwitches(compile="auto")), **settings).load()
     assert scorer.describe()["compile"] == "off"
     said = capsys.readouterr().err
     assert said.count("[scoring] --compile auto: compiling the teacher's layers failed") == 1, said
     ids = [e.ids for e in load_tokenizer(str(teachers["smollm2"])).encode_batch(TEXTS)]
-    eager = hf.HFScorer(teacher, switches=HeadSwitches(compile="off"), **settings)
+    eager = hf.HFScorer(teacher, asked=Asked("float32", HeadSwitches(compile="off")), **settings).load()
     for ours, theirs in zip(scorer.score(ids), eager.score(ids), strict=True):
         np.testing.assert_array_equal(ours, theirs)
 
 
-def mask_ignored(scorer, ids, segments, positions) -> dict:
+def mask_ignored(model, ids, segments, positions) -> dict:
     """A forward pass that attends across the whole row: what a teacher that drops the
     document mask (and the restarted positions) computes."""
     return {"input_ids": ids}
@@ -278,20 +277,20 @@ def mask_ignored(scorer, ids, segments, positions) -> dict:
 
 def test_a_teacher_that_does_not_honour_the_mask_is_refused_or_kept_padded(teachers, monkeypatch):
     teacher = resolve_teacher(str(teachers["smollm2"]))
-    settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
-    monkeypatch.setattr(hf.HFScorer, "_packed_inputs", mask_ignored)
+    settings = dict(max_length=16, stride=6, batch_tokens=64, device="cpu")
+    monkeypatch.setattr(document_attention, "packed_inputs", mask_ignored)
     with pytest.raises(ConfigError, match=r"^--row-packing packed: this teacher's forward pass "
                        r"gives a packed window other hidden states .* use --row-packing padded$"):  # fmt: skip
-        hf.HFScorer(teacher, switches=HeadSwitches(row_packing="packed", attention="dense"), **settings)
+        hf.HFScorer(teacher, asked=Asked("float32", HeadSwitches(row_packing="packed", attention="dense")), **settings).load()
     # auto packs on a GPU; a teacher that cannot be packed stays padded there
-    monkeypatch.setattr(hf, "on_device", lambda choice, device, gpu, cpu: gpu
+    monkeypatch.setattr(resolve, "on_device", lambda choice, device, gpu, cpu: gpu
                         if choice == "auto" else choice)  # fmt: skip
-    scorer = hf.HFScorer(teacher, switches=HeadSwitches(row_packing="auto", attention="dense"), **settings)
+    scorer = hf.HFScorer(teacher, asked=Asked("float32", HeadSwitches(row_packing="auto", attention="dense")), **settings).load()
     assert (scorer.describe()["row_packing"], scorer.describe()["attention"]) == ("padded", None)
     monkeypatch.undo()
-    monkeypatch.setattr(hf, "on_device", lambda choice, device, gpu, cpu: gpu
+    monkeypatch.setattr(resolve, "on_device", lambda choice, device, gpu, cpu: gpu
                         if choice == "auto" else choice)  # fmt: skip
-    scorer = hf.HFScorer(teacher, switches=HeadSwitches(row_packing="auto", attention="dense"), **settings)
+    scorer = hf.HFScorer(teacher, asked=Asked("float32", HeadSwitches(row_packing="auto", attention="dense")), **settings).load()
     assert scorer.describe()["row_packing"] == "packed"
 
 
@@ -306,10 +305,11 @@ def test_overlapped_batches_cache_what_serial_batches_do(teachers, packing):
     by_overlap = {}
     for overlap in ("off", "on"):
         scorer = hf.HFScorer(
-            resolve_teacher(str(teachers["tinyllama"])), dtype="float32", max_length=MAX_LENGTH,
-            stride=STRIDE, batch_tokens=64, device="cpu", extras=extras,
-            switches=HeadSwitches(row_packing=packing, attention="dense", batch_overlap=overlap),
-        )  # fmt: skip
+            resolve_teacher(str(teachers["tinyllama"])), max_length=MAX_LENGTH, stride=STRIDE,
+            batch_tokens=64, device="cpu", extras=extras, asked=Asked("float32", HeadSwitches(
+                row_packing=packing, attention="dense", batch_overlap=overlap
+            )),
+        ).load()  # fmt: skip
         assert scorer.describe()["batch_overlap"] == overlap
         progress: list[int] = []
         by_overlap[overlap] = (scorer.score_columns(ids, progress.append), progress)
@@ -353,10 +353,10 @@ def test_each_batch_is_timed_from_its_first_input_copy_to_its_columns_copies(
     tokenizer = load_tokenizer(str(teachers["tinyllama"]))
     ids = [e.ids for e in tokenizer.encode_batch(TEXTS)]
     scorer = hf.HFScorer(
-        resolve_teacher(str(teachers["tinyllama"])), dtype="float32", max_length=MAX_LENGTH,
-        stride=STRIDE, batch_tokens=64, device="cpu",
-        switches=HeadSwitches(row_packing="padded", batch_overlap=overlap),
-    )  # fmt: skip
+        resolve_teacher(str(teachers["tinyllama"])), max_length=MAX_LENGTH, stride=STRIDE,
+        batch_tokens=64, device="cpu",
+        asked=Asked("float32", HeadSwitches(row_packing="padded", batch_overlap=overlap)),
+    ).load()  # fmt: skip
     monkeypatch.setattr(device, "time", SimpleNamespace(monotonic=lambda: launches[0]))
     monkeypatch.setattr(hf, "to_device", counting(hf.to_device))
     monkeypatch.setattr(scorer, "body", counting(scorer.body))
@@ -418,12 +418,11 @@ def test_a_packed_batch_is_queued_without_waiting_for_the_device(teachers):
     ids = [e.ids for e in tokenizer.encode_batch(TEXTS)]
     extras = HeadExtras(topk=8, space_mask=space_mask(tokenizer, tokenizer.vocab_size)[0])
     scorer = hf.HFScorer(
-        resolve_teacher(str(teachers["tinyllama"])), dtype="float32", max_length=MAX_LENGTH,
-        stride=STRIDE, batch_tokens=64, device="cpu", extras=extras,
-        switches=HeadSwitches(
+        resolve_teacher(str(teachers["tinyllama"])), max_length=MAX_LENGTH, stride=STRIDE,
+        batch_tokens=64, device="cpu", extras=extras, asked=Asked("float32", HeadSwitches(
             row_packing="packed", attention="dense", head_kernel="fused", batch_overlap="on"
-        ),
-    )  # fmt: skip
+        )),
+    ).load()  # fmt: skip
     with DeviceReads() as audit:
         columns = scorer.score_columns(ids)
     assert audit.reads == []

@@ -515,15 +515,22 @@ def test_overlapped_units_cache_the_same_bytes_with_writing_beside_scoring(built
 
 def loaded_worker(teacher: Path, out: Path):
     """An in-process worker of the tiny teacher (--batch-overlap on, a GPU's default), loaded."""
-    from pipeline.scoring.switches import HeadSwitches
+    import torch
+
+    from pipeline.cache.settings import CacheSettings
+    from pipeline.scoring.resolve import Asked, resolve
     from pipeline.scoring.teacher import resolve_teacher
+    from stage1_score.config import ScoreConfig
     from stage1_score.worker import UnitScorer, WorkerSpec
 
+    config = ScoreConfig(
+        teacher=str(teacher), corpus=str(out), out=str(out), dtype="float32", batch_tokens=128,
+        loss_dtype="float32", progress_seconds=1e9, batch_overlap="on",
+    )  # fmt: skip
     spec = WorkerSpec(
-        teacher=resolve_teacher(str(teacher)), tokenizer=None, backend="hf", dtype="float32",
-        max_length=MAX_LENGTH, stride=STRIDE, batch_tokens=128, loss_dtype="float32",
-        out=out, run_fingerprint="test", threads=1, progress_seconds=1e9,
-        switches=HeadSwitches(batch_overlap="on"),
+        config, resolve(Asked.of(config), torch.device("cpu")), resolve_teacher(str(teacher)),
+        CacheSettings(max_length=MAX_LENGTH, stride=STRIDE, loss_dtype="float32"), out,
+        run_fingerprint="test", threads=1,
     )  # fmt: skip
     worker = UnitScorer(spec)
     worker.describe()  # loads the teacher

@@ -16,6 +16,7 @@ import torch
 
 from pipeline.errors import ConfigError
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.resolve import Asked
 from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import resolve_teacher
 from tests.stage1_helpers import make_tiny_teacher
@@ -45,8 +46,8 @@ def test_without_cuda_or_the_interpreter_onepass_is_refused_in_one_line(tmp_path
     teacher = resolve_teacher(str(make_tiny_teacher(tmp_path / "t", "smollm2")))
     with pytest.raises(ConfigError, match=r"^--head-kernel onepass: Triton compiles for CUDA "
                        r"devices, not cpu; .*TRITON_INTERPRET=1 .*; use --head-kernel fused$"):  # fmt: skip
-        HFScorer(teacher, dtype="float32", max_length=16, stride=6, batch_tokens=64,
-                 device="cpu", switches=HeadSwitches(head_kernel="onepass"))  # fmt: skip
+        HFScorer(teacher, max_length=16, stride=6, batch_tokens=64, device="cpu",
+                 asked=Asked("float32", HeadSwitches(head_kernel="onepass"))).load()  # fmt: skip
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter is on")
@@ -54,23 +55,23 @@ def test_auto_takes_fused_with_one_warning_where_onepass_cannot_run(tmp_path, mo
     """`--head-kernel auto` on a GPU is onepass; where its kernel cannot run there (no triton, a
     failed compile or check at load) the worker scores with fused, says so in one warning, and
     records fused. Here auto is made to mean onepass on this CPU, where Triton does not run."""
-    import pipeline.scoring.head as head
+    import pipeline.scoring.resolve as resolve
     from pipeline.log import configure
 
-    choose = head.on_device
-    monkeypatch.setattr(head, "on_device", lambda choice, device, gpu, cpu: choose(
+    choose = resolve.on_device
+    monkeypatch.setattr(resolve, "on_device", lambda choice, device, gpu, cpu: choose(
         choice, device, gpu, gpu if gpu == "onepass" else cpu
     ))  # fmt: skip
     teacher = resolve_teacher(str(make_tiny_teacher(tmp_path / "t", "smollm2")))
-    settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
+    settings = dict(max_length=16, stride=6, batch_tokens=64, device="cpu")
     configure()
-    scorer = HFScorer(teacher, switches=HeadSwitches(head_kernel="auto"), **settings)
+    scorer = HFScorer(teacher, asked=Asked("float32", HeadSwitches(head_kernel="auto")), **settings).load()
     assert scorer.switches.head_kernel == "fused" and scorer.describe()["head_kernel"] == "fused"
     said = capsys.readouterr().err
     assert said.count("[scoring] --head-kernel auto takes fused: --head-kernel onepass: Triton "
                       "compiles for CUDA devices, not cpu") == 1, said  # fmt: skip
     with pytest.raises(ConfigError, match="^--head-kernel onepass: "):  # asked for: refused
-        HFScorer(teacher, switches=HeadSwitches(head_kernel="onepass"), **settings)
+        HFScorer(teacher, asked=Asked("float32", HeadSwitches(head_kernel="onepass")), **settings).load()
 
 
 def test_the_row_kernel_compiles_to_full_vector_loads_without_spills():

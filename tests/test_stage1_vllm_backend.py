@@ -18,9 +18,11 @@ import torch
 from pipeline.errors import ConfigError
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.resolve import Asked
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.tokenizer import load_tokenizer
 from stage1_score.backends.vllm_backend import PromptLogprobsError, VLLMScorer, prompt_columns
+from stage1_score.config import ScoreConfig
 from stage1_score.job import backend_version
 from tests.stage1_helpers import load_model, make_tiny_teacher
 
@@ -158,9 +160,9 @@ TEXTS = [
 def test_vllm_windows_give_the_hf_backends_losses_and_top_k(teacher, fake_vllm):
     ids = [e.ids for e in load_tokenizer(str(teacher)).encode_batch(TEXTS)]
     hf = HFScorer(
-        resolve_teacher(str(teacher)), dtype="float32", max_length=16, stride=6,
+        resolve_teacher(str(teacher)), asked=Asked("float32"), max_length=16, stride=6,
         batch_tokens=64, device="cpu", extras=HeadExtras(topk=4),
-    ).score_columns(ids)  # fmt: skip
+    ).load().score_columns(ids)  # fmt: skip
     done = []
     vllm = fake_scorer(load_model(teacher), 16, 6, topk=4).score_columns(ids, done.append)
     assert vllm.keys() == hf.keys() == {"loss", "topk_probs", "topk_ids", "topk_rest"}
@@ -183,9 +185,8 @@ def test_the_space_logprob_is_refused_by_the_vllm_backend():
     environment = dict(os.environ)
     with pytest.raises(ValueError, match="computes no space log-probability"):
         VLLMScorer(
-            resolve_teacher("x/y"), dtype="float32", max_length=16, stride=6,
-            max_num_batched_tokens=64, gpu_memory_utilization=0.5, cpu_kvcache_gib=1, threads=1,
-            enforce_eager=True, extras=HeadExtras(space_mask=np.ones(8, dtype=bool)),
+            resolve_teacher("x/y"), ScoreConfig(teacher="x/y", corpus="c", out="o"), "float32", 1,
+            max_length=16, stride=6, extras=HeadExtras(space_mask=np.ones(8, dtype=bool)),
         )  # fmt: skip
     # nothing of vLLM's settings (OMP_NUM_THREADS=1 among them) is left to later subprocesses
     assert dict(os.environ) == environment

@@ -267,7 +267,9 @@ import numpy as np
 import psutil
 from pipeline.tokenizer import load_tokenizer
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.resolve import Asked
 from stage1_score.backends.vllm_backend import VLLMScorer
+from stage1_score.config import ScoreConfig
 from pipeline.scoring.teacher import resolve_teacher
 
 def engines():
@@ -284,12 +286,15 @@ def engines():
 folder, text, context = sys.argv[1], sys.argv[2], int(sys.argv[3])
 ids = [load_tokenizer(folder).encode(text).ids]
 assert len(ids[0]) > context, len(ids[0])
-window = dict(dtype="float32", max_length=context, stride=context // 2)
-hf = HFScorer(resolve_teacher(folder), batch_tokens=4096, device="cpu", **window).score(ids)
-scorer = VLLMScorer(
-    resolve_teacher(folder), max_num_batched_tokens=4096, gpu_memory_utilization=0.5,
-    cpu_kvcache_gib=1, threads=2, enforce_eager=True, **window,
+window = dict(max_length=context, stride=context // 2)
+teacher = resolve_teacher(folder)
+hf = HFScorer(teacher, asked=Asked("float32"), batch_tokens=4096, device="cpu", **window)
+hf = hf.load().score(ids)
+config = ScoreConfig(
+    teacher=folder, corpus=folder, out=folder, vllm_max_num_batched_tokens=4096,
+    vllm_gpu_memory_utilization=0.5, vllm_cpu_kvcache_gib=1, vllm_enforce_eager=True,
 )
+scorer = VLLMScorer(teacher, config, "float32", 2, **window).load()
 try:
     ours = scorer.score(ids)
     assert engines(), "no engine process to see"

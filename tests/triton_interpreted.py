@@ -25,6 +25,7 @@ from pipeline.errors import ConfigError
 from pipeline.scoring import hf, triton_head
 from pipeline.scoring.head import head_kernel_function
 from pipeline.scoring.head_kernels import TINY, TOPK_BLOCK
+from pipeline.scoring.resolve import Asked
 from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import resolve_teacher
 from stage1_score.run import main
@@ -168,7 +169,8 @@ def test_onepass_is_checked_at_load_against_the_plain_kernel(teachers, tmp_path,
     _, plain = columns_of(capped, topk=0, head_kernel="plain")
     for column in ("loss", "space_logprob"):
         np.testing.assert_allclose(ours[column], plain[column], rtol=1e-5, atol=2e-6)
-    settings = dict(dtype="float32", max_length=16, stride=6, batch_tokens=64, device="cpu")
+    settings = dict(max_length=16, stride=6, batch_tokens=64, device="cpu")
+    onepass = Asked("float32", HeadSwitches(head_kernel="onepass"))
     teacher = resolve_teacher(str(teachers["smollm2"]))
     row_sums = triton_head.logit_row_sums
 
@@ -180,14 +182,14 @@ def test_onepass_is_checked_at_load_against_the_plain_kernel(teachers, tmp_path,
     with pytest.raises(ConfigError, match=r"^--head-kernel onepass: on a probe its columns "
                        r"differ from the plain kernel's by 1 \(more than 0.01\); use "
                        r"--head-kernel fused$"):  # fmt: skip
-        hf.HFScorer(teacher, switches=HeadSwitches(head_kernel="onepass"), **settings)
+        hf.HFScorer(teacher, asked=onepass, **settings).load()
 
     def failing(*args):
         raise RuntimeError("PassManager::run failed")
 
     monkeypatch.setattr(triton_head, "logit_row_sums", failing)
     with pytest.raises(ConfigError, match=r"^--head-kernel onepass: the kernel failed on a probe"):
-        hf.HFScorer(teacher, switches=HeadSwitches(head_kernel="onepass"), **settings)
+        hf.HFScorer(teacher, asked=onepass, **settings).load()
 
 
 # slow: a Ray job whose workers load and check the kernels in the interpreter (68 s for onepass's

@@ -18,6 +18,7 @@ from pipeline.errors import CorpusError
 from pipeline.io import atomic_write_json
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.hf import HFScorer
+from pipeline.scoring.resolve import Asked
 from pipeline.scoring.teacher import (
     check_model_weights,
     load_teacher_config,
@@ -56,12 +57,12 @@ def evaluate(config: EvalConfig) -> dict:
     )
     scorer = HFScorer(
         source,
-        dtype=config.dtype,
         max_length=max_length,
         stride=max_length // 2,
         batch_tokens=config.batch_tokens,
+        asked=Asked(config.dtype),
         extras=HeadExtras(topk=1) if config.last_words else None,  # the greedy token's id
-    )
+    ).load()
     report: dict = {"model": config.model, "tokenizer": tokenizer.spec, "config": to_dict(config)}
     data = config.data or str(shipped_corpus("eval"))
     # One read of the held-out data: the documents for bits per character, then the problems,

@@ -23,9 +23,8 @@ from pipeline.cache.schema import (
     TOPK_PROBS,
     TOPK_REST,
 )
-from pipeline.choices import SAMPLED_NEEDS_PLAIN_HEAD, compiles_on, on_device
+from pipeline.choices import SAMPLED_NEEDS_PLAIN_HEAD, compiles_on
 from pipeline.errors import ConfigError
-from pipeline.log import get_logger
 from pipeline.scoring.head_kernels import (
     compiled_pass,
     fused_columns,
@@ -185,28 +184,6 @@ class HeadColumns:
             exact = plain_columns(head(hidden).float(), targets, 0, space)
             differences += [float((ours[name] - exact[name]).abs().max()) for name in exact]
         return float(np.max(differences))  # NaN if any is
-
-
-def head_columns(
-    asked: str, extras: HeadExtras, vocab_size: int, device: torch.device, head: torch.nn.Linear
-) -> HeadColumns:
-    """The columns of a teacher's `head` (`vocab_size` outputs) by `--head-kernel` `asked`.
-    auto: on a GPU onepass (the fastest measured: docs/stage1-gpu-path.md), or fused with one
-    warning where its Triton kernel does not run or fails its check at load; on a CPU plain,
-    whose caches are those of before."""
-    if extras.sampled and asked == "auto":
-        asked = "plain"  # the draws need each row's whole fp32 softmax
-    kernel = on_device(asked, device, gpu="onepass", cpu="plain")
-    try:
-        columns = HeadColumns(extras, vocab_size, device, kernel)
-        if kernel == "onepass":
-            check_triton_kernel(columns, head)
-    except ConfigError as exc:
-        if asked != "auto":
-            raise
-        get_logger("scoring").warning(f"--head-kernel auto takes fused: {exc}")
-        columns = HeadColumns(extras, vocab_size, device, "fused")
-    return columns
 
 
 def check_triton_kernel(columns: HeadColumns, head: torch.nn.Linear) -> None:

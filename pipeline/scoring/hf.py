@@ -5,9 +5,8 @@ decoder body; then the output head is applied only to the positions whose next t
 chunk of rows at a time, and each chunk's loss and views are computed by `--head-kernel`
 (pipeline.scoring.head, pipeline.scoring.head_kernels).
 Chunks (`--head-chunks`, pipeline.scoring.head: head_chunk_rows) hold a fixed 2^24 logits, or
-are sized from the device's free memory at the first scoring call (the warm-up at load), so that
-a large vocabulary does not cost a head matrix product (re-reading the whole head weight) per
-hundred rows.
+are sized from the device's free memory at load, so that a large vocabulary does not cost a head
+matrix product (re-reading the whole head weight) per hundred rows.
 Full-vocabulary log-probabilities of all positions (batch x length x vocabulary) are never
 materialized. `--compile layers` compiles each decoder layer of the body (pipeline.models.layers).
 
@@ -16,8 +15,8 @@ right-padded, with a 2-D attention mask; `packed`, several windows per row of `m
 tokens, each attending causally to itself only (pipeline.document_attention: a dense
 [B, 1, T, T] mask, or flex_attention's block mask under `--attention flex`) with its positions
 restarting at 0, so that every window is scored with exactly its own context. A teacher whose
-forward pass does not honour that (checked at load on a probe) is refused for `packed`, and
-`auto` keeps it padded.
+forward pass does not honour that (checked at load on a probe, where every switch is resolved:
+pipeline.scoring.resolve) is refused for `packed`, and `auto` keeps it padded.
 
 A model whose logits are not simply `head(body(x))` (soft-capping, scaling) is detected at load by
 comparing both ways on a probe sequence; such a model falls back to its own forward pass, still
@@ -33,11 +32,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from pipeline.choices import on_device
-from pipeline.document_attention import FLEX, document_block_mask, document_mask
+from pipeline import document_attention
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
-from pipeline.models.layers import compile_layers, decoder_layers, eager_layers, resolve_compile
+from pipeline.models.layers import compile_layers, eager_layers
 from pipeline.scoring.batching import (
     BatchLayout,
     UnitPlan,
@@ -46,24 +44,22 @@ from pipeline.scoring.batching import (
     padded_layouts,
     scored_positions,
 )
-from pipeline.scoring.device import DeviceTime, QueuedBatch, QueuedColumns, free_memory, to_device
+from pipeline.scoring.device import DeviceTime, QueuedBatch, QueuedColumns, to_device
 from pipeline.scoring.draws import document_uniforms
-from pipeline.scoring.head import HeadExtras, empty_columns, head_chunk_rows, head_columns
+from pipeline.scoring.head import HeadColumns, HeadExtras, empty_columns
+from pipeline.scoring.resolve import Asked, Resolved, resolve
 from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.teacher import TeacherSource, load_teacher_model
 from pipeline.scoring.windows import WindowTable, plan_document_windows
 
 WARM_UP_TOKENS = 64
-# Largest relative difference of a probe's fp32 hidden states, two windows packed in one row
-# against each alone, that still counts as the same context: rounding, far below what attending
-# to a neighbouring window or taking its positions changes (a sizeable share of the norm). Half
-# precision weights get 50 times more (bf16 rounds at 4e-3).
-PACKING_TOLERANCE = 1e-3
-ASKED_BY_DEFAULT = HeadSwitches()  # every switch auto
+ASKED_BY_DEFAULT = Asked()  # every choice auto
 
 
 class HFScorer:
-    """Scores token sequences with a transformers causal LM; one instance per worker."""
+    """Scores token sequences with a transformers causal LM; one instance per worker. Made
+    cheaply with what is asked; `load()` loads the teacher, resolves every switch for its device
+    (pipeline.scoring.resolve), compiles and warms up."""
 
     name = "hf"
 
@@ -71,46 +67,41 @@ class HFScorer:
         self,
         teacher: TeacherSource,
         *,
-        dtype: str,
         max_length: int,
         stride: int,
         batch_tokens: int,
+        asked: Asked = ASKED_BY_DEFAULT,
         device: str | None = None,
         extras: HeadExtras | None = None,
-        switches: HeadSwitches = ASKED_BY_DEFAULT,
     ):
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = load_teacher_model(teacher, dtype, str(self.device))
+        self.teacher, self.asked, self.extras = teacher, asked, extras or HeadExtras()
         self.max_length, self.stride, self.batch_tokens = max_length, stride, batch_tokens
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.resolved: Resolved | None = None  # once loaded
+        self._last_done = None  # the event behind the last batch queued (DeviceTime)
+
+    def load(self) -> HFScorer:
+        """Load the teacher in the dtype resolved for this device, resolve the switches with it,
+        compile its layers as resolved, and warm up; returns the scorer, loaded."""
+        dtype = resolve(self.asked, self.device).dtype
+        self.model = load_teacher_model(self.teacher, dtype, str(self.device))
         self.body = self.model.base_model
         self.head = self.model.get_output_embeddings()
         self.vocab_size = self.head.weight.shape[0]
-        self.plain_head = self._head_reproduces_logits()
-        self.extras = extras or HeadExtras()
-        self.columns = head_columns(
-            switches.head_kernel, self.extras, self.vocab_size, self.device, self.head
+        self.resolved = resolve(self.asked, self.device, self.model, self.extras)
+        self.columns = HeadColumns(
+            self.extras, self.vocab_size, self.device, self.switches.head_kernel
         )
-        row_packing, attention = self._resolve_packing(switches.row_packing, switches.attention)
-        compile = resolve_compile(switches.compile, self.device)
-        if switches.compile == "auto" and not decoder_layers(self.model):
-            compile = "off"  # a teacher of another shape runs eagerly; asked for, refused
-        # what this scorer steps with, each switch resolved for this device and teacher
-        self.switches = HeadSwitches(
-            head_kernel=self.columns.kernel,
-            # draws hold ~3x the plain head's bytes a logit: auto keeps their chunks fixed
-            head_chunks=on_device(switches.head_chunks, self.device, cpu="fixed",
-                                  gpu="fixed" if self.extras.sampled else "sized"),  # fmt: skip
-            row_packing=row_packing,
-            attention=attention,
-            batch_overlap=on_device(switches.batch_overlap, self.device, gpu="on", cpu="off"),
-            compile=compile,
-        )
-        compile_layers(self.model, compile, "the teacher")
-        self._head_rows: int | None = None  # rows per head chunk, from the first scoring call
-        self._last_done = None  # the event behind the last batch queued (DeviceTime)
-        self._warm_up(switches.compile)
+        compile_layers(self.model, self.switches.compile, "the teacher")
+        self._warm_up()
+        return self
 
-    def _warm_up(self, asked: str) -> None:
+    @property
+    def switches(self) -> HeadSwitches:
+        """What this scorer steps with, each switch resolved for its device and teacher."""
+        return self.resolved.switches
+
+    def _warm_up(self) -> None:
         """Score `_warm_up_units`, so that what compiles on first use (the layers, the head's
         compiled passes, flex attention and its block mask) does so now, at load, not inside a
         unit (onepass's Triton kernel compiles at its check, just before). Layers that fail to
@@ -127,12 +118,13 @@ class HFScorer:
             cause = getattr(exc, "inner_exception", None) or exc
             first = (str(cause).strip().splitlines() or [""])[0][:300]
             problem = f"compiling the teacher's layers failed ({type(cause).__name__}: {first})"
-            if asked != "auto":
+            if self.asked.switches.compile != "auto":
                 raise ConfigError(f"--compile layers: {problem}; use --compile off") from exc
             get_logger("scoring").warning(f"--compile auto: {problem}; they run eagerly")
             eager_layers(self.model)
-            self.switches = replace(self.switches, compile="off")
-            self._warm_up(asked)
+            switches = replace(self.switches, compile="off")
+            self.resolved = replace(self.resolved, switches=switches)
+            self._warm_up()
 
     def _warm_up_units(self) -> list[list[np.ndarray]]:
         """Units whose batches take every kind of shape that compiles differently: a compiled
@@ -163,71 +155,7 @@ class HFScorer:
             "backend": self.name,
             "backend_version": transformers.__version__,
             "model_dtype": str(self.model.dtype).removeprefix("torch."),
-            "head": "chunked" if self.plain_head else "model forward",
-        } | self.switches.saved()
-
-    @torch.inference_mode()
-    def _head_reproduces_logits(self) -> bool:
-        probe = torch.arange(8, device=self.device)[None] * 7919 % self.vocab_size
-        full = self.model(input_ids=probe, use_cache=False).logits.float()
-        ours = self.head(self.body(input_ids=probe, use_cache=False).last_hidden_state).float()
-        return torch.allclose(full, ours, rtol=1e-3, atol=1e-3)
-
-    def _resolve_packing(self, row_packing: str, attention: str) -> tuple[str, str | None]:
-        """(`packed` or `padded`, the attention packed rows use): `auto` packs on a GPU, with flex
-        attention, if this teacher's forward pass gives a packed window what it gives it alone;
-        an explicit `packed` it cannot honour is refused in one line."""
-        packing = on_device(row_packing, self.device, gpu="packed", cpu="padded")
-        if packing == "padded":
-            return packing, None
-        attention = on_device(attention, self.device, gpu="flex", cpu="dense")
-        problem = None
-        if attention == "flex":
-            try:
-                self.model.set_attn_implementation(FLEX)
-            except (ValueError, ImportError) as exc:  # no flex path for this architecture
-                problem = f"--attention flex: {exc}"
-        problem = problem or self._packing_problem()
-        if problem is None:
-            return packing, attention
-        if row_packing == "auto":
-            return "padded", None
-        raise ConfigError(f"--row-packing packed: {problem}; use --row-packing padded")
-
-    @torch.inference_mode()
-    def _packing_problem(self) -> str | None:
-        """None if two probe windows packed into one row get the hidden states each gets alone;
-        else what differs."""
-        first = torch.arange(5, device=self.device) * 7919 % self.vocab_size
-        second = torch.arange(3, device=self.device) * 104729 % self.vocab_size
-        segments = torch.tensor([[1] * 5 + [2] * 3], device=self.device)
-        positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=self.device)
-        inputs = self._packed_inputs(torch.cat([first, second])[None], segments, positions)
-        try:
-            packed = self.body(**inputs, use_cache=False).last_hidden_state[0].float()
-        except (TypeError, ValueError, RuntimeError) as exc:  # a mask or positions it cannot take
-            return f"this teacher's forward pass does not take a document mask ({exc})"
-        alone = torch.cat([
-            self.body(input_ids=ids[None], use_cache=False).last_hidden_state[0].float()
-            for ids in (first, second)
-        ])  # fmt: skip
-        difference = float((packed - alone).norm() / alone.norm())
-        tolerance = PACKING_TOLERANCE if self.model.dtype == torch.float32 else 50 * PACKING_TOLERANCE
-        if difference <= tolerance:
-            return None
-        return (
-            f"this teacher's forward pass gives a packed window other hidden states than it "
-            f"gives it alone (relative difference {difference:.2g} on a probe, above "
-            f"{tolerance:g}): it does not honour a document mask or restarted positions"
-        )
-
-    def _packed_inputs(
-        self, ids: torch.Tensor, segments: torch.Tensor, positions: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """The body's inputs for packed rows: each window attends to itself, from position 0."""
-        flex = self.model.config._attn_implementation == FLEX
-        mask = document_block_mask(segments) if flex else document_mask(segments)
-        return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+        } | self.resolved.saved()
 
     def score(
         self, token_ids: list[np.ndarray], progress: Callable[[int], None] | None = None
@@ -270,13 +198,7 @@ class HFScorer:
         if plan is None:
             plan = self.plan(token_ids)
         windows, columns = plan.windows, plan.columns
-        if self._head_rows is None:
-            # Sized chunks take the free memory once, at the first call (the warm-up's, whose
-            # full batch proves the size fits): whether CUDA's query waits for queued work (the
-            # previous unit's last batch, or this one's) is not documented.
-            free = free_memory(self.device) if self.switches.head_chunks == "sized" else None
-            self._head_rows = head_chunk_rows(self.vocab_size, self.switches.head_chunks, free)
-        rows, device_time = self._head_rows, DeviceTime()
+        rows, device_time = self.resolved.head_rows, DeviceTime()
 
         def place(layout: BatchLayout, batch: QueuedBatch) -> None:
             scored = windows.scored[layout.windows]
@@ -310,9 +232,8 @@ class HFScorer:
         input_ids, segment_ids, position_ids = arrays
         ids = to_device(input_ids, self.device)
         if self.switches.row_packing == "packed":
-            inputs = self._packed_inputs(
-                ids, to_device(segment_ids, self.device), to_device(position_ids, self.device)
-            )
+            segments, positions = (to_device(a, self.device) for a in (segment_ids, position_ids))
+            inputs = document_attention.packed_inputs(self.model, ids, segments, positions)
         else:
             mask = to_device((segment_ids > 0).astype(np.int64), self.device)
             inputs = {"input_ids": ids, "attention_mask": mask}
@@ -331,7 +252,7 @@ class HFScorer:
         inputs, row, position = self.inputs_on_device(*arrays)
         ids = inputs["input_ids"]
         targets = ids[row, position + 1]
-        if self.plain_head:
+        if self.resolved.plain_head:
             hidden = self.body(**inputs, use_cache=False).last_hidden_state[row, position]
             head = self.head
         else:

@@ -1,13 +1,8 @@
 """The hf backend's device switches as one frozen record, in two states: as asked (any may be
 `auto`: stage 1's `--head-kernel`, `--head-chunks`, `--row-packing`, `--attention`,
-`--batch-overlap`, `--compile`), and as a scorer resolved them for its device and its teacher
-(pipeline.scoring.hf: HFScorer.switches), which is what the scorer steps with, what
-`describe()` reports and what stage1-run.json saves for each run.
-
-Each switch keeps its own resolution beside the component that reads it (the head's columns in
-pipeline.scoring.head, packing and compile in pipeline.scoring.hf); this record only carries
-the answers, so no switch is copied field by field between the config, the worker and the scorer.
-"""
+`--batch-overlap`, `--compile`), and as resolved for a device and a teacher
+(pipeline.scoring.resolve, which decides every switch), which is what the scorer steps with, what
+`describe()` reports, what stage1-run.json saves for each run and each shard's sidecar names."""
 
 from __future__ import annotations
 

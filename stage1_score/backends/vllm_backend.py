@@ -39,6 +39,7 @@ from pipeline.scoring.device import QueuedColumns
 from pipeline.scoring.head import HeadExtras, empty_columns
 from pipeline.scoring.teacher import TeacherSource
 from pipeline.scoring.windows import plan_document_windows
+from stage1_score.config import ScoreConfig
 
 PROMPTS_PER_CALL = 1024  # windows per generate() call: big enough to batch, small for progress
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's own default of the engine's max_logprobs
@@ -119,20 +120,25 @@ class VLLMScorer:
     def __init__(
         self,
         teacher: TeacherSource,
-        *,
+        config: ScoreConfig,
         dtype: str,
+        threads: int,
+        *,
         max_length: int,
         stride: int,
-        max_num_batched_tokens: int,
-        gpu_memory_utilization: float,
-        cpu_kvcache_gib: int,
-        threads: int,
-        enforce_eager: bool,
         extras: HeadExtras | None = None,
     ):
+        """Cheap: `load()` starts the engine. `config`: stage 1's (its `vllm_*` options);
+        `dtype`: the teacher's, resolved (pipeline.scoring.resolve); `threads`: the worker's."""
         self.extras = extras or HeadExtras()
         if self.extras.space_mask is not None:  # refused before the process's environment changes
             raise ValueError("the vllm backend computes no space log-probability")
+        self.teacher, self.config, self.dtype, self.threads = teacher, config, dtype, threads
+        self.max_length, self.stride = max_length, stride
+
+    def load(self) -> VLLMScorer:
+        """Start the engine; returns the scorer, loaded."""
+        config, dtype = self.config, self.dtype
         # vLLM takes these settings from the environment: they are set before it reads them.
         # max_model_len is max_length + 1 (below); the one position past a full window is the
         # generated token's, which no forward pass computes, and plan() already refuses a
@@ -146,30 +152,29 @@ class VLLMScorer:
         if current_platform.is_cpu():
             # On CPUs vLLM sizes the KV cache from this variable; gpu_memory_utilization would
             # instead reserve that share of the machine's RAM.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gib)
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.vllm_cpu_kvcache_gib)
             # vLLM's automatic binding pins every engine on a node to the same cores, knowing
             # nothing of the other workers: leave placement to the OS and use the worker's
             # share of threads instead, unless the user chose a binding.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            os.environ["OMP_NUM_THREADS"] = str(threads)  # read by the engine's processes
-            memory, engine_memory = {"cpu_kvcache_gib": cpu_kvcache_gib}, {}
+            os.environ["OMP_NUM_THREADS"] = str(self.threads)  # read by the engine's processes
+            memory, engine_memory = {"cpu_kvcache_gib": config.vllm_cpu_kvcache_gib}, {}
         else:
-            memory = engine_memory = {"gpu_memory_utilization": gpu_memory_utilization}
+            memory = engine_memory = {"gpu_memory_utilization": config.vllm_gpu_memory_utilization}
         # K + 1 log-probabilities per prompt position: the prompt token's and the top K's
         logprobs = max(self.extras.topk, 1)
-        model, kwargs = teacher.load_args
-        if teacher.kind == "gguf":
-            model, kwargs = str(teacher.path), {}
-        self.max_length, self.stride = max_length, stride
+        model, kwargs = self.teacher.load_args
+        if self.teacher.kind == "gguf":
+            model, kwargs = str(self.teacher.path), {}
         self.engine = LLM(
             model=model,
             revision=kwargs.get("revision"),
             dtype="auto" if dtype == "checkpoint" else dtype,  # vLLM's auto: the checkpoint's
-            max_model_len=max_length + 1,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_length + 1,
+            max_num_batched_tokens=config.vllm_max_num_batched_tokens,
             enable_prefix_caching=False,
             skip_tokenizer_init=True,  # prompts are token ids; no detokenized log-probs needed
-            enforce_eager=enforce_eager,
+            enforce_eager=config.vllm_enforce_eager,
             max_logprobs=max(logprobs, DEFAULT_MAX_LOGPROBS),
             logprobs_mode="raw_logprobs",
             seed=0,
@@ -180,12 +185,13 @@ class VLLMScorer:
         )
         self.settings = {
             "platform": current_platform.device_type,
-            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_num_batched_tokens": config.vllm_max_num_batched_tokens,
             "dtype": dtype,
-            "enforce_eager": enforce_eager,
+            "enforce_eager": config.vllm_enforce_eager,
             "prompt_logprobs": logprobs,
             "enable_prefix_caching": False,
         } | memory
+        return self
 
     def describe(self) -> dict:
         import vllm
