@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from pipeline.cache.manifest import CacheManifest
+from pipeline.corpus.own_template import own_template
 from pipeline.distillation import Distillation
 from pipeline.distillation.columns import check_columns
-from pipeline.errors import CacheError, ConfigError
+from pipeline.errors import CacheError, ConfigError, TokenizerError
 from pipeline.guidance_modes import MODES
 from pipeline.storage import Store
 from pipeline.tokenizer import TextTokenizer
@@ -177,3 +178,25 @@ def check_scratch(workers: int) -> None:
             "over through Unix sockets in it, whose paths cannot be that long; set TMPDIR to a "
             "shorter folder, or --num-workers 0"
         )
+
+
+def chat_template_note(manifest: CacheManifest, tokenizer: TextTokenizer) -> str | None:
+    """A cache of chat records rendered in a student's own template (stage 1's --chat-template
+    student) for another student than this one: a line saying so, else None. Not a refusal:
+    the student aligns by characters into the one text the teacher scored whatever its format,
+    but it will learn the other student's turn markers (docs/instruction-data.md)."""
+    template = manifest.corpus.get("targets", {}).get("template", {})
+    if template.get("name") != "student":
+        return None
+    try:
+        own = own_template("student", tokenizer).describe()["chat_template_sha256"]
+    except TokenizerError:
+        own = None
+    if own == template["chat_template_sha256"]:
+        return None
+    which = "has no chat template" if own is None else "has another chat template"
+    return (
+        f"the cache's chat records are rendered in a student's own template (sha256 "
+        f"{template['chat_template_sha256'][:12]}), and this student's tokenizer {which}: it "
+        "trains on that template's turn markers"
+    )

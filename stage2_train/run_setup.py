@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from stage2_train.distributed import Runtime
 from stage2_train.output import check_output_is_a_run, hold_output
 from stage2_train.parallel import wrap
 from stage2_train.preflight import (
+    chat_template_note,
     check_distillation_cache,
     check_output_and_cache,
     check_scratch,
@@ -89,6 +91,8 @@ def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStac
     check_output_and_cache(config, manifest, more)
     check_output_is_a_run(config)
     check_distillation_cache(config, distillation, {config.cache: manifest, **more}, tokenizer)
+    if runtime.is_main and (note := chat_template_note(manifest, tokenizer)):
+        print(f"stage 2: {note}", file=sys.stderr)
     accumulation = config.accumulation_steps(runtime.world_size)
     plan = data_plan(config, runtime, settings, tokenizer, distillation, manifest, more)
     check_scratch(plan.workers)

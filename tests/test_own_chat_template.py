@@ -160,3 +160,24 @@ def test_the_cache_records_whose_template_rendered_it():
     assert described["llama-3.1-instruct"]["leading_bos"] == "<|begin_of_text|>"
     with pytest.raises(ValueError, match="needs own_template"):
         Corpus(spec, options)
+
+
+def test_stage_2_says_when_the_cache_was_rendered_for_another_student():
+    """A cache rendered by --chat-template student trains any student (the alignment is by
+    characters into its one text); stage 2 says in one line when its student's tokenizer is not
+    the one whose template rendered it, and says nothing otherwise."""
+    from pipeline.cache.manifest import CacheManifest
+    from pipeline.cache.settings import CacheSettings
+    from stage2_train.preflight import chat_template_note
+
+    def cache(template: dict) -> CacheManifest:
+        corpus = {"targets": {"mode": "chat", "column": "messages", "template": template}}
+        return CacheManifest(teacher={}, tokenizer={}, settings=CacheSettings(), corpus=corpus)
+
+    qwen = own_template("student", load_tokenizer("qwen2.5")).describe()
+    assert chat_template_note(cache(qwen), load_tokenizer("qwen2.5")) is None
+    other = chat_template_note(cache(qwen), load_tokenizer("smollm2"))
+    assert "this student's tokenizer has another chat template" in other
+    assert "has no chat template" in chat_template_note(cache(qwen), load_tokenizer("tinyllama"))
+    as_teacher = own_template("teacher", load_tokenizer("qwen2.5")).describe()
+    assert chat_template_note(cache(as_teacher), load_tokenizer("tinyllama")) is None
