@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from pipeline.corpus import Corpus, CorpusOptions
 from pipeline.corpus.own_template import OwnTemplate, own_template, shipped_chat_templates
+from pipeline.corpus.targets import BadTargets
 from pipeline.errors import CorpusError, TokenizerError
 from pipeline.io import read_bytes
 from pipeline.shipped import shipped_chat_template, shipped_corpus, shipped_tokenizer_file
@@ -115,6 +116,8 @@ def test_a_folder_s_template_is_read_and_a_folder_without_one_is_one_line(tmp_pa
         own_template("student", bare)
     assert str(error.value).startswith("--chat-template student: tokenizer ")
     assert "has no chat_template" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(TokenizerError, match="has no chat_template"):  # a bare tokenizer.json
+        own_template("teacher", load_tokenizer(str(tmp_path / "b" / "tokenizer.json")))
 
 
 def test_a_record_the_template_refuses_is_named_in_one_line_or_skipped(tmp_path):
@@ -181,3 +184,18 @@ def test_stage_2_says_when_the_cache_was_rendered_for_another_student():
     assert "has no chat template" in chat_template_note(cache(qwen), load_tokenizer("tinyllama"))
     as_teacher = own_template("teacher", load_tokenizer("qwen2.5")).describe()
     assert chat_template_note(cache(as_teacher), load_tokenizer("tinyllama")) is None
+
+
+def test_a_template_that_rewrites_a_content_gives_no_guessed_span():
+    """Qwen3's template drops the reasoning of an answer before the last question: the text has
+    no place for that content as given, so the record is refused, not given a nearby span."""
+    template = template_tokenizer("qwen3")
+    question, answer = chat_records(1)[0]
+    thinking = {
+        "role": "assistant",
+        "content": "<think>\nadd them\n</think>\n\n" + answer["content"],
+    }
+    with pytest.raises(BadTargets, match="renders message 1 differently once later messages follow it"):
+        template.render([question, thinking, question, answer])
+    text, spans = template.render([question, thinking])  # the last answer keeps its reasoning
+    assert text[slice(*spans[0])] == thinking["content"] + "<|im_end|>"

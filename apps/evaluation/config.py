@@ -31,7 +31,9 @@ class EvalConfig:
         help="the answer of each problem: all: its text after '\\nAnswer:'; spans or chat: its "
         "target spans, as stage 1's --targets reads them (field target_spans or messages)",
     )
-    chat_template: NamedChatTemplate = option("chatml", help="--targets chat: as stage 1's")
+    chat_template: NamedChatTemplate = option(
+        "chatml", help="--targets chat: as stage 1's chatml or plain (not a tokenizer's own)"
+    )
     num_docs: int = option(200, help="held-out documents for bits per character (0: skip)")
     last_words: bool = option(
         False,

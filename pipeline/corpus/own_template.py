@@ -32,8 +32,8 @@ from pipeline.shipped import ASSETS, shipped_chat_template
 from pipeline.tokenizer import TextTokenizer, shipped_tokenizers
 
 NO_TEMPLATE = (
-    "tokenizer {spec!r} has no chat_template (neither its tokenizer_config.json nor a "
-    "chat_template.jinja names one); use --chat-template chatml or plain"
+    "tokenizer {spec!r} has no chat_template (a model folder keeps it in tokenizer_config.json "
+    "or chat_template.jinja); use --chat-template chatml or plain"
 )
 
 
@@ -76,7 +76,12 @@ class OwnTemplate:
         `full`, checked against the conversation rendered up to and including it."""
         header = self._prefix(messages[:index], full, index)
         turn = self._apply(messages[: index + 1])
-        start = turn.find(content, header) if turn.startswith(full[:header]) else -1
+        if not turn.startswith(full[:header]):
+            raise BadTargets(
+                f"the {self.name}'s chat template renders the messages before message {index} "
+                "differently once it follows them: its span cannot be placed exactly"
+            )
+        start = turn.find(content, header)
         if start < 0:
             raise BadTargets(
                 f"the {self.name}'s chat template does not write message {index}'s content "
@@ -88,7 +93,8 @@ class OwnTemplate:
         # a template may write a block before the content of the last turn only (Qwen3's empty
         # reasoning): where the whole rendering leaves it out, the content follows the header
         # and the whitespace the message gave it
-        start = header + len(messages[index]["content"]) - len(messages[index]["content"].lstrip())
+        given = messages[index]["content"]
+        start = header + len(given) - len(given.lstrip())
         if full.startswith(content + closing, start):
             return start, start + len(content) + len(closing)
         raise BadTargets(
@@ -119,7 +125,7 @@ class OwnTemplate:
         # (raise_exception for roles out of turn, a TypeError on a field it expects)
         except Exception as exc:
             raise BadTargets(
-                f"the {self.name}'s chat template refused the messages: {exc}"
+                f"the {self.name}'s chat template refused the messages: {first_line(exc)}"
             ) from None
 
 
@@ -136,7 +142,8 @@ def own_template(name: str, tokenizer: TextTokenizer) -> OwnTemplate:
 
     spec, policy = tokenizer.spec, tokenizer.policy
     leading_bos = policy.bos_token if policy.add_bos else None
-    if spec in shipped_tokenizers():
+    if spec in shipped_tokenizers() or spec.endswith((".json", ".json.zst")):
+        # a bare tokenizer.json holds no template; a shipped one's ships beside it
         shipped = [t for t in shipped_chat_templates().values() if t.get("tokenizer") == spec]
         if not shipped:
             raise TokenizerError(f"--chat-template {name}: {NO_TEMPLATE.format(spec=spec)}")
@@ -152,7 +159,7 @@ def own_template(name: str, tokenizer: TextTokenizer) -> OwnTemplate:
     except Exception as exc:  # transformers raises OSError, ValueError or its own kinds
         raise TokenizerError(
             f"--chat-template {name}: cannot read the chat template of tokenizer {spec!r}: "
-            f"{(str(exc).splitlines() or [type(exc).__name__])[0]}"
+            f"{first_line(exc)}"
         ) from None
     if not isinstance(getattr(hf, "chat_template", None), str) or not hf.chat_template:
         raise TokenizerError(f"--chat-template {name}: {NO_TEMPLATE.format(spec=spec)}")
@@ -173,3 +180,7 @@ def _read_tokenizer(spec: str):
             return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         return AutoTokenizer.from_pretrained(spec)
     return PreTrainedTokenizerFast.from_pretrained(spec)
+
+
+def first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
