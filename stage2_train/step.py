@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 class StepSums:
     """What a step sums on the device across its micro-batches: the kept and all tokens' loss,
     the kept, mapped and valid target tokens, the ranks' stop votes, the distillation term and
-    its units. Each field is a view of `buffer`, so the step reads all of them in one sync."""
+    its units. Each field is a view of `buffer` (added to in place), so the step reads all of
+    them in one sync."""
 
     kept_loss: torch.Tensor
     all_loss: torch.Tensor
@@ -52,15 +53,21 @@ class StepSums:
 
     @classmethod
     def zeros(cls, device: torch.device) -> StepSums:
-        buffer = torch.zeros(len(dataclasses.fields(cls)) - 1, dtype=torch.float64, device=device)
-        return cls(*(buffer[index] for index in range(len(buffer))), buffer=buffer)
+        names = cls.names()
+        buffer = torch.zeros(len(names), dtype=torch.float64, device=device)
+        return cls(**{name: buffer[index] for index, name in enumerate(names)}, buffer=buffer)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The summed fields, in the buffer's order."""
+        return [field.name for field in dataclasses.fields(cls) if field.name != "buffer"]
 
     def read(self, runtime: Runtime, grad_norm: torch.Tensor) -> StepTotals:
         """Summed over ranks and brought to the host with the gradient norm: the step's one sync."""
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
         both = torch.cat((runtime.all_reduce_sum(self.buffer), grad_norm.detach().double().view(1)))
-        return StepTotals(*both.tolist())
+        return StepTotals(**dict(zip([*self.names(), "grad_norm"], both.tolist(), strict=True)))
 
 
 @dataclass(frozen=True)
