@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from apps.evaluation.bits_per_character import context_prefix
+from pipeline.bits_per_character import context_prefix
 from pipeline.corpus.targets import Spans, target_tokens
 from pipeline.errors import CorpusError
 from pipeline.tokenizer import TextTokenizer

@@ -1,18 +1,18 @@
-"""Held-out loss in bits per character: the one loss that compares models with different tokenizers.
+"""Held-out loss in bits per character: the one loss that compares models with different tokenizers,
+as pipeline.bits_per_character defines it (stage 2's --eval-every computes the same).
 
 Per-token losses come from stage 1's scorer (same windows, same fp32 chunked head), so a model is
-measured here exactly as a teacher is scored. Bits per character = sum of token losses (nats) /
-ln 2 / characters. A model without BOS gets its EOS as the first context (as lm-evaluation-harness
-does for rolling log-likelihoods), so every character of every document is predicted.
+measured here exactly as a teacher is scored.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.bits_per_character import bits, framed_sequences, unscored_characters
+from pipeline.bits_per_character import bits_per_character as per_character
 from pipeline.tokenizer import TextTokenizer
 
 
@@ -34,21 +34,12 @@ class BitsPerCharacter:
         return out
 
 
-def context_prefix(tokenizer: TextTokenizer) -> list[int]:
-    """A token to predict the first text token from, when the family adds no BOS."""
-    if tokenizer.policy.add_bos or tokenizer.eos_id is None:
-        return []
-    return [tokenizer.eos_id]
-
-
 def score_documents(scorer, tokenizer: TextTokenizer, texts: list[str]) -> tuple[list, dict]:
     """Each text's encoding and the scorer's columns for its tokens (the context prefix's rows
     dropped): one scoring pass that every per-document metric can read."""
-    prefix = context_prefix(tokenizer)
-    encodings = tokenizer.encode_batch(texts)
-    sequences = [np.concatenate((np.asarray(prefix, dtype=np.int32), e.ids)) for e in encodings]
+    encodings, sequences, prefix = framed_sequences(tokenizer, texts)
     columns = scorer.score_columns(sequences)
-    return encodings, {name: [c[len(prefix) :] for c in cs] for name, cs in columns.items()}
+    return encodings, {name: [c[prefix:] for c in cs] for name, cs in columns.items()}
 
 
 def bits_per_character(
@@ -62,17 +53,16 @@ def bits_per_character(
     for text, encoding, loss in zip(texts, encodings, losses, strict=True):
         scored = ~np.isnan(loss)
         doc_nats = float(loss[scored].astype(np.float64).sum())
-        doc_unscored = int((encoding.end - encoding.start)[~scored].sum())
+        doc_unscored = unscored_characters(encoding, scored)
         nats += doc_nats
         tokens += int(scored.sum())
         unscored_chars += doc_unscored
-        doc_bits.append(doc_nats / math.log(2))
+        doc_bits.append(bits(doc_nats))
         doc_chars.append(len(text) - doc_unscored)
     characters = sum(len(t) for t in texts) - unscored_chars
-    bits = nats / math.log(2)
     return BitsPerCharacter(
-        bits_per_character=bits / max(characters, 1),
-        bits_per_token=bits / max(tokens, 1),
+        bits_per_character=per_character(nats, characters),
+        bits_per_token=bits(nats) / max(tokens, 1),
         documents=len(texts),
         characters=characters,
         tokens=tokens,
