@@ -6,6 +6,23 @@ line. Every source of a value (flags, a manifest table, a config saved beside an
 through `from_dict`, which checks each value against its field's type hint (types, and the
 choices of a `Literal`) and then builds the dataclass, whose `__post_init__` checks ranges: a
 manifest value gets exactly the checks of the same value on the command line.
+
+A config is flat (each field an option, listed under its `group`) or made of sections: a field
+whose type is a dataclass is a section, its fields that section's options, and its name their
+group (`config.optimizer.lr`; --help lists the sections in the order they are declared, and a
+manifest may hold them in `[stage2.optimizer]`). Outside the code an option keeps one flat name
+either way: its flag (`--lr`), its manifest key (`lr`, in the stage's table or its group's) and
+its key in the saved JSON (`to_dict` writes every option flat, so a config's fingerprint does not
+depend on which section holds it). That name is the field's, unless `option(key=...)` gives
+another: where a section and an option would share a name (stage 2's section `guidance` and its
+mode, `--guidance`), the option is `mode` in the code and `guidance` outside it.
+
+Adding an option to a section is one field in that section's dataclass, e.g.
+`eval_every: int = option(0, help="...")` in stage 2's `LoggingOptions`: the flag, the manifest
+key, the saved key, its place in --help and its type check follow from it; a check of its range
+goes in the section's `__post_init__` (or the config's, where it needs another section's value),
+and a new option whose default keeps today's behaviour leaves old saved configs loading. Then
+list it in the docs' table of its command's options, in its section, in declared order.
 """
 
 from __future__ import annotations
@@ -14,15 +31,13 @@ import argparse
 import dataclasses
 import difflib
 import functools
-import json
 import tomllib
-import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from pipeline.errors import ConfigError
-from pipeline.option_values import SEED_OPTION, Refused, check_seeds, finite, no_credentials
+from pipeline.option_values import Refused, choices_of, fitting, scalar_type
 
 T = TypeVar("T")
 
@@ -30,10 +45,17 @@ T = TypeVar("T")
 HELP_CHARACTERS = 300  # an option's --help text at most: a sentence or two, the detail in docs/
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", group: str | None = None) -> Any:
-    """A dataclass field with its --help text and the `group` of options it is listed under (the
-    component that reads it); its type hint gives type and choices."""
-    metadata = {"help": help, "group": group}
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    group: str | None = None,
+    key: str | None = None,
+) -> Any:
+    """A dataclass field with its --help text, the `group` of options it is listed under (the
+    component that reads it; a section's options are in the section's group) and its `key`, the
+    name of its flag, manifest key and saved key where that is not the field's name; its type
+    hint gives type and choices."""
+    metadata = {"help": help, "group": group, "key": key}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: default.copy(), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -44,24 +66,94 @@ def options_of(group: str) -> Any:
     return functools.partial(option, group=group)
 
 
-def _scalar_type(hint: Any) -> Any:
-    """`int | None` -> int; `Literal["a", "b"]` -> str."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _scalar_type(args[0])
-    if typing.get_origin(hint) is typing.Literal:
-        return type(typing.get_args(hint)[0])
-    return hint
+class Declared(NamedTuple):
+    """One option of a config: its flat `key` (flag, manifest and saved key), the `section`
+    field holding it (None: a field of the config itself), its field, type hint and group."""
+
+    key: str
+    section: str | None
+    field: dataclasses.Field
+    hint: Any
+    group: str | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def required(self) -> bool:
+        return (
+            self.field.default is dataclasses.MISSING
+            and self.field.default_factory is dataclasses.MISSING
+        )
 
 
-def _choices(hint: Any) -> tuple | None:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        for arg in typing.get_args(hint):
-            if typing.get_origin(arg) is typing.Literal:
-                return typing.get_args(arg)
-    if typing.get_origin(hint) is typing.Literal:
-        return typing.get_args(hint)
-    return None
+def sections_of(cls: type) -> dict[str, type]:
+    """The section fields of `cls` (name -> dataclass), in declared order; empty if flat."""
+    hints = typing.get_type_hints(cls)
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(cls)
+        if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name])
+    }
+
+
+@functools.cache
+def declared(cls: type) -> tuple[Declared, ...]:
+    """Every option of `cls`, in declared order (a section's in its place among the fields)."""
+    hints, sections = typing.get_type_hints(cls), sections_of(cls)
+    found = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in sections:
+            inner = typing.get_type_hints(sections[f.name])
+            found += [
+                Declared(g.metadata.get("key") or g.name, f.name, g, inner[g.name], f.name)
+                for g in dataclasses.fields(sections[f.name])
+                if g.init
+            ]
+        else:
+            found.append(Declared(f.metadata.get("key") or f.name, None, f, hints[f.name],
+                                  f.metadata.get("group")))  # fmt: skip
+    keys = [d.key for d in found]
+    if len(set(keys)) != len(keys):
+        raise TypeError(f"{cls.__name__}: an option's key is declared twice: {sorted(keys)}")
+    return tuple(found)
+
+
+def option_groups(cls: type) -> dict[str, str | None]:
+    """Each option of `cls` -> the group it is listed under (--help, a manifest's sub-tables)."""
+    return {d.key: d.group for d in declared(cls)}
+
+
+def value_of(config: Any, key: str) -> Any:
+    """The value of the option spelled `key` outside the code (`lr`: `config.optimizer.lr`)."""
+    option = next(d for d in declared(type(config)) if d.key == key)
+    holder = config if option.section is None else getattr(config, option.section)
+    return getattr(holder, option.field.name)
+
+
+def from_flat(cls: type[T], values: dict[str, Any]) -> T:
+    """`cls` from options by their flat keys, each section built from its own (its
+    `__post_init__` first), then the config; no type checks (`from_dict` makes them first), so
+    a bad value raises what the dataclasses raise. Tests and benchmarks build a config so."""
+    options = {d.key: d for d in declared(cls)}
+    unknown = sorted(set(values) - set(options))
+    if unknown:
+        raise TypeError(f"{cls.__name__}: unknown option(s) {unknown}")
+    sections, fields = sections_of(cls), {}
+    parts: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    for key, value in values.items():
+        option = options[key]
+        (fields if option.section is None else parts[option.section])[option.field.name] = value
+    return cls(**fields, **{name: sections[name](**part) for name, part in parts.items()})
+
+
+def replaced(config: T, **changes: Any) -> T:
+    """`config` with some options changed (by their flat keys), every check made again."""
+    values = {d.key: value_of(config, d.key) for d in declared(type(config))}
+    return from_flat(type(config), {**values, **changes})
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -72,10 +164,23 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def _help(option: Declared) -> str:
+    """An option's --help: its text and its default, once (a text that says its default in
+    words, "default: the student's own", keeps its words)."""
+    text = option.field.metadata.get("help", "")
+    if "default:" in text:
+        return text
+    if option.field.default is not dataclasses.MISSING:
+        return text + f" (default: {option.field.default!r})"
+    if option.field.default_factory is not dataclasses.MISSING:
+        return text + f" (default: {option.field.default_factory()!r})"
+    return text + " (required)"
+
+
 def build_parser(cls: type, description: str, section: str) -> argparse.ArgumentParser:
-    parser = _ArgumentParser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    """Flags for every option of `cls`, listed by group: a sectioned config's in the order its
+    sections are declared, a flat one's in the order its fields first name them."""
+    parser = _ArgumentParser(description=description)
     parser.add_argument(
         "--manifest",
         type=Path,
@@ -83,47 +188,25 @@ def build_parser(cls: type, description: str, section: str) -> argparse.Argument
         help=f"TOML job manifest; its [{section}] table sets any option below "
         "(options on the command line win)",
     )
-    hints = typing.get_type_hints(cls)
     groups: dict[str | None, Any] = {None: parser}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        group = f.metadata.get("group")
-        if group not in groups:  # listed in the order the dataclass first names them
-            groups[group] = parser.add_argument_group(f"{group} options")
-        add_argument = groups[group].add_argument
-        hint = hints[f.name]
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if f.default is not dataclasses.MISSING:
-            help_text += f" (default: {f.default!r})"
-        elif f.default_factory is not dataclasses.MISSING:
-            help_text += f" (default: {f.default_factory()!r})"
-        else:
-            help_text += " (required)"
-        kind = _scalar_type(hint)
+    for option in declared(cls):
+        if option.group not in groups:
+            groups[option.group] = parser.add_argument_group(f"{option.group} options")
+        add_argument = functools.partial(
+            groups[option.group].add_argument,
+            option.flag,
+            dest=option.key,
+            default=argparse.SUPPRESS,
+            help=_help(option),
+        )
+        kind = scalar_type(option.hint)
         if kind is bool:
-            add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
-            )
+            add_argument(action=argparse.BooleanOptionalAction)
         elif typing.get_origin(kind) is list:
             item = typing.get_args(kind)[0]
-            add_argument(
-                flag,
-                type=_scalar_type(item),
-                choices=_choices(item),
-                nargs="+",
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
+            add_argument(type=scalar_type(item), choices=choices_of(item), nargs="+")
         else:
-            add_argument(
-                flag,
-                type=kind,
-                choices=_choices(hint),
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
+            add_argument(type=kind, choices=choices_of(option.hint))
     return parser
 
 
@@ -159,111 +242,25 @@ def load_manifest_section(path: Path, section: str) -> dict[str, Any]:
     return {k.replace("-", "_"): v for k, v in table.items()}
 
 
-def _show(value: Any) -> str:
-    """A value as the user wrote it: TOML and JSON spell strings with double quotes."""
-    try:
-        return json.dumps(str(value) if isinstance(value, Path) else value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _kind_of(value: Any) -> str:
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "a boolean"
-    names = ((int, "an integer"), (float, "a float"), (str, "a string"), (list, "a list"))
-    return next(
-        (name for kind, name in names if isinstance(value, kind)), f"a {type(value).__name__}"
-    )
-
-
-def _expected(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return _expected(_optional_of(hint))
-    if origin is typing.Literal:
-        return "one of " + ", ".join(_show(c) for c in typing.get_args(hint))
-    if origin is list:
-        return f"a list of {_expected(typing.get_args(hint)[0])}"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    return names.get(hint, "a path (a string)" if hint is Path else str(hint))
-
-
-def _optional_of(hint: Any) -> Any:
-    """`X` of `X | None`, keeping a Literal (where `_scalar_type` gives its value type)."""
-    return next(arg for arg in typing.get_args(hint) if arg is not type(None))
-
-
-def _checked(hint: Any, value: Any) -> Any:
-    """`value` if it fits `hint` (an int widened to a float, a string made a Path), else Refused.
-
-    Strict on purpose: a string is never a bool or a number, a float is never an int, so that a
-    typo in a manifest ("false", "no", 1.5) cannot silently become another setting.
-    """
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(hint):
-            return None
-        return _checked(_optional_of(hint), value)
-    if origin is typing.Literal:
-        if isinstance(value, str) and value in typing.get_args(hint):
-            return value
-    elif origin is list:
-        if isinstance(value, list | tuple):
-            item, items = typing.get_args(hint)[0], []
-            for index, element in enumerate(value):
-                try:
-                    items.append(_checked(item, element))
-                except Refused as exc:
-                    raise Refused(f"item {index + 1}: {exc}") from None
-            return items
-    elif hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return finite(float(value))
-    elif hint is str:
-        if isinstance(value, str):
-            return no_credentials(value)
-    elif hint is Path:
-        if isinstance(value, str | Path):
-            return Path(no_credentials(value))
-    kind = "is not allowed" if _scalar_type(hint) is type(value) else f"is {_kind_of(value)}"
-    raise Refused(f"{_show(value)} {kind}; expected {_expected(hint)}")
-
-
 def check_options(
     cls: type, values: dict[str, Any], where: str, flags: bool = False
 ) -> dict[str, Any]:
-    """`values` (with any group sub-tables merged in) with each checked against its field of
+    """`values` (with any group sub-tables merged in) with each checked against its option of
     `cls`: the first misfit is a ConfigError naming `where`, the key (as `--flag` if `flags`),
     the value and what is allowed."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    options = {d.key: d for d in declared(cls)}
     values = grouped_table(cls, values, where)
-    unknown = sorted(set(values) - names)
+    unknown = sorted(set(values) - set(options))
     if unknown:
-        raise ConfigError(f"{where}: unknown option(s) {unknown}; known: {sorted(names)}")
-    checked = {}
+        raise ConfigError(f"{where}: unknown option(s) {unknown}; known: {sorted(options)}")
+    fits = {}
     for key, value in values.items():
         try:
-            checked[key] = _checked(hints[key], value)
-            if SEED_OPTION.search(key):
-                check_seeds(checked[key])
+            fits[key] = fitting(key, options[key].hint, value)
         except Refused as exc:
-            name = "--" + key.replace("_", "-") if flags else key
+            name = options[key].flag if flags else key
             raise ConfigError(f"{where} {name}: {exc}") from None
-    return checked
-
-
-def option_groups(cls: type) -> dict[str, str | None]:
-    """Each option of `cls` -> the group it is listed under (--help, a manifest's sub-tables)."""
-    return {f.name: f.metadata.get("group") for f in dataclasses.fields(cls) if f.init}
+    return fits
 
 
 def grouped_table(cls: type, table: dict[str, Any], where: str) -> dict[str, Any]:
@@ -291,20 +288,12 @@ def grouped_table(cls: type, table: dict[str, Any], where: str) -> dict[str, Any
 
 
 def _build(cls: type[T], values: dict[str, Any], where: str) -> T:
-    """`cls` from checked values; its `__post_init__` checks ranges and how options combine."""
-    missing = sorted(
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.init
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-        and f.name not in values
-    )
+    """`cls` from checked values; each `__post_init__` checks ranges and how options combine."""
+    missing = [d.flag for d in declared(cls) if d.required and d.key not in values]
     if missing:
-        flags = ", ".join("--" + m.replace("_", "-") for m in missing)
-        raise ConfigError(f"{where}: missing required option(s) {flags}")
+        raise ConfigError(f"{where}: missing required option(s) {', '.join(sorted(missing))}")
     try:
-        return cls(**values)
+        return from_flat(cls, values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 
@@ -340,8 +329,15 @@ def parse_config(cls: type[T], argv: list[str] | None, description: str, section
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """JSON-able view (paths as strings) to save beside outputs and to fingerprint."""
-    return {key: _jsonable(value) for key, value in dataclasses.asdict(config).items()}
+    """JSON-able view (paths as strings) to save beside outputs and to fingerprint: every option
+    by its flat key, whichever section holds it."""
+    sections, plain, flat = sections_of(type(config)), dataclasses.asdict(config), {}
+    for f in dataclasses.fields(config):
+        if f.name in sections:
+            flat.update(to_dict(getattr(config, f.name)))
+        else:
+            flat[f.metadata.get("key") or f.name] = _jsonable(plain[f.name])
+    return flat
 
 
 def _jsonable(value: Any) -> Any:

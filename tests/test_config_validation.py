@@ -26,7 +26,6 @@ from apps.analysis.configs import (
 from apps.demo.config import DemoConfig, PreRegistration
 from apps.evaluation.config import EvalConfig
 from pipeline.config import (
-    _scalar_type,
     build_parser,
     config_from_options,
     from_dict,
@@ -35,6 +34,7 @@ from pipeline.config import (
 )
 from pipeline.errors import ConfigError, exit_code
 from pipeline.io import fingerprint
+from pipeline.option_values import scalar_type
 from stage1_score.config import ScoreConfig
 from stage2_train.config import TrainConfig
 
@@ -135,7 +135,7 @@ def _right_value(cls, field, hint):
     """A valid value other than the default, as a manifest would write it."""
     if (cls, field.name) in RIGHT:
         return RIGHT[cls, field.name]
-    default, kind = _default(field), _scalar_type(hint)
+    default, kind = _default(field), scalar_type(hint)
     if _literal(hint):
         return next(c for c in typing.get_args(_literal(hint)) if c != default)
     if typing.get_origin(kind) is list:
@@ -154,12 +154,12 @@ def _right_value(cls, field, hint):
 
 def _wrong_types(hint):
     """Manifest values of the wrong type for `hint`: each must be refused."""
-    kind = _scalar_type(hint)
+    kind = scalar_type(hint)
     if _literal(hint):
         return [5, True]
     if typing.get_origin(kind) is list:
         item = typing.get_args(kind)[0]
-        return ["a", [True] if _scalar_type(item) is not bool else ["a"]]
+        return ["a", [True] if scalar_type(item) is not bool else ["a"]]
     return {
         bool: ["false", "no", 0],
         int: ["1", 1.5, True],
@@ -172,7 +172,7 @@ def _wrong_types(hint):
 def _out_of_choice(hint):
     if _literal(hint):
         return ["bogus"]
-    kind = _scalar_type(hint)
+    kind = scalar_type(hint)
     if typing.get_origin(kind) is list and _literal(typing.get_args(kind)[0]):
         return [["bogus"]]
     return []
@@ -284,7 +284,7 @@ def test_every_choice_set_reaches_flags_and_help_from_its_literal():
     for cls, (section, _) in CONFIGS.items():
         actions = {a.dest: a for a in build_parser(cls, "", section)._actions}
         for field, hint in _fields(cls):
-            kind = _scalar_type(hint)
+            kind = scalar_type(hint)
             item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else hint
             choices = typing.get_args(_literal(item)) if _literal(item) else None
             assert actions[field.name].choices == choices, (cls.__name__, field.name)
@@ -424,7 +424,7 @@ def _float_options():
     sections |= {dose.DoseConfig: dose.SECTION, curve.CurveConfig: curve.SECTION}
     for cls, section in sections.items():
         for field, hint in _fields(cls):
-            kind = _scalar_type(hint)
+            kind = scalar_type(hint)
             if float in (kind, *typing.get_args(kind)):
                 yield pytest.param(cls, section, field.name, kind is not float,
                                    id=f"{cls.__name__}-{field.name}")  # fmt: skip
@@ -465,7 +465,7 @@ def test_every_seed_option_refuses_a_negative_seed(capsys):
              if SEED_OPTION.search(f.name)]  # fmt: skip
     assert {name for _, name, _ in seeds} == {"sample_seed", "seed", "seeds", "longest_seeds"}
     for cls, name, hint in seeds:
-        listed = typing.get_origin(_scalar_type(hint)) is list
+        listed = typing.get_origin(scalar_type(hint)) is list
         for seed in (-5, 2**63):
             flag = f"--{name.replace('_', '-')}={seed}"
             required = CONFIGS.get(cls, ("", {}))[1]
