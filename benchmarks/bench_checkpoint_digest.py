@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from timing import Elapsed, measure, print_header, print_load_average  # noqa: E402
 
+from pipeline.config import from_flat  # noqa: E402
 from pipeline.file_digests import share_problems  # noqa: E402
 from pipeline.models.student import build_student  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
@@ -48,11 +49,13 @@ def main() -> None:
         root = Path(scratch)
         build_cache(root / "cache", num_documents=2, docs_per_shard=2)
         tokenizer = load_tokenizer("tinyllama")
-        config = TrainConfig(cache=str(root / "cache"), student=args.student,
-                             student_tokenizer="tinyllama", out=root / "run", max_steps=2, warmup_steps=1,
-                             seq_len=64, micro_batch_size=1, global_batch_tokens=64)  # fmt: skip
-        model = build_student(args.student, tokenizer, 0, config.seq_len)
-        optimizer = make_optimizer(model, config, "plain")
+        config = from_flat(TrainConfig, dict(
+            cache=str(root / "cache"), student=args.student, student_tokenizer="tinyllama",
+            out=root / "run", max_steps=2, warmup_steps=1, seq_len=64, micro_batch_size=1,
+            global_batch_tokens=64,
+        ))  # fmt: skip
+        model = build_student(args.student, tokenizer, 0, config.data.seq_len)
+        optimizer = make_optimizer(model, config.optimizer, "plain")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         model(
             input_ids=torch.ones(1, 8, dtype=torch.long), labels=torch.ones(1, 8, dtype=torch.long)

@@ -26,8 +26,9 @@ class ModeDeclaration:
     paper: str  # where the paper defines it
     summary: str
     # a distillation term trained beside the cross-entropy (pipeline.distillation), built from
-    # the run's options (stage 2's TrainConfig) and the cache's settings (its manifest's)
-    distillation: Callable[[Any, CacheSettings], Any] | None = None
+    # the run's guidance options (stage 2's GuidanceOptions), the cache's settings (its
+    # manifest's) and the student's (ModelOptions: ALM's space mask is its tokenizer's)
+    distillation: Callable[[Any, CacheSettings, Any], Any] | None = None
     # the term compares distributions over one vocabulary (KLD): refused unless the student's
     # tokenizer is the cache's
     same_tokenizer: bool = False
@@ -37,25 +38,25 @@ class ModeDeclaration:
         return self.alignment == "chunk"
 
 
-def _uld(config: Any, cache_settings: CacheSettings) -> Any:  # imported when a run asks for it: torch and the cache schema
+def _uld(options: Any, cache_settings: CacheSettings, student: Any) -> Any:  # imported when a run asks for it: torch and the cache schema
     from pipeline.distillation.uld import UniversalLogitDistillation
 
-    return UniversalLogitDistillation(weight=config.uld_lambda)
+    return UniversalLogitDistillation(weight=options.uld_lambda)
 
 
-def _kld(config: Any, cache_settings: CacheSettings) -> Any:
+def _kld(options: Any, cache_settings: CacheSettings, student: Any) -> Any:
     from pipeline.distillation.kld import TopkKLDistillation
 
     return TopkKLDistillation()
 
 
-def _kld_sampled(config: Any, cache_settings: CacheSettings) -> Any:
+def _kld_sampled(options: Any, cache_settings: CacheSettings, student: Any) -> Any:
     from pipeline.distillation.sampled import SampledKLDistillation
 
     return SampledKLDistillation()
 
 
-def _uld_sampled(config: Any, cache_settings: CacheSettings) -> Any:
+def _uld_sampled(options: Any, cache_settings: CacheSettings, student: Any) -> Any:
     from pipeline.distillation.sampled import SampledULDistillation
     from pipeline.errors import CacheError
 
@@ -66,13 +67,13 @@ def _uld_sampled(config: Any, cache_settings: CacheSettings) -> Any:
             "does not record (it was scored before it was saved): score it again with stage 1"
         )
     # a cache of no draws gets 0 here and is refused for its columns (stage 2's preflight)
-    return SampledULDistillation(weight=config.uld_lambda, teacher_vocab=head_size or 0)
+    return SampledULDistillation(weight=options.uld_lambda, teacher_vocab=head_size or 0)
 
 
-def _alm(config: Any, cache_settings: CacheSettings) -> Any:
+def _alm(options: Any, cache_settings: CacheSettings, student: Any) -> Any:
     from pipeline.distillation.alm import alm_distillation  # torch: only when a run asks for it
 
-    return alm_distillation(config)
+    return alm_distillation(options, student)
 
 
 MODES: dict[str, ModeDeclaration] = {

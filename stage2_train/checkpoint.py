@@ -53,6 +53,7 @@ from stage2_train.config import RESUMABLE_CHANGES, TrainConfig
 from stage2_train.data.plan import DataPlan
 from stage2_train.data.position import DataState
 from stage2_train.distributed import Runtime
+from stage2_train.options import CheckpointingOptions
 from stage2_train.resolve import first_difference
 
 CHECKPOINTS = "checkpoints"
@@ -76,19 +77,19 @@ def complete_checkpoints(out: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def resume_from(config: TrainConfig) -> Path | None:
+def resume_from(options: CheckpointingOptions) -> Path | None:
     """The checkpoint folder to continue from, per --resume; None to start fresh."""
-    existing = complete_checkpoints(config.out)
-    if config.resume == "never":
+    existing = complete_checkpoints(options.out)
+    if options.resume == "never":
         if existing:
             raise ConfigError(
-                f"{config.out} already has checkpoints up to step {existing[-1][0]}; "
+                f"{options.out} already has checkpoints up to step {existing[-1][0]}; "
                 "pass --resume auto to continue that run, or choose another --out"
             )
         return None
-    if config.resume == "auto":
+    if options.resume == "auto":
         return existing[-1][1] if existing else None
-    path = Path(config.resume)
+    path = Path(options.resume)
     if not (path / MARKER).exists():
         raise ConfigError(f"--resume {path}: not a complete checkpoint folder (no {MARKER} marker)")
     return path
@@ -160,8 +161,8 @@ def save_checkpoint(
     line that says the earlier checkpoints are kept."""
     import torch.distributed.checkpoint as dcp
 
-    final = step_dir(config.out, step)
-    earlier = complete_checkpoints(config.out)
+    final = step_dir(config.checkpointing.out, step)
+    earlier = complete_checkpoints(config.checkpointing.out)
     needed, kept = None, "metrics.jsonl is kept"
     if earlier:
         last_step, last = earlier[-1]
@@ -223,7 +224,7 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
     raw = json.loads(saved_config.read_text())
     if saved["cache_fingerprint"] != meta["cache_fingerprint"]:
         # the fingerprint covers every cache the run reads: a cache added or dropped is named
-        before, now = raw.get("more_caches", []), [str(c) for c in config.more_caches]
+        before, now = raw.get("more_caches", []), [str(c) for c in config.data.more_caches]
         if before != now:
             raise ConfigError(
                 f"checkpoint {folder} was trained with --more-caches {' '.join(before) or '(none)'}"
@@ -232,7 +233,7 @@ def check_resumable(folder: Path, config: TrainConfig, meta: dict) -> int:
             )
         raise CacheError(
             f"checkpoint {folder} was trained on cache {saved['cache_fingerprint']}, but "
-            f"{config.cache} is cache {meta['cache_fingerprint']}: resume with the same cache "
+            f"{config.data.cache} is cache {meta['cache_fingerprint']}: resume with the same cache "
             "or start a new --out"
         )
     differs = first_difference(saved, meta)

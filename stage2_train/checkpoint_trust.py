@@ -11,19 +11,21 @@ from pipeline.errors import CacheError
 from pipeline.file_digests import damage_summary, share_problems
 from stage2_train.checkpoint import checkpoints_dir, complete_checkpoints
 from stage2_train.checkpoint_digests import recorded_digests
-from stage2_train.config import TrainConfig
 from stage2_train.distributed import Runtime
+from stage2_train.options import CheckpointingOptions
 
 
-def trusted_checkpoint(config: TrainConfig, newest: Path | None, runtime: Runtime) -> Path | None:
+def trusted_checkpoint(
+    options: CheckpointingOptions, newest: Path | None, runtime: Runtime
+) -> Path | None:
     """The checkpoint to resume from: `newest` when every file matches the digest its marker
     records, else (--resume auto) the newest older one that does, each damage said in one line.
     CacheError when none is whole; nothing is deleted. Every rank checks a share of the files."""
     if newest is None:
         return None
     candidates = [newest]
-    if config.resume == "auto":
-        candidates = [folder for _, folder in reversed(complete_checkpoints(config.out))]
+    if options.resume == "auto":
+        candidates = [folder for _, folder in reversed(complete_checkpoints(options.out))]
     for folder in candidates:
         try:
             recorded = recorded_digests(folder)
@@ -47,11 +49,11 @@ def trusted_checkpoint(config: TrainConfig, newest: Path | None, runtime: Runtim
                       file=sys.stderr)  # fmt: skip
             return folder
         said = damage_summary(problems)
-        if config.resume != "auto":
+        if options.resume != "auto":
             raise CacheError(f"--resume {folder}: {said}; choose a whole checkpoint")
         if runtime.is_main:
             print(f"stage 2: checkpoint {folder} is damaged: {said}", file=sys.stderr)
     raise CacheError(
-        f"no checkpoint in {checkpoints_dir(config.out)} is whole (each is damaged, said above); "
+        f"no checkpoint in {checkpoints_dir(options.out)} is whole (each is damaged, said above); "
         "nothing was deleted: restore their files, or start a new --out"
     )

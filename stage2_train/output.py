@@ -27,8 +27,8 @@ from pipeline.metrics import METRICS_NAME
 from pipeline.models.student import WEIGHT_FILES
 from pipeline.storage.lock import FolderLock
 from stage2_train.checkpoint import CHECKPOINTS, resume_from
-from stage2_train.config import TrainConfig
 from stage2_train.distributed import Runtime
+from stage2_train.options import CheckpointingOptions
 
 LOCK_NAME = ".stage2.lock"
 RUN_CONFIG = "config.json"
@@ -84,21 +84,21 @@ def _what(out: Path, foreign: list[str]) -> str:
     return "files stage 2 did not write"
 
 
-def check_output_is_a_run(config: TrainConfig) -> None:
-    """ConfigError unless OUT is new, empty, or an earlier stage-2 run, and apart from the
-    student's folder (the cache's is preflight.check_output_and_cache's)."""
-    out = Path(config.out).expanduser().resolve()
-    student = Path(config.student).expanduser()
+def check_output_is_a_run(given: Path, student_spec: str) -> None:
+    """ConfigError unless OUT (`given`) is new, empty, or an earlier stage-2 run, and apart from
+    the student's folder (the cache's is preflight.check_output_and_cache's)."""
+    out = Path(given).expanduser().resolve()
+    student = Path(student_spec).expanduser()
     if student.exists():  # a local folder or config.json, not a preset or hub id
         folder = student.resolve() if student.is_dir() else student.resolve().parent
         if out == folder or out in folder.parents:
             holds = "is" if out == folder else "holds"
             raise ConfigError(
-                f"--out {config.out} {holds} the student's folder (--student {config.student}): "
+                f"--out {given} {holds} the student's folder (--student {student_spec}): "
                 "the run's config.json and final/ would overwrite the model; choose another --out"
             )
     if out.is_file():
-        raise ConfigError(f"--out {config.out} is a file; give a folder for the run")
+        raise ConfigError(f"--out {given} is a file; give a folder for the run")
     if not out.is_dir():
         return
     foreign = foreign_entries(out)
@@ -106,19 +106,21 @@ def check_output_is_a_run(config: TrainConfig) -> None:
         more = len(foreign) - 4
         shown = ", ".join(foreign[:4]) + (f" and {more} more" if more > 0 else "")
         raise ConfigError(
-            f"--out {config.out} holds {_what(out, foreign)} ({shown}), not an earlier stage-2 run: "
+            f"--out {given} holds {_what(out, foreign)} ({shown}), not an earlier stage-2 run: "
             "the run would write over it; choose a new or empty --out (or the --out of an "
             "earlier run of this command, to continue it)"
         )
 
 
 @contextlib.contextmanager
-def hold_output(config: TrainConfig, runtime: Runtime, checkpoint: Path | None) -> Iterator[None]:
+def hold_output(
+    options: CheckpointingOptions, runtime: Runtime, checkpoint: Path | None
+) -> Iterator[None]:
     """Rank 0 holds OUT's lock for the block; every rank enters it only once rank 0 has it, and
     leaves with rank 0's refusal otherwise (the ranks agree through one all-reduce). `checkpoint`
     is what the run decided to resume from before it had the lock: a run that held the lock until
     now may have saved a newer one."""
-    out = config.out
+    out = options.out
     with contextlib.ExitStack() as held:
         refusal = None
         if runtime.is_main:
@@ -131,7 +133,7 @@ def hold_output(config: TrainConfig, runtime: Runtime, checkpoint: Path | None) 
             raise refusal
         if refused.item():
             raise CacheError(f"rank 0 could not lock {out}; its message says why")
-        if resume_from(config) != checkpoint:
+        if resume_from(options) != checkpoint:
             raise ConfigError(
                 f"another run saved a checkpoint in {out} while this one was starting; "
                 "run the same command again to continue from it"

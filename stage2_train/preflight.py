@@ -23,35 +23,40 @@ from pipeline.tokenizer import TextTokenizer
 from stage2_train.config import TrainConfig
 from stage2_train.distributed import Runtime
 from stage2_train.memory import StudentShape, estimate_memory, gib
+from stage2_train.options import GuidanceOptions, ModelOptions, OptimizerOptions
 from stage2_train.resolve import Resolved
 
 
 def check_output_and_cache(
-    config: TrainConfig, manifest: CacheManifest, more: dict | None = None
+    out: Path, cache: str, manifest: CacheManifest, more: dict | None = None
 ) -> None:
     """--out apart from the cache (and the `more` caches: --more-caches' manifests by location),
     and every listed shard present with its recorded size (the hashes are checked as shards are
     read): a deleted shard fails now, not at step 15 of 40. A cache in object storage is listed
     once, not asked about shard by shard."""
-    caches = [("--cache", config.cache, manifest)]
+    caches = [("--cache", cache, manifest)]
     caches += [("--more-caches", location, listed) for location, listed in (more or {}).items()]
     for flag, location, listed in caches:
-        _check_cache_files(config, flag, location, listed)
-    if config.global_batch_tokens > manifest.total_teacher_tokens:
+        _check_cache_files(out, flag, location, listed)
+
+
+def check_batch_within_cache(options: OptimizerOptions, manifest: CacheManifest) -> None:
+    """A step's tokens within the whole cache."""
+    if options.global_batch_tokens > manifest.total_teacher_tokens:
         raise ConfigError(
-            f"--global-batch-tokens {config.global_batch_tokens} is more than the whole cache "
+            f"--global-batch-tokens {options.global_batch_tokens} is more than the whole cache "
             f"({manifest.total_teacher_tokens} teacher tokens): one step would repeat documents "
             "within itself; lower it or score a larger corpus"
         )
 
 
-def _check_cache_files(config: TrainConfig, flag: str, location, manifest: CacheManifest) -> None:
-    store = Store(location)
-    out = Path(config.out).resolve()
+def _check_cache_files(out: Path, flag: str, location, manifest: CacheManifest) -> None:
+    store, given = Store(location), out
+    out = Path(out).resolve()
     cache = store.local.resolve() if store.local is not None else None
     if cache is not None and (out == cache or cache in out.parents or out in cache.parents):
         raise ConfigError(
-            f"--out {config.out} and {flag} {location} overlap: checkpoints and the model "
+            f"--out {given} and {flag} {location} overlap: checkpoints and the model "
             "would be written into the cache (or the cache into the run); choose another --out"
         )
     problems = []
@@ -71,7 +76,8 @@ def _check_cache_files(config: TrainConfig, flag: str, location, manifest: Cache
 
 
 def check_distillation_cache(
-    config: TrainConfig,
+    guidance: GuidanceOptions,
+    student: ModelOptions,
     distillation: Distillation | None,
     caches: dict[str | Path, CacheManifest],
     tokenizer: TextTokenizer,
@@ -82,12 +88,12 @@ def check_distillation_cache(
     if distillation is None:
         return
     for location, manifest in caches.items():
-        check_columns(config, distillation, f"cache {location}", manifest.settings)
-        if MODES[config.guidance].same_tokenizer and (
+        check_columns(guidance, distillation, f"cache {location}", manifest.settings, student)
+        if MODES[guidance.mode].same_tokenizer and (
             manifest.tokenizer.get("fingerprint") != tokenizer.fingerprint
         ):
             raise ConfigError(
-                f"--guidance {config.guidance} compares the teacher's and the student's "
+                f"--guidance {guidance.mode} compares the teacher's and the student's "
                 f"probabilities of the same token ids, but cache {location} was scored with "
                 f"{_tokenizer_of(manifest.tokenizer)} and the student's is {tokenizer.spec!r} "
                 f"({tokenizer.vocab_size:,} tokens, another fingerprint): use the cache's "
@@ -109,17 +115,17 @@ def check_student_fits(
     the model's state, its copies in the compute dtype and a micro-batch's activations
     (stage2_train.memory), checked before the student is placed."""
     positions = getattr(student.config.get_text_config(), "max_position_embeddings", None)
-    if positions is not None and config.seq_len > positions:
+    if positions is not None and config.data.seq_len > positions:
         raise ConfigError(
-            f"--seq-len {config.seq_len} is beyond the student's {positions} positions; "
+            f"--seq-len {config.data.seq_len} is beyond the student's {positions} positions; "
             f"use --seq-len {positions} or less"
         )
     estimate = estimate_memory(
         StudentShape.of(student),
-        micro_batch_size=config.micro_batch_size,
-        seq_len=config.seq_len,
+        micro_batch_size=config.optimizer.micro_batch_size,
+        seq_len=config.data.seq_len,
         world_size=runtime.world_size,
-        fsdp=config.fsdp,
+        fsdp=config.model.fsdp,
         compute_dtype=resolved.dtype,
         fsdp_param_dtype=resolved.fsdp_param_dtype,
         loss_kernel=resolved.loss_kernel,
@@ -128,17 +134,17 @@ def check_student_fits(
     available = available_memory(runtime.device)
     if estimate.total > available:
         ways = []
-        if config.micro_batch_size > 1:
+        if config.optimizer.micro_batch_size > 1:
             ways.append("lower --micro-batch-size (the step keeps its size through accumulation)")
         ways.append(
             "run more ranks (--fsdp divides the model's state among them)"
-            if config.fsdp
+            if config.model.fsdp
             else "shard the model's state with --fsdp (divided among torchrun's ranks)"
         )
         raise ConfigError(
             f"a training step needs about {gib(estimate.total)} per rank ({estimate.parts()}, "
-            f"for a micro-batch of {config.micro_batch_size} x {config.seq_len} tokens on "
-            f"{runtime.world_size} rank(s); an estimate) and {gib(available)} is free on "
+            f"for a micro-batch of {config.optimizer.micro_batch_size} x {config.data.seq_len} "
+            f"tokens on {runtime.world_size} rank(s); an estimate) and {gib(available)} is free on "
             f"{runtime.device}: " + ", or ".join(ways)
         )
 

@@ -24,6 +24,7 @@ from pipeline.errors import ConfigError
 from pipeline.models.layers import resolve_compile
 from stage2_train.config import TrainConfig
 from stage2_train.forward import chunked_loss_blocker
+from stage2_train.options import ModelOptions
 
 SAVED_PREFIX = "resolved_"  # each saved decision is resolved_<option>
 
@@ -55,14 +56,14 @@ class Resolved:
 
 def resolve(config: TrainConfig, device: torch.device, model: nn.Module) -> Resolved:
     """The run's decisions on `device` for the student `model` (before it is wrapped)."""
-    dtype = resolve_dtype(config.dtype, device)
+    kernels = config.kernels
     return Resolved(
-        attention=resolve_attention(config.attention, device),
-        adamw_kernel=on_device(config.adamw_kernel, device, gpu="fused", cpu="plain"),
-        compile=resolve_compile(config.compile, device),
-        loss_kernel=resolve_loss_kernel(config.loss_kernel, model, device),
-        fsdp_param_dtype=resolve_fsdp_param_dtype(config, device),
-        dtype=dtype,
+        attention=resolve_attention(kernels.attention, device),
+        adamw_kernel=on_device(kernels.adamw_kernel, device, gpu="fused", cpu="plain"),
+        compile=resolve_compile(kernels.compile, device),
+        loss_kernel=resolve_loss_kernel(kernels.loss_kernel, model, device),
+        fsdp_param_dtype=resolve_fsdp_param_dtype(config.model, device),
+        dtype=resolve_dtype(config.model.dtype, device),
         pin_memory=device.type == "cuda",
     )
 
@@ -93,17 +94,17 @@ def resolve_loss_kernel(choice: str, student: nn.Module, device: torch.device) -
     return on_device(choice, device, gpu="plain" if blocker else "chunked", cpu="plain")
 
 
-def resolve_fsdp_param_dtype(config: TrainConfig, device: torch.device) -> str:
+def resolve_fsdp_param_dtype(options: ModelOptions, device: torch.device) -> str:
     """`bfloat16` or `float32` for `--fsdp-param-dtype`: auto follows the compute dtype (float32
     without --fsdp: the parameters as they are); an explicit bfloat16 without --fsdp is refused."""
-    if not config.fsdp:
-        if config.fsdp_param_dtype == "bfloat16":
+    if not options.fsdp:
+        if options.fsdp_param_dtype == "bfloat16":
             raise ConfigError(
                 "--fsdp-param-dtype bfloat16 applies to --fsdp; add --fsdp or drop it"
             )
         return "float32"
     return on_device(
-        config.fsdp_param_dtype, device, gpu=resolve_dtype(config.dtype, device), cpu="float32"
+        options.fsdp_param_dtype, device, gpu=resolve_dtype(options.dtype, device), cpu="float32"
     )
 
 

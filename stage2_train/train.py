@@ -28,7 +28,7 @@ def _train(argv: list[str] | None) -> None:
     try:
         final = train(config)
     except (RuntimeError, ConnectionError, EOFError) as exc:
-        if not (config.num_workers and (died := worker_death(exc))):
+        if not (config.data.num_workers and (died := worker_death(exc))):
             raise
         raise died from None
     if final is not None:

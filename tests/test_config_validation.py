@@ -28,9 +28,12 @@ from apps.evaluation.config import EvalConfig
 from pipeline.config import (
     build_parser,
     config_from_options,
+    declared,
     from_dict,
     parse_config,
+    sections_of,
     to_dict,
+    value_of,
 )
 from pipeline.errors import ConfigError, exit_code
 from pipeline.io import fingerprint
@@ -110,8 +113,14 @@ COMPANIONS = {  # a value that needs another option beside it
 
 
 def _fields(cls):
-    hints = typing.get_type_hints(cls)
-    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init]
+    """Each option of `cls` (a section's too) as (field, hint), named by its flat key."""
+    return [
+        (types.SimpleNamespace(**{a: getattr(o.field, a) for a in FIELD_PARTS}, name=o.key), o.hint)
+        for o in declared(cls)
+    ]
+
+
+FIELD_PARTS = ("default", "default_factory", "metadata")
 
 
 def _default(field):
@@ -233,8 +242,8 @@ def test_a_right_manifest_value_is_the_same_config_as_the_same_flag(cls, name, v
     from_flags = parse_config(cls, argv, "", section)
     assert from_manifest == from_flags
     assert fingerprint(to_dict(from_manifest)) == fingerprint(to_dict(from_flags))
-    assert getattr(from_manifest, name) != _default(
-        next(f for f in dataclasses.fields(cls) if f.name == name)
+    assert value_of(from_manifest, name) != _default(
+        next(f for f, _ in _fields(cls) if f.name == name)
     )  # the value was read, not left at its default
 
 
@@ -268,7 +277,8 @@ def test_the_issues_examples_are_refused_with_what_is_allowed(tmp_path):
     ],
 )
 def test_a_bad_flag_is_one_line_naming_the_flag(argv, message, capsys):
-    required = ["--cache", "c", "--student", "s", "--out", "o", "--max-steps", "10"]
+    required = ["--cache", "c", "--student", "s", "--out", "o", "--max-steps", "10",
+                "--warmup-steps", "1"]  # fmt: skip
     code = exit_code("train", lambda: parse_config(TrainConfig, required + argv, "", "stage2"))
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
@@ -292,7 +302,7 @@ def test_every_choice_set_reaches_flags_and_help_from_its_literal():
 
 def test_every_configuration_dataclass_is_walked():
     """A new config class (any dataclass built from `option(...)` fields, or a group's
-    `options_of` factory's, spelled in capitals) joins CONFIGS."""
+    `options_of` factory's, spelled in capitals) joins CONFIGS, or is a section of one."""
     folders = ("pipeline", "apps", "stage1_score", "stage2_train", "scripts")
     sources = [path for folder in folders for path in REPO.glob(f"{folder}/**/*.py")]
     found = set()
@@ -303,7 +313,10 @@ def test_every_configuration_dataclass_is_walked():
         ):
             if re.search(r"= (option|[A-Z]+)\(", match.group(2)):
                 found.add(match.group(1))
-    assert found == {cls.__name__ for cls in CONFIGS}
+    # a sectioned config's sections hold its options: they are found, and walked through it
+    sections = {part for cls in CONFIGS for part in sections_of(cls).values()}
+    flat = {cls for cls in CONFIGS if not sections_of(cls)}
+    assert found == {cls.__name__ for cls in (*flat, *sections)}
 
 
 def test_a_checkpoints_saved_config_is_read_through_the_same_checks(tmp_path):
@@ -377,8 +390,8 @@ def test_each_stage_option_is_in_a_group_with_a_short_help(cls):
     assert not ungrouped
     long = {
         f.name: len(f.metadata["help"])
-        for f in dataclasses.fields(cls)
-        if f.init and len(f.metadata["help"]) > HELP_CHARACTERS
+        for f, _ in _fields(cls)
+        if len(f.metadata["help"]) > HELP_CHARACTERS
     }
     assert not long, long
     shown = build_parser(cls, "", "x").format_help()

@@ -92,8 +92,8 @@ def test_uld_and_kld_rows_train_from_their_ours_rows_one_vllm_cache(path):
     assert stage1["backend"] == "vllm" and stage1["topk_probs"] == 32
     assert stage1["topk_ids"] is (mode == "kld")  # ULD compares ranks, not ids
     config = from_dict(TrainConfig, stage2)
-    assert config.guidance == mode and config.uld_lambda == 0.5  # appendix B
-    assert config.distillation({}).weight == (0.5 if mode == "uld" else 1.0)
+    assert config.guidance.mode == mode and config.guidance.uld_lambda == 0.5  # appendix B
+    assert config.guidance.distillation(config.model, {}).weight == (0.5 if mode == "uld" else 1.0)
 
 
 def _scored_caches() -> dict[str, list[tuple[Path, ScoreConfig]]]:
@@ -156,18 +156,21 @@ def test_tinyllama_cpt_is_also_a_teacher_scoring_with_the_plain_rows_checkpoint(
 
 def test_table2_has_every_chunk_row_and_its_random_control():
     rows = {
-        (stage2.guidance, stage2.num_chunks if "chunk" in stage2.guidance else None)
-        for stage2 in (from_dict(TrainConfig, load_manifest_section(p, "stage2")) for p in TABLE2)
+        (guidance.mode, guidance.num_chunks if "chunk" in guidance.mode else None)
+        for guidance in (
+            from_dict(TrainConfig, load_manifest_section(p, "stage2")).guidance for p in TABLE2
+        )
     }
     chunked = {(mode, n) for mode in ("chunk", "random-chunk") for n in (8, 16, 32, 64)}
     assert rows == chunked | {("token", None)}
     for path in TABLE2:
         stage2 = from_dict(TrainConfig, load_manifest_section(path, "stage2"))
-        assert stage2.max_steps * stage2.global_batch_tokens == pytest.approx(5e9, rel=1e-3)
-        assert (stage2.topk, stage2.aggregate, stage2.unmapped) == (0.4, "max", "include")
-        assert str(stage2.cache).endswith("mistral-proxmath-7b")  # paper 6.1's teacher
+        optimizer, guidance = stage2.optimizer, stage2.guidance
+        assert optimizer.max_steps * optimizer.global_batch_tokens == pytest.approx(5e9, rel=1e-3)
+        assert (guidance.topk, guidance.aggregate, guidance.unmapped) == (0.4, "max", "include")
+        assert str(stage2.data.cache).endswith("mistral-proxmath-7b")  # paper 6.1's teacher
         for world_size in (8, 32):  # one node, or the paper's 32 GPUs
-            _data_plan(stage2.data_consumers, world_size)
+            _data_plan(stage2.data.data_consumers, world_size)
 
 
 @pytest.mark.parametrize("path", PAPER + TABLE2, ids=lambda p: p.name)
@@ -177,25 +180,26 @@ def test_paper_manifests_say_which_settings_are_not_from_the_paper(path):
         (line,) = [line for line in lines if line.startswith(f"{name} =")]
         assert "not from the paper" in line, line
     stage2 = from_dict(TrainConfig, load_manifest_section(path, "stage2"))
-    assert stage2.loss_normalization == "all"  # eq. 3
+    assert stage2.guidance.loss_normalization == "all"  # eq. 3
 
 
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.name)
 def test_paper_runs_use_the_papers_hyperparameters(path):
     stage2 = from_dict(TrainConfig, load_manifest_section(path, "stage2"))
-    assert stage2.student.startswith("TinyLlama/")
-    assert (stage2.seq_len, stage2.global_batch_tokens) == (2048, 2**21)
-    assert (stage2.lr, stage2.min_lr) == (8e-5, 8e-6)
-    assert stage2.max_steps * stage2.global_batch_tokens == pytest.approx(15e9, rel=1e-3)
+    optimizer, guidance = stage2.optimizer, stage2.guidance
+    assert stage2.model.student.startswith("TinyLlama/")
+    assert (stage2.data.seq_len, optimizer.global_batch_tokens) == (2048, 2**21)
+    assert (optimizer.lr, optimizer.min_lr) == (8e-5, 8e-6)
+    assert optimizer.max_steps * optimizer.global_batch_tokens == pytest.approx(15e9, rel=1e-3)
     # the paper's 32 GPUs and the one 8-GPU node docs/stage2.md shows: the accumulation steps it
     # states, and the data stream split among either world's ranks (stage 2 refuses otherwise)
     assert (stage2.accumulation_steps(32), stage2.accumulation_steps(8)) == (4, 16)
     for world_size in (8, 32):
-        _data_plan(stage2.data_consumers, world_size)
-    if stage2.guidance == "token":
-        assert (stage2.topk, stage2.aggregate, stage2.unmapped) == (0.4, "max", "include")
+        _data_plan(stage2.data.data_consumers, world_size)
+    if guidance.mode == "token":
+        assert (guidance.topk, guidance.aggregate, guidance.unmapped) == (0.4, "max", "include")
         stage1 = load_manifest_section(path, "stage1")
-        assert stage1["out"] == str(stage2.cache)
+        assert stage1["out"] == str(stage2.data.cache)
         assert stage1["corpus"] == "hf:open-web-math/open-web-math"
 
 

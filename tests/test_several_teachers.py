@@ -248,5 +248,6 @@ def test_source_teachers_are_refused_unless_they_name_every_source(sourced, tmp_
 
 
 def run_settings(config) -> dict:
-    more = {location: load_manifest(location) for location in config.more_caches}
-    return teacher_settings(config, load_manifest(config.cache), more, lambda tokenizer: "token")
+    more = {location: load_manifest(location) for location in config.data.more_caches}
+    return teacher_settings(config.data, config.guidance, load_manifest(config.data.cache), more,
+                            lambda tokenizer: "token")  # fmt: skip

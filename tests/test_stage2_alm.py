@@ -322,16 +322,17 @@ def test_a_cache_without_space_logprob_is_refused_unless_naive(caches, tmp_path,
     config = parse_train_config(alm_args(caches["plain"], out))
     with pytest.raises(CacheError, match="score the corpus with stage 1's --space-logprob"):
         check_distillation_cache(
-            config,
-            config.distillation({}),
+            config.guidance,
+            config.model,
+            config.guidance.distillation(config.model, {}),
             {caches["plain"]: load_manifest(caches["plain"])},
-            load_tokenizer(config.student_tokenizer),
+            load_tokenizer(config.model.student_tokenizer),
         )
 
 
 def test_alm_decreases_on_a_repeated_batch(caches):
     config = parse_train_config(alm_args(caches["space"], Path("unused")))
-    alm = config.distillation({})
+    alm = config.guidance.distillation(config.model, {})
     plan = DataPlan.from_cache(caches["space"], student_tokenizer="tinyllama", seq_len=64,
                                micro_batch_size=2, distillation=alm)  # fmt: skip
     batch = next(iter(consumer_stream(plan, 0)))

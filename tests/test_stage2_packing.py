@@ -169,8 +169,8 @@ def test_the_packing_is_an_option_recorded_in_the_config(tmp_path):
     base = ["--cache", str(tmp_path), "--student", "llama-tiny", "--out", str(tmp_path / "o")]
     base += ["--max-steps", "2", "--warmup-steps", "0", "--global-batch-tokens", "8192"]
     config = parse_train_config(base)
-    assert config.packing == "documents" and config.packing_context == 0.5
-    assert parse_train_config([*base, "--packing", "stream"]).packing == "stream"
+    assert config.data.packing == "documents" and config.data.packing_context == 0.5
+    assert parse_train_config([*base, "--packing", "stream"]).data.packing == "stream"
     assert config.fingerprint != parse_train_config([*base, "--packing", "stream"]).fingerprint
     with pytest.raises(ConfigError, match="packing-context"):
         parse_train_config([*base, "--packing-context", "1"])

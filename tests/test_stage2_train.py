@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.config import from_flat
 from pipeline.errors import CacheError, ConfigError
 from stage2_train.checkpoint import MARKER, check_resumable, complete_checkpoints, resume_from
 from stage2_train.config import TrainConfig, parse_train_config
+from stage2_train.options import CheckpointingOptions, GuidanceOptions, OptimizerOptions
 from stage2_train.schedule import lr_at
 from stage2_train.train import main
 from tests.cache_fixtures import build_cache
@@ -276,9 +278,7 @@ def test_training_never_imports_a_teacher_nor_opens_its_files(tmp_path):
 
 
 def test_incomplete_checkpoints_are_never_resumed(tmp_path):
-    config = TrainConfig(
-        cache=tmp_path, student="llama-tiny", out=tmp_path, max_steps=10, warmup_steps=1
-    )
+    config = CheckpointingOptions(out=tmp_path)
     for step, complete in ((2, True), (4, True), (6, False)):
         folder = tmp_path / "checkpoints" / f"step-{step}"
         folder.mkdir(parents=True)
@@ -291,15 +291,7 @@ def test_incomplete_checkpoints_are_never_resumed(tmp_path):
 
 
 def test_schedule_warms_up_then_decays_to_min_lr():
-    config = TrainConfig(
-        cache=Path("c"),
-        student="s",
-        out=Path("o"),
-        max_steps=11,
-        warmup_steps=2,
-        lr=1.0,
-        min_lr=0.1,
-    )
+    config = OptimizerOptions(max_steps=11, warmup_steps=2, lr=1.0, min_lr=0.1)
     assert [lr_at(s, config) for s in (1, 2)] == [0.5, 1.0]
     assert lr_at(3, config) == pytest.approx(1.0) and lr_at(11, config) == pytest.approx(0.1)
     decay = [lr_at(s, config) for s in range(3, 12)]
@@ -322,20 +314,14 @@ def test_schedule_warms_up_then_decays_to_min_lr():
 def test_config_validation(change, message):
     base = {"cache": "c", "student": "s", "out": "o", "max_steps": 10, "warmup_steps": 1}
     with pytest.raises(ValueError, match=message):
-        TrainConfig(**{**base, **change})
+        from_flat(TrainConfig, {**base, **change})
 
 
 def test_accumulation_must_divide_the_global_batch_by_world_size():
-    config = TrainConfig(
-        cache=Path("c"),
-        student="s",
-        out=Path("o"),
-        max_steps=10,
-        warmup_steps=1,
-        seq_len=32,
-        micro_batch_size=2,
-        global_batch_tokens=192,
-    )
+    config = from_flat(TrainConfig, dict(
+        cache=Path("c"), student="s", out=Path("o"), max_steps=10, warmup_steps=1, seq_len=32,
+        micro_batch_size=2, global_batch_tokens=192,
+    ))  # fmt: skip
     assert config.accumulation_steps(1) == 3
     with pytest.raises(ConfigError, match="world size x --micro-batch-size x --seq-len"):
         config.accumulation_steps(2)
@@ -344,7 +330,7 @@ def test_accumulation_must_divide_the_global_batch_by_world_size():
 def test_the_example_manifest_is_a_valid_stage2_job():
     manifest = Path(__file__).resolve().parents[1] / "manifests" / "stage2-example.toml"
     config = parse_train_config(["--manifest", str(manifest)])
-    assert config.guidance == "token" and config.student_tokenizer == "tinyllama"
+    assert config.guidance.mode == "token" and config.model.student_tokenizer == "tinyllama"
     assert [config.accumulation_steps(n) for n in (1, 2)] == [8, 4]
 
 
@@ -458,8 +444,8 @@ def test_option_choices_are_the_declared_ones():
 
     from pipeline.guidance import CHUNK_STUDENT_AGGREGATES, GUIDANCE_MODES, LOSS_NORMALIZATIONS
 
-    hints = typing.get_type_hints(TrainConfig)
-    assert typing.get_args(hints["guidance"]) == GUIDANCE_MODES
+    hints = typing.get_type_hints(GuidanceOptions)
+    assert typing.get_args(hints["mode"]) == GUIDANCE_MODES
     assert typing.get_args(hints["loss_normalization"]) == LOSS_NORMALIZATIONS
     assert typing.get_args(hints["chunk_student_aggregate"]) == CHUNK_STUDENT_AGGREGATES
 
@@ -481,7 +467,7 @@ def test_fsdp_parameters_follow_the_compute_dtype_and_bfloat16_ones_need_fsdp(
 
     def resolved(*extra: str, device: str) -> str:
         config = parse_train_config(train_args(cache, tmp_path / "unused", *extra))
-        return resolve_fsdp_param_dtype(config, torch.device(device))
+        return resolve_fsdp_param_dtype(config.model, torch.device(device))
 
     assert resolved("--fsdp", device="cuda") == "bfloat16"
     assert resolved("--fsdp", "--dtype", "float32", device="cuda") == "float32"
@@ -529,8 +515,8 @@ def test_the_fused_adamw_kernel_trains_what_the_plain_one_does(cache, uninterrup
 
     config = parse_train_config(train_args(cache, tmp_path / "unused"))
     model = build_student("llama-tiny", load_tokenizer("tinyllama"), 0, 32)
-    assert make_optimizer(model, config, "fused").defaults["fused"] is True
-    assert not make_optimizer(model, config, "plain").defaults["fused"]
+    assert make_optimizer(model, config.optimizer, "fused").defaults["fused"] is True
+    assert not make_optimizer(model, config.optimizer, "plain").defaults["fused"]
     out = tmp_path / "fused"
     assert main(train_args(cache, out, *RESUME_ARGS, "--adamw-kernel", "fused")) == 0
     fused, plain = read_metrics(out), read_metrics(uninterrupted)

@@ -175,7 +175,7 @@ def sample_selection(config: SelectionConfig) -> tuple[SelectionSample, dict]:
         micro_batch_size=config.micro_batch_size,
         seed=config.seed,
         target_spans=has_target_spans(manifest),
-        **teacher_settings(config, manifest, more, align),
+        **teacher_settings(config, config, manifest, more, align),
     )
     parts: list[tuple[np.ndarray, ...]] = []
     seen = 0

@@ -90,9 +90,9 @@ def _check_arms_columns(
         settings = result_settings(score, 2, 1, head_size=1 << 16, space_mask={"planned": True})
         cache = f"the cache {manifest} [stage1] scores"
     for arm in arms:
-        distillation = arm.distillation(settings)
+        distillation = arm.guidance.distillation(arm.model, settings)
         if distillation is not None:
-            check_columns(arm, distillation, cache, settings)
+            check_columns(arm.guidance, distillation, cache, settings, arm.model)
 
 
 log = get_logger("demo").info
@@ -130,14 +130,14 @@ def make_warm_start(
         config.student,
         config.student_tokenizer,
         texts,
-        seed=stage2.seed,
-        seq_len=stage2.seq_len,
-        batch_sequences=stage2.global_batch_tokens // stage2.seq_len,
+        seed=stage2.optimizer.seed,
+        seq_len=stage2.data.seq_len,
+        batch_sequences=stage2.optimizer.global_batch_tokens // stage2.data.seq_len,
         steps=config.warm_start_steps,
         lr=config.warm_start_lr,
         min_lr=config.warm_start_min_lr,
         warmup_steps=config.warm_start_warmup,
-        weight_decay=stage2.weight_decay,
+        weight_decay=stage2.optimizer.weight_decay,
         threads=config.nproc_per_node,
         heldout=heldout,
         heldout_every=every,
@@ -225,10 +225,11 @@ def inspect_guided_arm(
         return None
     student = arms["token"] / "final"
     document = find_document(cache, None, 0)
-    settings = GuidanceSettings(mode="token", topk=stage2.topk, unmapped=stage2.unmapped)
+    guidance = stage2.guidance
+    settings = GuidanceSettings(mode="token", topk=guidance.topk, unmapped=guidance.unmapped)
     model = AutoModelForCausalLM.from_pretrained(student).eval()
     tokens = guided_tokens(
-        document, model, load_tokenizer(str(student)), settings, stage2.aggregate
+        document, model, load_tokenizer(str(student)), settings, guidance.aggregate
     )
     dest = config.out / "inspect.html"
     write_guidance_page(dest, document, tokens, "guided student: teacher guidance on one document")

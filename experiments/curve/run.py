@@ -37,10 +37,10 @@ log = get_logger("curve").info
 def check_curve(config: CurveConfig, manifest: Path) -> tuple[TrainConfig, dict, PreRegistration]:
     """The demo's checks of every table, and that the last checkpoint is the run's end."""
     stage2, settings, prereg = check_stage_tables(config, manifest)
-    if stage2.max_steps != config.checkpoints[-1]:
+    if stage2.optimizer.max_steps != config.checkpoints[-1]:
         raise ConfigError(
-            f"{manifest}: [stage2] max_steps is {stage2.max_steps}, but the last of [curve] "
-            f"checkpoints is {config.checkpoints[-1]}: they must be the same step"
+            f"{manifest}: [stage2] max_steps is {stage2.optimizer.max_steps}, but the last of "
+            f"[curve] checkpoints is {config.checkpoints[-1]}: they must be the same step"
         )
     return stage2, settings, prereg
 
@@ -109,5 +109,5 @@ def run_curve(config: CurveConfig, manifest: Path) -> Path:
         for name in ["warm-start", *(point_name(arm, seed, step) for seed, arm, step in points)]
     }
     return write_curve_report(
-        config, manifest, prereg, results, steps.seconds, stage2.global_batch_tokens
+        config, manifest, prereg, results, steps.seconds, stage2.optimizer.global_batch_tokens
     )

@@ -61,9 +61,10 @@ def selection_diagnostic(rung: DoseConfig, stage2: TrainConfig, cache: Path, stu
     run_selection_report(
         SelectionConfig(
             cache=str(cache), student=str(student), student_tokenizer=rung.student_tokenizer,
-            tokens=rung.selection_tokens, seq_len=stage2.seq_len,
-            micro_batch_size=stage2.micro_batch_size, packing=stage2.packing, topk=stage2.topk,
-            unmapped=stage2.unmapped, aggregate=stage2.aggregate, out=rung.out / "selection",
+            tokens=rung.selection_tokens, seq_len=stage2.data.seq_len,
+            micro_batch_size=stage2.optimizer.micro_batch_size, packing=stage2.data.packing,
+            topk=stage2.guidance.topk, unmapped=stage2.guidance.unmapped,
+            aggregate=stage2.guidance.aggregate, out=rung.out / "selection",
         )
     )  # fmt: skip
 
@@ -79,13 +80,14 @@ def train_and_evaluate(
 
     name = arm_name(arm, seed, lr)
     out = rung.out / "arms" / name
-    rates = () if lr is None else ("--lr", str(lr), "--min-lr", str(lr * stage2.min_lr / stage2.lr))
+    schedule = stage2.optimizer
+    rates = () if lr is None else ("--lr", str(lr), "--min-lr", str(lr * schedule.min_lr / schedule.lr))
     if not (out / "final" / "config.json").exists():
         run_stage2(rung, manifest, cache, student, arm, out, "--seed", str(seed), *rates)
     evaluate_models(rung, settings, {name: out / "final"})
     if lr is not None and not heldout_path(rung.out, name).exists():
-        batch = stage2.global_batch_tokens // stage2.seq_len
-        loss = heldout_loss(out / "final", heldout, stage2.seq_len, batch)
+        batch = stage2.optimizer.global_batch_tokens // stage2.data.seq_len
+        loss = heldout_loss(out / "final", heldout, stage2.data.seq_len, batch)
         atomic_write_json(heldout_path(rung.out, name), {"heldout_loss": loss})
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
@@ -173,7 +175,8 @@ def run_dose(config: DoseConfig, manifest: Path) -> Path | None:
                 continue
             if call.over(f"warm start {length}'s {name}", True):
                 return None
-            log(f"warm start {length}: {name}, stage 2 for {stage2.max_steps} steps, evaluate")
+            log(f"warm start {length}: {name}, stage 2 for {stage2.optimizer.max_steps} steps, "
+                "evaluate")
             steps.timed(
                 f"{length}-{name}", False, train_and_evaluate, rung, stage2, settings, manifest,
                 cache, student, arm, seed, lr, heldout,

@@ -121,10 +121,10 @@ def make_warm_start(config: RegimeConfig, stage2: TrainConfig, parts: dict) -> P
         return folder
     return train_warm_start(
         folder, config.student, config.student_tokenizer, texts_of(parts["warm"]),
-        seed=stage2.seed, seq_len=stage2.seq_len,
-        batch_sequences=stage2.global_batch_tokens // stage2.seq_len,
+        seed=stage2.optimizer.seed, seq_len=stage2.data.seq_len,
+        batch_sequences=stage2.optimizer.global_batch_tokens // stage2.data.seq_len,
         steps=config.warm_start_max_steps, lr=config.warm_start_lr, min_lr=config.warm_start_lr,
-        warmup_steps=config.warm_start_warmup, weight_decay=stage2.weight_decay,
+        warmup_steps=config.warm_start_warmup, weight_decay=stage2.optimizer.weight_decay,
         threads=config.nproc_per_node, heldout=texts_of(parts["validation"]),
         heldout_every=config.heldout_every,
         plateau=PlateauStop(config.plateau_tolerance, config.plateau_every,
@@ -138,9 +138,10 @@ def selection_diagnostic(config: RegimeConfig, stage2: TrainConfig, cache: Path,
 
     run_selection_report(SelectionConfig(
         cache=str(cache), student=str(student), student_tokenizer=config.student_tokenizer,
-        tokens=config.selection_tokens, seq_len=stage2.seq_len,
-        micro_batch_size=stage2.micro_batch_size, packing=stage2.packing, topk=stage2.topk,
-        unmapped=stage2.unmapped, aggregate=stage2.aggregate, out=config.out / "selection",
+        tokens=config.selection_tokens, seq_len=stage2.data.seq_len,
+        micro_batch_size=stage2.optimizer.micro_batch_size, packing=stage2.data.packing,
+        topk=stage2.guidance.topk, unmapped=stage2.guidance.unmapped,
+        aggregate=stage2.guidance.aggregate, out=config.out / "selection",
     ))  # fmt: skip
 
 
@@ -152,7 +153,7 @@ def arm_steps(config: RegimeConfig, stage2: TrainConfig, parts: dict) -> int:
     encodings = load_tokenizer(config.student_tokenizer).encode_batch(
         texts_of(parts["cpt"]), add_eos=True
     )
-    return sum(len(e.ids) for e in encodings) // stage2.global_batch_tokens
+    return sum(len(e.ids) for e in encodings) // stage2.optimizer.global_batch_tokens
 
 
 def run_name(arm: str, lr: float, seed: int) -> str:
@@ -231,7 +232,7 @@ def run_regime(config: RegimeConfig, manifest: Path) -> Path | None:
     stage2, teacher_settings, prereg, arms = check_tables(config, manifest)
     # A student is evaluated in windows of the length it trained on (half-overlapping), never
     # past it: its RoPE positions beyond seq_len were never trained. The teacher keeps [eval]'s.
-    settings = {**teacher_settings, "max_length": stage2.seq_len}
+    settings = {**teacher_settings, "max_length": stage2.data.seq_len}
     config.out.mkdir(parents=True, exist_ok=True)
     steps = StepTimings(config.out)
     parts = write_splits(config)

@@ -152,21 +152,19 @@ class AlmDistillation:
         return torch.where(closes, per_chunk, 0.0).sum().float()
 
 
-def alm_distillation(config) -> AlmDistillation:
-    """The ALM term of a stage-2 run (its TrainConfig's --alm-* options); the student's space
-    mask comes from its own tokenizer."""
-    from pipeline.models.student import student_tokenizer_spec
+def alm_distillation(options, student) -> AlmDistillation:
+    """The ALM term of a stage-2 run (its GuidanceOptions' --alm-* options); the student's space
+    mask comes from its own tokenizer (`student`: the run's ModelOptions)."""
     from pipeline.space_mask import space_mask
     from pipeline.tokenizer import load_tokenizer
 
     mask = None
-    if mode_parts(config.alm_mode)[1]:
-        tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
-        mask = space_mask(tokenizer)[0]
+    if mode_parts(options.alm_mode)[1]:
+        mask = space_mask(load_tokenizer(student.tokenizer_spec()))[0]
     return AlmDistillation(
-        weight=config.alm_weight,
-        temperature=config.alm_temperature,
-        merge_threshold=config.alm_merge_threshold,
-        mode=config.alm_mode,
+        weight=options.alm_weight,
+        temperature=options.alm_temperature,
+        merge_threshold=options.alm_merge_threshold,
+        mode=options.alm_mode,
         space_mask=mask,
     )

@@ -84,16 +84,17 @@ def teacher_caches(
     return tuple(caches)
 
 
-def teacher_settings(config, manifest: CacheManifest, more: dict, align) -> dict:
-    """DataPlan's settings for a run's other teachers (`config`: stage 2's or
-    `vocagno analyze selection`'s options; `more`: --more-caches' manifests by location)."""
-    chosen = source_teachers(
-        config.cache, config.more_caches, config.combine_teachers, config.source_teachers
-    )
+def teacher_settings(data, guidance, manifest: CacheManifest, more: dict, align) -> dict:
+    """DataPlan's settings for a run's other teachers: `data` names the caches (--cache,
+    --more-caches), `guidance` how their losses combine (--combine-teachers, --source-teachers),
+    stage 2's sections or `vocagno analyze selection`'s options for both; `more`: --more-caches'
+    manifests by location."""
+    combine = guidance.combine_teachers
+    chosen = source_teachers(data.cache, data.more_caches, combine, guidance.source_teachers)
     return {
-        "more_caches": teacher_caches(config.cache, manifest, more, align),
-        "combine_teachers": config.combine_teachers,
-        "source_teachers": source_indices(chosen, manifest, [config.cache, *more]),
+        "more_caches": teacher_caches(data.cache, manifest, more, align),
+        "combine_teachers": combine,
+        "source_teachers": source_indices(chosen, manifest, [data.cache, *more]),
         "head_size": manifest.settings.sample_head_size,
     }
 
