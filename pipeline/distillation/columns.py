@@ -1,7 +1,7 @@
 """Whether a cache holds the columns a distillation mode reads, said in one line naming the
 stage-1 option that adds them: stage 2's preflight and the experiments' checks before their first
-step ask the same question of the same code. `options` are stage 2's GuidanceOptions (the mode,
-and what each mode's distillation reads from them), `student` its ModelOptions (what ALM's
+step ask the same question of the same code. `guidance` is stage 2's GuidanceOptions (the mode,
+and what each mode's distillation reads from it), `student` its ModelOptions (what ALM's
 distillation is built with)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pipeline.guidance_modes import MODES
 
 
 def check_columns(
-    options: Any,
+    guidance: Any,
     distillation: Distillation,
     cache: str,
     settings: CacheSettings,
@@ -31,10 +31,10 @@ def check_columns(
     options = " and ".join(dict.fromkeys(COLUMN_OPTIONS[name] for name in missing))
     if settings.sampled and options.startswith("--topk-probs K"):
         options += " --topk-mode top"  # it has K entries a position, drawn ones
-    readers = _modes_reading(present, options, settings, student)
+    readers = _modes_reading(present, guidance, settings, student)
     holds = f", or train from it with --guidance {' or '.join(readers)}" if readers else ""
     raise CacheError(
-        f"--guidance {options.mode} reads the teacher's {', '.join(missing)}, which {cache} "
+        f"--guidance {guidance.mode} reads the teacher's {', '.join(missing)}, which {cache} "
         f"does not hold ({_columns_held(settings)}): score the corpus with stage 1's "
         f"{options}{holds}"
     )
@@ -49,7 +49,7 @@ def _columns_held(settings: CacheSettings) -> str:
 
 
 def _modes_reading(
-    present: set[str], options: Any, settings: CacheSettings, student: Any
+    present: set[str], guidance: Any, settings: CacheSettings, student: Any
 ) -> list[str]:
     """The distillation modes that read only columns a cache holds."""
     readers = []
@@ -57,7 +57,7 @@ def _modes_reading(
         if mode.distillation is None:
             continue
         try:
-            columns = mode.distillation(options, settings, student).cache_columns
+            columns = mode.distillation(guidance, settings, student).cache_columns
         except VocagnoError:  # the mode refuses this cache for another reason
             continue
         if columns and set(columns) <= present:
