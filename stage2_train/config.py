@@ -98,7 +98,8 @@ class TrainConfig:
         if total % per_step:
             factors = "--micro-batch-size x --seq-len"
             if world_size > 1:
-                factors = f"world size x {factors} ({world_size} x {micro} x {seq_len} = {per_step})"
+                factors += f" ({world_size} x {micro} x {seq_len} = {per_step})"
+                factors = "world size x " + factors
             else:
                 factors += f" ({per_step})"
             raise ConfigError(f"--global-batch-tokens ({total}) must be a multiple of {factors}")

@@ -36,8 +36,8 @@ from pipeline.storage import as_location, is_uri
 
 def _at_least_one(section: object, *names: str) -> None:
     for name in names:
-        if getattr(section, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(section, name)}")
+        if (value := getattr(section, name)) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {value}")
 
 
 def _not_negative(section: object, *names: str) -> None:
@@ -117,8 +117,8 @@ class GuidanceOptions:
         _not_negative(self, "uld_lambda")
         if not self.alm_weight >= 0 or not self.alm_temperature > 0:
             raise ValueError("--alm-weight must not be negative and --alm-temperature positive")
-        if not 0 <= self.alm_merge_threshold <= 1:
-            raise ValueError(f"--alm-merge-threshold must be in [0, 1], not {self.alm_merge_threshold}")
+        if not 0 <= (threshold := self.alm_merge_threshold) <= 1:
+            raise ValueError(f"--alm-merge-threshold must be in [0, 1], not {threshold}")
         self.settings()  # validates topk, unmapped and scope
 
     def settings(self) -> GuidanceSettings:
@@ -325,7 +325,9 @@ class CheckpointingOptions:
         self.out = Path(self.out)
         _at_least_one(self, "save_every")
         if self.stop_at_step is not None and not self.save_at_end:
-            raise ValueError("--stop-at-step saves a checkpoint to resume from: drop --no-save-at-end")
+            raise ValueError(
+                "--stop-at-step saves a checkpoint to resume from: drop --no-save-at-end"
+            )
 
 
 @dataclass

@@ -108,25 +108,26 @@ class RunLogs:
         from tqdm import tqdm
 
         config, runtime, start = run.config, run.runtime, run.start_step
-        self.global_batch_tokens = config.global_batch_tokens
+        out = config.checkpointing.out
+        self.global_batch_tokens = config.optimizer.global_batch_tokens
         self.distills = run.distillation is not None  # logs distill_loss
         self.metrics = self.documents = self.writer = self.step_rate = None
         if runtime.is_main:
-            atomic_write_json(config.out / "config.json", {**to_dict(config), **run.meta})
-            self.metrics = JsonLines(config.out / METRICS_NAME, start)
-            self.writer = SummaryWriter(str(config.out / "tensorboard"), purge_step=start + 1)
+            atomic_write_json(out / "config.json", {**to_dict(config), **run.meta})
+            self.metrics = JsonLines(out / METRICS_NAME, start)
+            self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=start + 1)
             self.step_rate = StepRate(flop_parameters(unwrapped(run.model)), runtime.device)
             print(banner(run), file=sys.stderr)
             passes = cache_passes(
                 run.plan,
                 run.manifest.total_teacher_tokens,
-                config.max_steps * config.global_batch_tokens,
+                config.optimizer.max_steps * config.optimizer.global_batch_tokens,
                 run.tokenizer,
             )
             print(f"stage 2: {passes.note()}", file=sys.stderr)
-        if config.record_documents:
+        if config.logging.record_documents:
             self.documents = JsonLines(
-                config.out / "documents" / f"rank-{runtime.rank}.jsonl", start
+                out / "documents" / f"rank-{runtime.rank}.jsonl", start
             )
         self.progress = tqdm(total=run.stop_step, initial=start, disable=not runtime.is_main,
                              unit="step", dynamic_ncols=True, file=sys.stderr)  # fmt: skip
@@ -186,7 +187,7 @@ def banner(run: Run) -> str:
     parameters = sum(p.numel() for p in unwrapped(run.model).parameters())
     return (
         f"stage 2: {parameters / 1e6:.2f}M-parameter student, {run.runtime.world_size} rank(s) x "
-        f"{run.accumulation} micro-batch(es) of {config.micro_batch_size} x {config.seq_len} "
-        f"tokens per step, guidance {config.guidance}; "
+        f"{run.accumulation} micro-batch(es) of {config.optimizer.micro_batch_size} x "
+        f"{config.data.seq_len} tokens per step, guidance {config.guidance.mode}; "
         + (f"resuming at step {run.start_step}" if run.start_step else "starting at step 0")
     )

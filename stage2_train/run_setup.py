@@ -18,7 +18,7 @@ from torch import nn
 from pipeline.cache.manifest import CacheManifest, load_manifest
 from pipeline.distillation import Distillation, vocabulary_subset_on
 from pipeline.guidance import GuidanceSettings
-from pipeline.models.student import build_student, student_tokenizer_spec
+from pipeline.models.student import build_student
 from pipeline.tokenizer import load_tokenizer
 from stage2_train.attention import use_attention
 from stage2_train.checkpoint import check_resumable, load_checkpoint, resume_from
@@ -35,6 +35,7 @@ from stage2_train.output import check_output_is_a_run, hold_output
 from stage2_train.parallel import wrap
 from stage2_train.preflight import (
     chat_template_note,
+    check_batch_within_cache,
     check_distillation_cache,
     check_output_and_cache,
     check_scratch,
@@ -82,15 +83,20 @@ class Run:
 
 def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStack) -> Run:
     """The run, checked and (from a checkpoint) restored; `output` takes OUT's lock."""
-    settings = config.guidance_settings()
-    manifest = load_manifest(config.cache)
-    more = {location: load_manifest(location) for location in config.more_caches}
+    settings = config.guidance.settings()
+    manifest = load_manifest(config.data.cache)
+    more = {location: load_manifest(location) for location in config.data.more_caches}
     # one term per teacher's cache, summed
-    distillation = config.distillation(manifest.settings, *(m.settings for m in more.values()))
-    tokenizer = load_tokenizer(student_tokenizer_spec(config.student, config.student_tokenizer))
-    check_output_and_cache(config, manifest, more)
-    check_output_is_a_run(config)
-    check_distillation_cache(config, distillation, {config.cache: manifest, **more}, tokenizer)
+    distillation = config.guidance.distillation(
+        config.model, manifest.settings, *(m.settings for m in more.values())
+    )
+    tokenizer = load_tokenizer(config.model.tokenizer_spec())
+    out, cache = config.checkpointing.out, config.data.cache
+    check_output_and_cache(out, cache, manifest, more)
+    check_batch_within_cache(config.optimizer, manifest)
+    check_output_is_a_run(out, config.model.student)
+    caches = {cache: manifest, **more}
+    check_distillation_cache(config.guidance, config.model, distillation, caches, tokenizer)
     if runtime.is_main and (note := chat_template_note(manifest, tokenizer)):
         print(f"stage 2: {note}", file=sys.stderr)
     accumulation = config.accumulation_steps(runtime.world_size)
@@ -103,15 +109,16 @@ def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStac
         "config_fingerprint": config.fingerprint,
         "torch_threads": torch.get_num_threads(),
     }
-    student = build_student(config.student, tokenizer, config.seed, config.seq_len)
+    seed, seq_len = config.optimizer.seed, config.data.seq_len
+    student = build_student(config.model.student, tokenizer, seed, seq_len)
     resolved = resolve(config, runtime.device, student)
     meta |= resolved.saved()
     use_attention(student, resolved.attention)
     check_student_fits(config, student, runtime, resolved)
-    model = wrap(student, runtime, config.fsdp, resolved.compile, resolved.fsdp_param_dtype)
-    optimizer = make_optimizer(model, config, resolved.adamw_kernel)
+    model = wrap(student, runtime, config.model.fsdp, resolved.compile, resolved.fsdp_param_dtype)
+    optimizer = make_optimizer(model, config.optimizer, resolved.adamw_kernel)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda index: lr_at(index + 1, config) / config.lr
+        optimizer, lambda index: lr_at(index + 1, config.optimizer) / config.optimizer.lr
     )
     start_step, data_state = resume(
         config, runtime, output, plan, meta, model, optimizer, scheduler
@@ -121,7 +128,8 @@ def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStac
         tokenizer=tokenizer, distillation=distillation, plan=plan, meta=meta, resolved=resolved,
         model=model, optimizer=optimizer,
         scheduler=scheduler, data_state=data_state, start_step=start_step,
-        stop_step=config.stop_at_step or config.max_steps, accumulation=accumulation,
+        stop_step=config.checkpointing.stop_at_step or config.optimizer.max_steps,
+        accumulation=accumulation,
         subset=vocabulary_subset_on(distillation, runtime.device),
     )  # fmt: skip
 
@@ -138,26 +146,26 @@ def data_plan(
     """What every rank's data stream reads, aligns and packs."""
     align = functools.partial(choose_alignment, settings, tokenizer.fingerprint)
     return DataPlan(
-        cache_dir=config.cache,
+        cache_dir=config.data.cache,
         shards=tuple(manifest.shards),
         student_tokenizer=tokenizer.spec,
         alignment=align(manifest.tokenizer),
-        num_chunks=config.num_chunks,
-        aggregate=config.aggregate,
-        packing=config.packing,
-        packing_context=config.packing_context,
-        seq_len=config.seq_len,
-        micro_batch_size=config.micro_batch_size,
-        seed=config.seed,
-        consumers=config.data_consumers,
+        num_chunks=config.guidance.num_chunks,
+        aggregate=config.guidance.aggregate,
+        packing=config.data.packing,
+        packing_context=config.data.packing_context,
+        seq_len=config.data.seq_len,
+        micro_batch_size=config.optimizer.micro_batch_size,
+        seed=config.optimizer.seed,
+        consumers=config.data.data_consumers,
         world_size=runtime.world_size,
-        num_workers=config.num_workers,
+        num_workers=config.data.num_workers,
         distillation=distillation,
-        target_spans=config.completion_only and has_target_spans(manifest),
-        **teacher_settings(config, manifest, more, align),
-        shard_cache=config.shard_cache,
-        shard_cache_bytes=int(config.shard_cache_gib * (1 << 30)),
-        read_ahead=config.read_ahead,
+        target_spans=config.data.completion_only and has_target_spans(manifest),
+        **teacher_settings(config.data, config.guidance, manifest, more, align),
+        shard_cache=config.data.shard_cache,
+        shard_cache_bytes=int(config.data.shard_cache_gib * (1 << 30)),
+        read_ahead=config.data.read_ahead,
     )
 
 
@@ -173,13 +181,13 @@ def resume(
 ) -> tuple[int, DataState]:
     """Take OUT's lock once the newest checkpoint (if any) is found resumable, then restore it;
     returns the step to start after and this rank's data position."""
-    newest = resume_from(config)
-    checkpoint = trusted_checkpoint(config, newest, runtime)
+    newest = resume_from(config.checkpointing)
+    checkpoint = trusted_checkpoint(config.checkpointing, newest, runtime)
     start_step = 0 if checkpoint is None else check_resumable(checkpoint, config, meta)
     verify_local_shards(plan)
-    output.enter_context(hold_output(config, runtime, newest))
+    output.enter_context(hold_output(config.checkpointing, runtime, newest))
     if checkpoint is not None:
         return start_step, load_checkpoint(checkpoint, model, optimizer, scheduler, plan, runtime)
     if runtime.is_main:
-        remove_stale_logs(config.out)
+        remove_stale_logs(config.checkpointing.out)
     return start_step, DataState.fresh(plan, runtime.rank)

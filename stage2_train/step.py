@@ -159,7 +159,7 @@ def micro_forward_backward(
         teacher,
         labels != IGNORE_INDEX,
         run.settings,
-        generator=selection_generator(run.config.seed, step, micro, run.runtime.rank),
+        generator=selection_generator(run.config.optimizer.seed, step, micro, run.runtime.rank),
         chunk_start=batch.get("chunk_start"),
     )
     objective = result.kept_loss_sum * scales.loss
@@ -180,7 +180,7 @@ def optimizer_step(run: Run) -> tuple[float, torch.Tensor]:
     """Clip, step and schedule; returns the step's learning rate and (device) gradient norm."""
     lr = run.scheduler.get_last_lr()[0]
     grad_norm = torch.nn.utils.clip_grad_norm_(
-        run.model.parameters(), run.config.grad_clip or float("inf")
+        run.model.parameters(), run.config.optimizer.grad_clip or float("inf")
     )
     run.optimizer.step()
     run.scheduler.step()

@@ -47,7 +47,7 @@ def _train(
     config: TrainConfig, runtime: Runtime, stop: StopRequest, output: contextlib.ExitStack
 ) -> Path | None:
     """`output` holds OUT's lock (taken once every check has passed) until the run ends."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.optimizer.seed)
     run = build_run(config, runtime, output)
     stream = run.batches()
     logs = RunLogs(run)
@@ -61,8 +61,8 @@ def _train(
         refuse_divergence(run, step, totals)
         logs.log_step(step, lr, totals, micro_batches)
         stopping = totals.stop_votes > 0
-        at_end = step == run.stop_step and config.save_at_end
-        if stopping or step % config.save_every == 0 or at_end:
+        at_end = step == run.stop_step and config.checkpointing.save_at_end
+        if stopping or step % config.checkpointing.save_every == 0 or at_end:
             saved = save(run, step)
         if stopping:
             break
@@ -73,7 +73,7 @@ def _train(
             "to resume from it",
             stop.exit_signal,
         )
-    if run.stop_step < config.max_steps or not config.save_at_end:
+    if run.stop_step < config.optimizer.max_steps or not config.checkpointing.save_at_end:
         return None
     return save_final(run)
 
@@ -82,7 +82,7 @@ def refuse_divergence(run: Run, step: int, totals: StepTotals) -> None:
     """Stop before saving a step whose loss or gradient norm is NaN or infinite."""
     sums = (totals.kept_loss, totals.all_loss, totals.distill_loss, totals.grad_norm)
     if not all(map(math.isfinite, sums)):
-        kept_at = complete_checkpoints(run.config.out)
+        kept_at = complete_checkpoints(run.config.checkpointing.out)
         loss = totals.kept_loss / max(totals.kept, 1)
         raise TrainingDiverged(diverged(kept_at, step, loss, totals.grad_norm))
 
@@ -101,15 +101,16 @@ def save_final(run: Run) -> Path:
     provenance = {
         "config": to_dict(config),
         **run.meta,
-        "steps": config.max_steps,
+        "steps": config.optimizer.max_steps,
         "teacher": run.manifest.teacher,
         "cache_producer_fingerprint": run.manifest.producer_fingerprint,
         "software": software_versions(),
     }
     state = full_state_dict(run.model)  # collective under FSDP: every rank takes part
-    final = config.out / "final"
+    out = config.checkpointing.out
+    final = out / "final"
     if runtime.is_main:
-        with space_checked(config.out, "final/", "the checkpoints and metrics.jsonl are kept"):
+        with space_checked(out, "final/", "the checkpoints and metrics.jsonl are kept"):
             write_model_folder(final, unwrapped(run.model), run.tokenizer, provenance, state)
     runtime.barrier()
     return final

@@ -80,8 +80,8 @@ def train_and_evaluate(
 
     name = arm_name(arm, seed, lr)
     out = rung.out / "arms" / name
-    schedule = stage2.optimizer
-    rates = () if lr is None else ("--lr", str(lr), "--min-lr", str(lr * schedule.min_lr / schedule.lr))
+    min_lr = None if lr is None else lr * stage2.optimizer.min_lr / stage2.optimizer.lr
+    rates = () if lr is None else ("--lr", str(lr), "--min-lr", str(min_lr))
     if not (out / "final" / "config.json").exists():
         run_stage2(rung, manifest, cache, student, arm, out, "--seed", str(seed), *rates)
     evaluate_models(rung, settings, {name: out / "final"})
