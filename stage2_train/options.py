@@ -332,8 +332,18 @@ class CheckpointingOptions:
 
 @dataclass
 class LoggingOptions:
-    """What the run records beside metrics.jsonl and TensorBoard."""
+    """What the run records beside metrics.jsonl and TensorBoard; held-out loss as it trains."""
 
     record_documents: bool = option(False, help="write OUT/documents/rank-R.jsonl: the "
         "documents each step began training on")  # fmt: skip
+    eval_every: int = option(0, help="held-out loss and bits per character of --eval-data every "
+        "N steps and at the schedule's last step; 0: never")  # fmt: skip
+    eval_data: str | None = option(None, help="--eval-every's held-out documents: any corpus "
+        "spec, as vocagno eval --data reads it; refused if the cache holds any")  # fmt: skip
+    eval_docs: int = option(200, help="--eval-every reads the first N documents of --eval-data")
 
+    def __post_init__(self) -> None:
+        _not_negative(self, "eval_every")
+        _at_least_one(self, "eval_docs")
+        if bool(self.eval_every) != (self.eval_data is not None):
+            raise ValueError("--eval-every N and --eval-data (the held-out documents) go together")
