@@ -412,7 +412,7 @@ def test_a_manifest_may_group_a_stages_options_in_sub_tables(tmp_path):
                        'text_column = "body"\n[stage1.output]\nout = "o"\n'
                        "[stage1.batching]\nbatch_tokens = 4096\n")  # fmt: skip
     configs = [parse_config(ScoreConfig, ["--manifest", str(p)], "", "stage1") for p in (flat, grouped)]
-    assert configs[0] == configs[1] and configs[1].text_column == "body"
+    assert configs[0] == configs[1] and configs[1].corpus.text_column == "body"
     cases = {
         '[stage1.corpus]\nbatch_tokens = 4096\n': "batch_tokens is a [batching] option, not a "
         "[corpus] one",
