@@ -41,6 +41,7 @@ AdamwKernel = Literal["auto", "fused", "plain"]  # stage 2: torch's AdamW implem
 CompileLayers = Literal["auto", "layers", "off"]  # both stages: torch.compile of each layer
 LossKernel = Literal["auto", "chunked", "plain"]  # stage 2: how the per-token loss is computed
 HeadKernel = Literal["auto", "fused", "plain", "onepass"]  # stage 1: the head's columns
+LoggerName = Literal["tensorboard", "wandb", "none"]  # stage 2: where each step's metrics also go
 # stage 1: how the top-k columns are stored (pipeline.cache.topk_codec); a cache whose settings
 # name none is float16
 TopkEncoding = Literal["compact", "float16"]

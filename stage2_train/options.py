@@ -19,6 +19,7 @@ from pipeline.choices import (
     CompileLayers,
     ComputeDtype,
     FsdpParamDtype,
+    LoggerName,
     LossKernel,
     LossNormalization,
     Packing,
@@ -302,7 +303,7 @@ class KernelsOptions:
 class CheckpointingOptions:
     """Where the run writes, when it saves and stops, and what it resumes from."""
 
-    out: Path = option(help="output folder: checkpoints, metrics.jsonl, TensorBoard, final model")
+    out: Path = option(help="output folder: checkpoints, metrics.jsonl and logs, final model")
     stop_at_step: int | None = option(None, help="stop cleanly after this step with a "
         "checkpoint, as a cluster time limit would; --resume auto continues the same "
         "schedule")  # fmt: skip
@@ -332,18 +333,15 @@ class CheckpointingOptions:
 
 @dataclass
 class LoggingOptions:
-    """What the run records beside metrics.jsonl and TensorBoard; held-out loss as it trains."""
+    """Where each step's numbers go beside metrics.jsonl, and what else the run records."""
 
+    logger: LoggerName = option(
+        "tensorboard",
+        help="where each step's numbers go beside metrics.jsonl: tensorboard (OUT/tensorboard), "
+        "wandb (Weights & Biases, OUT/wandb: offline without an API key unless WANDB_MODE says "
+        "otherwise; pip install 'vocagno[wandb]') or none (docs/stage2.md, Outputs)",
+    )
+    wandb_project: str = option("vocagno", help="--logger wandb: the run's wandb project (the "
+        "run is named after OUT; WANDB_ENTITY picks the entity)")  # fmt: skip
     record_documents: bool = option(False, help="write OUT/documents/rank-R.jsonl: the "
         "documents each step began training on")  # fmt: skip
-    eval_every: int = option(0, help="held-out loss and bits per character of --eval-data every "
-        "N steps and at the schedule's last step; 0: never")  # fmt: skip
-    eval_data: str | None = option(None, help="--eval-every's held-out documents: any corpus "
-        "spec, as vocagno eval --data reads it; refused if the cache holds any")  # fmt: skip
-    eval_docs: int = option(200, help="--eval-every reads the first N documents of --eval-data")
-
-    def __post_init__(self) -> None:
-        _not_negative(self, "eval_every")
-        _at_least_one(self, "eval_docs")
-        if bool(self.eval_every) != (self.eval_data is not None):
-            raise ValueError("--eval-every N and --eval-data (the held-out documents) go together")

@@ -23,6 +23,7 @@ import torch
 from pipeline.cache.manifest import MANIFEST_NAME
 from pipeline.errors import CacheError, ConfigError
 from pipeline.io import temporary_affixes
+from pipeline.loggers import TENSORBOARD_FOLDER, WANDB_FOLDER
 from pipeline.metrics import METRICS_NAME
 from pipeline.models.student import WEIGHT_FILES
 from pipeline.storage.lock import FolderLock
@@ -37,7 +38,8 @@ RUN_CONFIG = "config.json"
 RUN_ENTRIES = (
     RUN_CONFIG,
     METRICS_NAME,
-    "tensorboard",
+    TENSORBOARD_FOLDER,
+    WANDB_FOLDER,
     CHECKPOINTS,
     "final",
     ".final.partial",

@@ -18,6 +18,7 @@ from pipeline.distillation import Distillation
 from pipeline.distillation.columns import check_columns
 from pipeline.errors import CacheError, ConfigError, TokenizerError
 from pipeline.guidance_modes import MODES
+from pipeline.loggers import TENSORBOARD_FOLDER
 from pipeline.storage import Store
 from pipeline.tokenizer import TextTokenizer
 from stage2_train.config import TrainConfig
@@ -165,7 +166,7 @@ def available_memory(device: torch.device) -> int:
 
 def remove_stale_logs(out: Path) -> None:
     """A fresh start (no checkpoint to resume) must not show an earlier failed run's curves."""
-    shutil.rmtree(Path(out) / "tensorboard", ignore_errors=True)
+    shutil.rmtree(Path(out) / TENSORBOARD_FOLDER, ignore_errors=True)
 
 
 # Data-loader workers pass each batch's shared memory to the trainer through a Unix socket at

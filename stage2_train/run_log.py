@@ -1,5 +1,6 @@
-"""The run's logs: each step's record to metrics.jsonl, TensorBoard, the progress bar and the
-per-rank document logs (the append-only ones cut back on resume), and the lines a run stops with."""
+"""The run's logs: each step's record to metrics.jsonl, the logger --logger chooses
+(pipeline.loggers: TensorBoard by default), the progress bar and the per-rank document logs (the
+append-only ones cut back on resume), and the lines a run stops with."""
 
 from __future__ import annotations
 
@@ -12,18 +13,14 @@ from typing import TYPE_CHECKING
 from pipeline.config import to_dict
 from pipeline.flops import StepRate, flop_parameters
 from pipeline.io import atomic_write_json, atomic_write_text
-from pipeline.loggers import scalars
+from pipeline.loggers import open_logger
 from pipeline.metrics import METRICS_NAME, read_json_lines
-from pipeline.storage.store import masked
 from stage2_train.data.epochs import cache_passes, epoch_boundary
 from stage2_train.parallel import unwrapped
 
 if TYPE_CHECKING:
-    from stage2_train.evaluation import Evaluation
     from stage2_train.run_setup import Run
     from stage2_train.step import StepTotals
-
-METRIC_KEYS = ("loss", "loss_all", "kept_fraction", "mapped_fraction")  # also on TensorBoard
 
 
 class JsonLines:
@@ -102,23 +99,24 @@ def step_record(step: int, tokens: int, lr: float, totals: StepTotals, distills:
 
 
 class RunLogs:
-    """Where each step's record goes: metrics.jsonl, TensorBoard and the progress bar on rank 0,
+    """Where each step's record goes: metrics.jsonl, the --logger and the progress bar on rank 0,
     and with --record-documents the documents each rank trained on. Opening them writes the
     run's config.json (its options and `Run.meta`) and says what the run trains."""
 
     def __init__(self, run: Run):
-        from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
         config, runtime, start = run.config, run.runtime, run.start_step
         out = config.checkpointing.out
         self.global_batch_tokens = config.optimizer.global_batch_tokens
         self.distills = run.distillation is not None  # logs distill_loss
-        self.metrics = self.documents = self.writer = self.step_rate = None
+        self.metrics = self.documents = self.logger = self.step_rate = None
         if runtime.is_main:
-            atomic_write_json(out / "config.json", {**to_dict(config), **run.meta})
+            saved = {**to_dict(config), **run.meta}
+            atomic_write_json(out / "config.json", saved)
             self.metrics = JsonLines(out / METRICS_NAME, start)
-            self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=start + 1)
+            logging = config.logging
+            self.logger = open_logger(logging.logger, out, start, saved, logging.wandb_project)
             self.step_rate = StepRate(flop_parameters(unwrapped(run.model)), runtime.device)
             print(banner(run), file=sys.stderr)
             passes = cache_passes(
@@ -137,41 +135,21 @@ class RunLogs:
         self.started, self.step_tokens = time.monotonic(), 0
         # the newest pass over the cache this rank's documents come from (0: the first)
         self.epoch = max(position.epoch for position in run.data_state.positions.values())
-        self.heldout = ""  # the progress bar's last held-out figures
 
-    def log_step(
-        self,
-        step: int,
-        lr: float,
-        totals: StepTotals,
-        micro_batches: list[dict],
-        evaluation: Evaluation | None = None,
-    ) -> None:
-        """Log one step from its totals (every rank's sums) and this rank's micro-batches, with
-        the held-out evaluation that followed it, if one did (its time is no step's)."""
+    def log_step(self, step: int, lr: float, totals: StepTotals, micro_batches: list[dict]) -> None:
+        """Log one step from its totals (every rank's sums) and this rank's micro-batches."""
         self.step_tokens += int(totals.valid)
         tokens = step * self.global_batch_tokens
         record = step_record(step, tokens, lr, totals, self.distills)
-        if evaluation is not None:
-            record |= evaluation.fields()
-            self.started += evaluation.seconds
-            self.heldout = f"{evaluation.loss:.3f} ({evaluation.bits_per_char:.3f} bits/char)"
         if self.documents is not None:
             trained = [document for batch in micro_batches for document in batch["documents"]]
             self.documents.append({"step": step, "documents": trained})
         if self.metrics is None:  # not rank 0
             return
         self.note_epoch(step, micro_batches)
-        if evaluation is not None:
-            self.step_rate.leave_out(evaluation.seconds)
         rates = self.step_rate.fields(int(totals.valid), self.global_batch_tokens)
         self.metrics.append({**record, **rates})
-        for key in (*METRIC_KEYS, "lr", "grad_norm"):
-            if record[key] is not None:
-                self.writer.add_scalar(f"train/{key}", record[key], step)
-        if evaluation is not None:
-            for tag, value in scalars(evaluation.fields()).items():
-                self.writer.add_scalar(tag, value, step)
+        self.logger.log({**record, **rates}, step)
         self.show(step, record)
 
     def note_epoch(self, step: int, micro_batches: list[dict]) -> None:
@@ -191,14 +169,13 @@ class RunLogs:
             loss=f"{record['loss']:.3f}" if targets else "-",
             kept=f"{record['kept_fraction']:.2f}" if targets else "-",
             tok_s=f"{rate:,.0f}",
-            **({"heldout": self.heldout} if self.heldout else {}),
             refresh=False,
         )
         self.progress.update()
 
     def close(self) -> None:
         self.progress.close()
-        for log in (self.metrics, self.documents, self.writer):
+        for log in (self.metrics, self.documents, self.logger):
             if log is not None:
                 log.close()
 
@@ -212,16 +189,4 @@ def banner(run: Run) -> str:
         f"{run.accumulation} micro-batch(es) of {config.optimizer.micro_batch_size} x "
         f"{config.data.seq_len} tokens per step, guidance {config.guidance.mode}; "
         + (f"resuming at step {run.start_step}" if run.start_step else "starting at step 0")
-        + (heldout_note(run) if run.heldout is not None else "")
-    )
-
-
-def heldout_note(run: Run) -> str:
-    """What --eval-every measures, and how often."""
-    heldout = run.heldout
-    return (
-        f"; held-out loss every {run.config.logging.eval_every} steps on {heldout.documents} "
-        f"document(s) of {masked(heldout.spec)} ({heldout.tokens:,} tokens, "
-        f"{heldout.characters:,} characters, {len(heldout.batches)} batches), none of them in "
-        "the cache"
     )

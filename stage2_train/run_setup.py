@@ -18,6 +18,7 @@ from torch import nn
 from pipeline.cache.manifest import CacheManifest, load_manifest
 from pipeline.distillation import Distillation, vocabulary_subset_on
 from pipeline.guidance import GuidanceSettings
+from pipeline.loggers import check_logger
 from pipeline.models.student import build_student
 from pipeline.tokenizer import load_tokenizer
 from stage2_train.attention import use_attention
@@ -25,7 +26,6 @@ from stage2_train.checkpoint import check_resumable, load_checkpoint, resume_fro
 from stage2_train.checkpoint_trust import trusted_checkpoint
 from stage2_train.config import TrainConfig
 from stage2_train.data.documents import choose_alignment
-from stage2_train.data.heldout import HeldOut, check_unseen, read_heldout
 from stage2_train.data.loader import batches, make_loader
 from stage2_train.data.more_teachers import run_cache_fingerprint, teacher_settings
 from stage2_train.data.plan import DataPlan, has_target_spans
@@ -71,7 +71,6 @@ class Run:
     stop_step: int
     accumulation: int  # micro-batches per rank and step
     subset: torch.Tensor | None  # a distillation's vocabulary subset (e.g. ALM's space mask)
-    heldout: HeldOut | None  # --eval-every's documents
 
     def batches(self) -> Iterator[dict]:
         """This rank's micro-batches from where the run stands."""
@@ -85,6 +84,7 @@ class Run:
 
 def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStack) -> Run:
     """The run, checked and (from a checkpoint) restored; `output` takes OUT's lock."""
+    check_logger(config.logging.logger)
     settings = config.guidance.settings()
     manifest = load_manifest(config.data.cache)
     more = {location: load_manifest(location) for location in config.data.more_caches}
@@ -102,7 +102,6 @@ def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStac
     if runtime.is_main and (note := chat_template_note(manifest, tokenizer)):
         print(f"stage 2: {note}", file=sys.stderr)
     accumulation = config.accumulation_steps(runtime.world_size)
-    heldout = held_out(config, runtime, tokenizer, manifest)
     plan = data_plan(config, runtime, settings, tokenizer, distillation, manifest, more)
     check_scratch(plan.workers)
     meta = {
@@ -133,22 +132,8 @@ def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStac
         scheduler=scheduler, data_state=data_state, start_step=start_step,
         stop_step=config.checkpointing.stop_at_step or config.optimizer.max_steps,
         accumulation=accumulation,
-        subset=vocabulary_subset_on(distillation, runtime.device), heldout=heldout,
+        subset=vocabulary_subset_on(distillation, runtime.device),
     )  # fmt: skip
-
-
-def held_out(
-    config: TrainConfig, runtime: Runtime, tokenizer, manifest: CacheManifest
-) -> HeldOut | None:
-    """--eval-every's documents (stage2_train.data.heldout), refused if the cache holds any."""
-    options = config.logging
-    if not options.eval_every:
-        return None
-    heldout = read_heldout(options.eval_data, options.eval_docs, tokenizer, config.data.seq_len,
-                           config.optimizer.micro_batch_size)  # fmt: skip
-    check_unseen(heldout, config.data.cache, manifest.shards, runtime.rank, runtime.world_size,
-                 runtime.all_gather_objects)  # fmt: skip
-    return heldout
 
 
 def data_plan(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 TRAIN = Path(__file__).resolve().parents[1] / "stage2_train" / "train.py"
 # Every field a resumed run must reproduce exactly.
 LOSS_FIELDS = (
@@ -70,6 +72,18 @@ def record_digests_again(checkpoint: Path) -> None:
     (checkpoint / MARKER).write_text(marker_text(step, digests))
 
 
+def tensorboard_scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each TensorBoard tag of a run in OUT with its (step, value) pairs, as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    return {
+        tag: [(event.step, event.value) for event in events.Scalars(tag)]
+        for tag in events.Tags()["scalars"]
+    }
+
+
 def wandb_history(out: Path) -> list[dict]:
     """Each offline wandb run in OUT/wandb, oldest first, as wandb's own reader of its .wandb log
     (`wandb leet inspect`) gives it: run_id, project, config, and history, a (step, {key: value})
@@ -94,3 +108,14 @@ def wandb_history(out: Path) -> list[dict]:
                 run["history"].append((entry["history"]["step"]["num"], logged))
         runs.append(run)
     return runs
+
+
+@pytest.fixture
+def wandb_offline(monkeypatch, tmp_path):
+    """wandb with no account: offline, its settings and cache kept out of the user's home (the
+    locks install wandb; an environment without the `wandb` extra skips)."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+    monkeypatch.setenv("WANDB_SILENT", "true")

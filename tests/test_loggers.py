@@ -10,7 +10,11 @@ import pytest
 
 from pipeline.errors import ConfigError
 from pipeline.loggers import WANDB_FOLDER, WANDB_RUN_ID, check_logger, open_logger, scalars
-from tests.stage2_runs import wandb_history
+from tests.stage2_runs import (  # noqa: F401 (wandb_offline: a fixture)
+    tensorboard_scalars,
+    wandb_history,
+    wandb_offline,
+)
 
 # A step's record as metrics.jsonl holds it: mfu is None on a CPU, loss None without targets.
 RECORD = {"step": 3, "loss": 2.5, "loss_all": 2.75, "kept_fraction": 0.4, "tokens": 192,
@@ -28,17 +32,6 @@ def test_a_record_is_logged_as_its_numbers_under_train():
                       if key not in ("step", "mfu")}  # fmt: skip
 
 
-def tensorboard_scalars(out) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(out / "tensorboard"))
-    events.Reload()
-    return {
-        tag: [(event.step, event.value) for event in events.Scalars(tag)]
-        for tag in events.Tags()["scalars"]
-    }
-
-
 def test_tensorboard_keeps_its_tags_and_a_resume_purges_the_steps_after_its_checkpoint(tmp_path):
     logger = open_logger("tensorboard", tmp_path, 0, CONFIG, "vocagno")
     for step in (1, 2, 3):
@@ -53,18 +46,8 @@ def test_tensorboard_keeps_its_tags_and_a_resume_purges_the_steps_after_its_chec
     assert logged["train/tokens_per_second"][0] == (1, 1234.5)
 
 
-@pytest.fixture
-def offline(monkeypatch, tmp_path):
-    """wandb with no account: offline, its settings and cache kept out of the user's home (the
-    locks install wandb; an environment without the `wandb` extra skips)."""
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-
-
-def test_wandb_offline_logs_every_number_and_a_resume_continues_the_same_run(offline, tmp_path):
+@pytest.mark.usefixtures("wandb_offline")
+def test_wandb_offline_logs_every_number_and_a_resume_continues_the_same_run(tmp_path):
     out = tmp_path / "run"
     logger = open_logger("wandb", out, 0, CONFIG, "vocagno-test")
     for step in (1, 2):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from pipeline.config import declared, parse_config
+from pipeline.config import parse_config
 from pipeline.errors import ConfigError
 from stage1_score.config import SECTION, ScoreConfig, result_settings
 
@@ -17,18 +18,17 @@ REQUIRED = ["--teacher", "t", "--corpus", "c.jsonl", "--out", "o"]
 
 def test_the_example_manifest_sets_real_options_and_documents_every_option():
     config = parse_config(ScoreConfig, ["--manifest", str(EXAMPLE)], "", SECTION)
-    assert config.batching.docs_per_shard == 1000 and config.corpus.id_column == "id"
-    assert config.batching.windows(None) == (512, 256)
+    assert config.docs_per_shard == 1000 and config.id_column == "id"
+    assert config.windows(None) == (512, 256)
     text = EXAMPLE.read_text()
-    keys = [option.key for option in declared(ScoreConfig)]
-    assert set(tomllib.loads(text)[SECTION]) <= set(keys)
-    for key in keys:
-        assert key in text, f"{key} is not documented in {EXAMPLE.name}"
+    assert set(tomllib.loads(text)[SECTION]) <= {f.name for f in dataclasses.fields(ScoreConfig)}
+    for field in dataclasses.fields(ScoreConfig):
+        assert field.name in text, f"{field.name} is not documented in {EXAMPLE.name}"
 
 
 def test_command_line_wins_over_the_manifest():
     config = parse_config(ScoreConfig, ["--manifest", str(EXAMPLE), "--stride", "100"], "", SECTION)
-    assert config.batching.windows(None) == (512, 100)
+    assert config.windows(None) == (512, 100)
 
 
 @pytest.mark.parametrize(
@@ -65,9 +65,9 @@ def test_missing_required_options_are_named():
 
 def test_window_defaults_come_from_the_teacher():
     config = parse_config(ScoreConfig, REQUIRED, "", SECTION)
-    assert config.batching.windows(2048) == (2048, 1024)
+    assert config.windows(2048) == (2048, 1024)
     with pytest.raises(ValueError, match="pass --max-length"):
-        config.batching.windows(None)
+        config.windows(None)
     assert result_settings(config, 2048, 1024).to_json() == {
         "max_length": 2048,
         "stride": 1024,
@@ -78,8 +78,7 @@ def test_window_defaults_come_from_the_teacher():
 
 def test_optional_columns_join_the_identity_only_when_asked_for():
     config = parse_config(ScoreConfig, REQUIRED, "", SECTION)
-    output = config.output
-    assert output.topk_probs == 0 and output.topk_ids and not output.space_logprob
+    assert config.topk_probs == 0 and config.topk_ids and not config.space_logprob
     plain = result_settings(config, 64, 32, 49152, {"sha256": "x"}).to_json()
     assert plain == result_settings(config, 64, 32).to_json()  # no new keys: old caches keep their identity
     asked = parse_config(ScoreConfig, [*REQUIRED, "--topk-probs", "8", "--space-logprob"], "", SECTION)

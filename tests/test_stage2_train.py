@@ -18,13 +18,20 @@ import torch
 
 from pipeline.config import from_flat
 from pipeline.errors import CacheError, ConfigError
+from pipeline.loggers import scalars
 from stage2_train.checkpoint import MARKER, check_resumable, complete_checkpoints, resume_from
 from stage2_train.config import TrainConfig, parse_train_config
 from stage2_train.options import CheckpointingOptions, GuidanceOptions, OptimizerOptions
 from stage2_train.schedule import lr_at
 from stage2_train.train import main
 from tests.cache_fixtures import build_cache
-from tests.stage2_runs import TRAIN, read_metrics, record_digests_again, train_args
+from tests.stage2_runs import (
+    TRAIN,
+    read_metrics,
+    record_digests_again,
+    tensorboard_scalars,
+    train_args,
+)
 from tests.teacher_audit import assert_no_teacher, audited_env, fake_teacher
 
 
@@ -103,7 +110,11 @@ def test_metrics_and_final_model(uninterrupted, cache):
     assert provenance["config"]["guidance"] == "random"
     saved = json.loads((uninterrupted / "config.json").read_text())
     assert saved["student"] == "llama-tiny" and saved["world_size"] == 1
-    assert any((uninterrupted / "tensorboard").iterdir())
+    logged = {}  # every number of metrics.jsonl reaches TensorBoard, which keeps float32
+    for r in records:
+        for tag, value in scalars(r).items():
+            logged.setdefault(tag, []).append((r["step"], pytest.approx(value)))
+    assert tensorboard_scalars(uninterrupted) == logged
 
 
 def test_no_save_at_end_saves_only_what_save_every_asks_for(cache, uninterrupted, tmp_path):
