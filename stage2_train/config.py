@@ -46,6 +46,8 @@ RESUMABLE_CHANGES = frozenset(
         "shard_cache",
         "shard_cache_gib",
         "read_ahead",
+        # recomputes, never changes, what a layer computes (the same bits on a CPU)
+        "activation_checkpointing",
         # what these resolved to on the device is checked instead (stage2_train.checkpoint)
         "attention",
         "adamw_kernel",

@@ -16,12 +16,19 @@ from stage2_train.distributed import Runtime
 
 
 def wrap(
-    model: nn.Module, runtime: Runtime, fsdp: bool, compile_student: str, param_dtype: str
+    model: nn.Module,
+    runtime: Runtime,
+    fsdp: bool,
+    compile_student: str,
+    param_dtype: str,
+    activation_checkpointing: bool,
 ) -> nn.Module:
-    """Move to the device, compile its layers if asked; DDP across ranks, or
+    """Move to the device, checkpoint and compile its layers if asked; DDP across ranks, or
     FSDP (per decoder layer, then the root) gathering its parameters in `param_dtype`
     (stage2_train.resolve) and reducing gradients in float32."""
     model = model.to(runtime.device)
+    if activation_checkpointing:
+        checkpoint_layers(model)
     # before wrapping, as torchtitan orders it
     compile_layers(model, compile_student, "the student")
     if fsdp:

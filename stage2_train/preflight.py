@@ -130,13 +130,16 @@ def check_student_fits(
         compute_dtype=resolved.dtype,
         fsdp_param_dtype=resolved.fsdp_param_dtype,
         loss_kernel=resolved.loss_kernel,
-        activation_checkpointing=False,
+        activation_checkpointing=config.model.activation_checkpointing,
     )
     available = available_memory(runtime.device)
     if estimate.total > available:
         ways = []
-        if config.optimizer.micro_batch_size > 1:
-            ways.append("lower --micro-batch-size (the step keeps its size through accumulation)")
+        if estimate.total - estimate.activations < available:  # the activations overflow it
+            if config.optimizer.micro_batch_size > 1:
+                ways.append("lower --micro-batch-size (the step keeps its size by accumulation)")
+            if not config.model.activation_checkpointing:
+                ways.append("add --activation-checkpointing (layers recomputed in the backward)")
         ways.append(
             "run more ranks (--fsdp divides the model's state among them)"
             if config.model.fsdp

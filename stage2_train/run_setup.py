@@ -117,7 +117,10 @@ def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStac
     meta |= resolved.saved()
     use_attention(student, resolved.attention)
     check_student_fits(config, student, runtime, resolved)
-    model = wrap(student, runtime, config.model.fsdp, resolved.compile, resolved.fsdp_param_dtype)
+    model = wrap(
+        student, runtime, config.model.fsdp, resolved.compile, resolved.fsdp_param_dtype,
+        config.model.activation_checkpointing,
+    )  # fmt: skip
     optimizer = make_optimizer(model, config.optimizer, resolved.adamw_kernel)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda index: lr_at(index + 1, config.optimizer) / config.optimizer.lr

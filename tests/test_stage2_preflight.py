@@ -77,6 +77,7 @@ def test_a_micro_batch_that_cannot_fit_in_memory_is_refused(cache, tmp_path, mon
     )
     assert "of activations, for a micro-batch of 32 x 32 tokens on 1 rank(s)" in message
     assert "lower --micro-batch-size" in message and "with --fsdp" in message
+    assert "add --activation-checkpointing" in message
 
 
 def test_a_student_whose_state_alone_cannot_fit_is_refused(cache, tmp_path, monkeypatch):

@@ -138,21 +138,26 @@ def runs(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory) -> dict:
-    """FSDP with the plain path, and with its layers compiled and the chunked loss, whole and
-    stopped at step 4 then resumed (their own cache: `runs`'s launches need not run with them)."""
+    """FSDP with the plain path, with activation checkpointing, and with its layers compiled and
+    the chunked loss, whole and stopped at step 4 then resumed, and once more with checkpointing
+    (their own cache: `runs`'s launches need not run with them)."""
     root = tmp_path_factory.mktemp("fsdp")
     cache = root / "cache"
     build_cache(cache, documents=corpus_documents(6), docs_per_shard=3)
     fast = ("--fsdp", "--compile", "layers", "--loss-kernel", "chunked")
     plain, whole, parts = root / "plain", root / "whole", root / "parts"
+    checkpointed, fast_checkpointed = root / "checkpointed", root / "fast-checkpointed"
     for process in [
         torchrun(epoch_args(cache, plain, "--fsdp")),
+        torchrun(epoch_args(cache, checkpointed, "--fsdp", "--activation-checkpointing")),
+        torchrun(epoch_args(cache, fast_checkpointed, *fast, "--activation-checkpointing")),
         torchrun(epoch_args(cache, whole, *fast)),
         torchrun(epoch_args(cache, parts, *fast, "--stop-at-step", "4")),
     ]:
         finish(process)
     finish(torchrun(epoch_args(cache, parts, *fast)))
-    return {"plain": plain, "whole": whole, "parts": parts}
+    return {"plain": plain, "whole": whole, "parts": parts, "checkpointed": checkpointed,
+            "fast-checkpointed": fast_checkpointed}  # fmt: skip
 
 
 def test_fsdp_with_compiled_layers_and_the_chunked_loss_trains_and_resumes_bit_for_bit(
@@ -173,6 +178,17 @@ def test_fsdp_with_compiled_layers_and_the_chunked_loss_trains_and_resumes_bit_f
     assert (fsdp_runs["parts"] / "final" / "model.safetensors").read_bytes() == (
         fsdp_runs["whole"] / "final" / "model.safetensors"
     ).read_bytes()
+
+
+def test_fsdp_with_activation_checkpointing_trains_the_same_bits(fsdp_runs):
+    """--activation-checkpointing under FSDP (its gathering hooks outside each layer's checkpoint)
+    recomputes the same kernels on the same inputs: the plain FSDP run exactly, and with compiled
+    layers and the chunked loss the same run without checkpointing exactly."""
+    for ours, theirs in (("checkpointed", "plain"), ("fast-checkpointed", "whole")):
+        assert read_metrics(fsdp_runs[ours]) == read_metrics(fsdp_runs[theirs]), ours
+        assert (fsdp_runs[ours] / "final" / "model.safetensors").read_bytes() == (
+            fsdp_runs[theirs] / "final" / "model.safetensors"
+        ).read_bytes()
 
 
 def test_stopped_and_resumed_2_rank_run_is_bit_identical(runs):

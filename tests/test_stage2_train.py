@@ -547,6 +547,26 @@ def assert_resumes_bit_for_bit(cache: Path, out: Path, whole: list[dict], *switc
     assert read_metrics(out) == whole
 
 
+def test_activation_checkpointing_trains_the_same_bits_and_may_change_on_resume(
+    cache, uninterrupted, tmp_path
+):
+    """--activation-checkpointing recomputes each decoder layer in the backward pass: the same
+    kernels on the same inputs, so on a CPU the run is the plain one exactly (tolerance 0; see
+    tests/test_stage2_activation_checkpointing.py). It changes only memory and time, so a run
+    stopped with it continues without it, and the continuation is still the plain run."""
+    checkpointed, resumed = tmp_path / "checkpointed", tmp_path / "resumed"
+    assert main(train_args(cache, checkpointed, *RESUME_ARGS, "--activation-checkpointing")) == 0
+    assert json.loads((checkpointed / "config.json").read_text())["activation_checkpointing"]
+    assert read_metrics(checkpointed) == read_metrics(uninterrupted)
+    assert (checkpointed / "final" / "model.safetensors").read_bytes() == (
+        uninterrupted / "final" / "model.safetensors"
+    ).read_bytes()
+    stopped = ("--activation-checkpointing", "--stop-at-step", "3")
+    assert main(train_args(cache, resumed, *RESUME_ARGS, *stopped)) == 0
+    assert main(train_args(cache, resumed, *RESUME_ARGS)) == 0
+    assert read_metrics(resumed) == read_metrics(uninterrupted)
+
+
 def test_a_compiled_run_trains_what_eager_does_and_resumes_bit_for_bit(
     cache, uninterrupted, tmp_path
 ):
