@@ -324,13 +324,13 @@ def test_an_arm_starts_torchrun_as_the_interpreters_module(monkeypatch, tmp_path
     torch.distributed.run`, which any Python with torch has."""
     from types import SimpleNamespace
 
-    import apps.demo.run as demo_run
+    import apps.demo.arms as arms
 
     started = []
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python3"))  # nothing beside it
-    monkeypatch.setattr(demo_run.subprocess, "run",
+    monkeypatch.setattr(arms.subprocess, "run",
                         lambda command, **kwargs: started.append(command) or SimpleNamespace(
                             returncode=0))  # fmt: skip
-    config = SimpleNamespace(nproc_per_node=1, student_tokenizer="tinyllama")
-    demo_run.run_stage2(config, tmp_path / "m.toml", tmp_path, tmp_path, "none", tmp_path / "o")
+    config = SimpleNamespace(nproc_per_node=1, student_tokenizer="tinyllama", out=tmp_path)
+    arms.run_stage2(config, tmp_path / "m.toml", tmp_path, tmp_path, arms.ArmRun("o", "none"))
     assert started[0][:3] == [str(tmp_path / "python3"), "-m", "torch.distributed.run"]

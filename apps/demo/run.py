@@ -7,92 +7,30 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from apps.demo.config import PREREGISTERED, WARM_START_OFFSET, DemoConfig, PreRegistration
+from apps.demo.arms import REPO, ArmRun, Tables, arm_done, check_tables, train_arm
+from apps.demo.config import WARM_START_OFFSET, DemoConfig
 from apps.demo.ray_cluster import local_ray_cluster, submit_and_follow
 from apps.demo.report import write_report
-from apps.evaluation.config import SECTION as EVAL_SECTION
 from apps.evaluation.config import EvalConfig
-from pipeline.config import from_dict, load_manifest_section
-from pipeline.errors import ConfigError, VocagnoError
+from pipeline.config import from_dict
 from pipeline.io import atomic_path, atomic_write_json, open_binary_stream
 from pipeline.log import get_logger
 from pipeline.shipped import shipped_corpus
 from stage2_train.config import TrainConfig
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def check_stage_tables(
-    config: DemoConfig, manifest: Path
-) -> tuple[TrainConfig, dict, PreRegistration]:
-    """Each stage's table checked as that stage will check it, with the options the demo gives
-    it on the command line, and across the tables (each arm's distillation reads columns the
-    cache holds): a bad value stops the demo here, before Ray starts or anything is written, not
-    minutes later in a subprocess. Returns the stage-2 options, the [eval] table and the
-    pre-registered comparison.
-    """
-    from stage1_score.config import ScoreConfig
-
-    def table(section: str, given: dict) -> tuple[dict, str]:
-        return {**load_manifest_section(manifest, section), **given}, f"{manifest} [{section}]"
-
-    cache = str(config.out / "cache")  # a path or URI option in both stages
-    teacher = config.teacher or "SmolLM2-135M-Instruct"  # prepared later; any name checks alike
+def check_stage_tables(config: DemoConfig, manifest: Path) -> Tables:
+    """The demo's tables, each arm a guidance mode over [stage2] (apps.demo.arms.check_tables);
+    the columns the arms read, those of a cache made elsewhere where one is given (`[dose]
+    cache`)."""
     corpus = str(config.out / "corpus" / "train.jsonl")
-    score = from_dict(
-        ScoreConfig, *table("stage1", {"teacher": teacher, "corpus": corpus, "out": cache})
-    )
-    given = {
-        "cache": cache,
-        "student": config.student,  # the warm start is this preset, trained
-        "student_tokenizer": config.student_tokenizer,
-    }
-    stage2 = [
-        from_dict(
-            TrainConfig,
-            *table("stage2", {**given, "out": config.out / "arms" / arm, "guidance": arm}),
-        )
-        for arm in config.arms
-    ]
-    _check_arms_columns(config, manifest, score, stage2)
-    settings, where = table(EVAL_SECTION, {})
-    from_dict(EvalConfig, {**settings, "model": teacher}, where)
-    prereg = from_dict(PreRegistration, *table(PREREGISTERED, {}))
-    for pair in prereg.pairs():
-        if not set(pair) <= set(config.arms):
-            raise ConfigError(f"{manifest} [{PREREGISTERED}]: comparison {pair} names an arm "
-                              f"not in arms {config.arms}")  # fmt: skip
-    return stage2[0], settings, prereg
-
-
-def _check_arms_columns(
-    config: DemoConfig, manifest: Path, score, arms: list[TrainConfig]
-) -> None:
-    """Each arm's distillation reads only columns its cache will hold: a given cache's (`[dose]
-    cache`), else those [stage1]'s options add."""
-    from pipeline.cache.manifest import load_manifest
-    from pipeline.distillation.columns import check_columns
-    from stage1_score.config import result_settings
-
-    given = getattr(config, "cache", None)
-    if given and not (Path(given) / "manifest.json").is_file():
-        return  # refused by name where the dose-response reads it
-    if given:
-        settings, cache = load_manifest(given).settings, f"cache {given}"
-    else:  # the columns, not their types: any head size and space mask give the same ones
-        settings = result_settings(score, 2, 1, head_size=1 << 16, space_mask={"planned": True})
-        cache = f"the cache {manifest} [stage1] scores"
-    for arm in arms:
-        distillation = arm.guidance.distillation(arm.model, settings)
-        if distillation is not None:
-            check_columns(arm.guidance, distillation, cache, settings, arm.model)
+    arms = {arm: {"guidance": arm} for arm in config.arms}
+    return check_tables(config, manifest, corpus, arms, carried=getattr(config, "cache", None))
 
 
 log = get_logger("demo").info
@@ -148,10 +86,6 @@ def cache_done(config: DemoConfig) -> bool:
     return (config.out / "cache" / "manifest.json").exists()
 
 
-def arm_done(config: DemoConfig, arm: str) -> bool:
-    return (config.out / "arms" / arm / "final" / "config.json").exists()
-
-
 def eval_path(config: DemoConfig, name: str) -> Path:
     return config.out / "eval" / f"{name}.json"
 
@@ -172,30 +106,23 @@ def score_with_ray(config: DemoConfig, manifest: Path, teacher: Path, corpus: Pa
     return cache
 
 
-def train_arm(config: DemoConfig, manifest: Path, cache: Path, student: Path, arm: str) -> Path:
-    out = config.out / "arms" / arm
-    if not arm_done(config, arm):
-        run_stage2(config, manifest, cache, student, arm, out)
-    return out
+def teacher_folder(config, steps: StepTimings) -> Path:
+    """`config.teacher`, else SmolLM2-135M-Instruct prepared offline (timed as `teacher`)."""
+    from pipeline.models.teacher_assets import prepare_smollm2_teacher
+
+    log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
+    if config.teacher:
+        return Path(config.teacher)
+    return steps.timed("teacher", False, prepare_smollm2_teacher)
 
 
-def run_stage2(
-    config: DemoConfig, manifest: Path, cache: Path, student: Path, arm: str, out: Path,
-    *options: str,
-) -> None:  # fmt: skip
-    """Stage 2 of one arm under torchrun, the manifest's [stage2] table and `options` over it;
-    torchrun as this interpreter's module, which a Python with torch has even where no
-    `torchrun` script sits beside the interpreter (a GPU machine's system Python)."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={config.nproc_per_node}",
-        "--standalone",
-        "stage2_train/train.py", "--manifest", str(manifest), "--cache", str(cache),
-        "--student", str(student), "--student-tokenizer", config.student_tokenizer,
-        "--out", str(out), "--guidance", arm, *options,
-    ]  # fmt: skip
-    result = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if result.returncode != 0:
-        raise VocagnoError(f"stage 2 ({arm}) failed with exit code {result.returncode}")
+def score_train_docs(config, manifest: Path, teacher: Path, steps: StepTimings) -> Path:
+    """Stage 1 of the train split's first `train_docs` documents into OUT/cache (`stage1`)."""
+    corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
+    log(f"stage 1: scoring {config.train_docs:,} documents with the teacher")
+    return steps.timed(
+        "stage1", cache_done(config), score_with_ray, config, manifest, teacher, corpus
+    )
 
 
 def evaluate_models(config: DemoConfig, settings: dict, models: dict[str, Path]) -> dict:
@@ -265,30 +192,24 @@ class StepTimings:
 
 
 def run_demo(config: DemoConfig, manifest: Path) -> Path:
-    from pipeline.models.teacher_assets import prepare_smollm2_teacher
-
     stage2, eval_settings, prereg = check_stage_tables(config, manifest)
     config.out.mkdir(parents=True, exist_ok=True)
     steps = StepTimings(config.out)
     timed, timings = steps.timed, steps.seconds
-    log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
-    teacher = (
-        Path(config.teacher) if config.teacher else timed("teacher", False, prepare_smollm2_teacher)
-    )
+    teacher = teacher_folder(config, steps)
     log(
         f"warm start: {config.student} trained plainly for {config.warm_start_steps} steps on "
         f"{config.warm_start_docs} documents disjoint from the continual-pretraining slice"
     )
     student = timed("warm-start", warm_start_done(config), make_warm_start, config, stage2)
-    corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
-    log(f"stage 1: scoring {config.train_docs} documents with the teacher")
-    cache = timed("stage1", cache_done(config), score_with_ray, config, manifest, teacher, corpus)
+    cache = score_train_docs(config, manifest, teacher, steps)
     arms = {}
     for arm in config.arms:
         log(f"stage 2: training arm --guidance {arm} with torchrun x{config.nproc_per_node}")
         arms[arm] = timed(
-            f"stage2-{arm}", arm_done(config, arm), train_arm, config, manifest, cache, student, arm
-        )
+            f"stage2-{arm}", arm_done(config, arm), train_arm, config, manifest, cache, student,
+            ArmRun(arm, guidance=arm), True,
+        )  # fmt: skip
     models = {"warm-start": student}
     models.update({arm: out / "final" for arm, out in arms.items()})
     evaluated = all(eval_path(config, name).exists() for name in models)

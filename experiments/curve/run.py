@@ -10,39 +10,36 @@ import json
 import shutil
 from pathlib import Path
 
-from apps.demo.config import PreRegistration
+from apps.demo.arms import ArmRun, Tables, arm_folder, run_stage2
 from apps.demo.run import (
     StepTimings,
-    cache_done,
     check_stage_tables,
     eval_path,
     evaluate_models,
     make_warm_start,
-    run_stage2,
-    score_with_ray,
+    score_train_docs,
+    teacher_folder,
     warm_start_done,
-    write_corpus_slice,
 )
 from experiments.curve.config import CurveConfig
 from experiments.curve.report import point_name, write_curve_report
 from pipeline.errors import ConfigError
 from pipeline.log import get_logger
 from stage2_train.checkpoint import MARKER, complete_checkpoints, step_dir
-from stage2_train.config import TrainConfig
 from stage2_train.export import export_checkpoint
 
 log = get_logger("curve").info
 
 
-def check_curve(config: CurveConfig, manifest: Path) -> tuple[TrainConfig, dict, PreRegistration]:
+def check_curve(config: CurveConfig, manifest: Path) -> Tables:
     """The demo's checks of every table, and that the last checkpoint is the run's end."""
-    stage2, settings, prereg = check_stage_tables(config, manifest)
-    if stage2.optimizer.max_steps != config.checkpoints[-1]:
+    tables = check_stage_tables(config, manifest)
+    if (max_steps := tables.stage2.optimizer.max_steps) != config.checkpoints[-1]:
         raise ConfigError(
-            f"{manifest}: [stage2] max_steps is {stage2.optimizer.max_steps}, but the last of "
+            f"{manifest}: [stage2] max_steps is {max_steps}, but the last of "
             f"[curve] checkpoints is {config.checkpoints[-1]}: they must be the same step"
         )
-    return stage2, settings, prereg
+    return tables
 
 
 def evaluate_point(
@@ -51,13 +48,11 @@ def evaluate_point(
 ) -> None:  # fmt: skip
     """Train `arm` with `seed` on to `step` (from its newest checkpoint), export that checkpoint
     and evaluate it; the exported model and older checkpoints are removed (disk)."""
-    out = config.out / "arms" / f"{arm}-seed{seed}"
+    run = ArmRun(f"{arm}-seed{seed}", arm, seed, options={"stop_at_step": step, "resume": "auto"})
+    out = arm_folder(config, run.name)
     checkpoint = step_dir(out, step)
     if not (checkpoint / MARKER).exists():
-        run_stage2(
-            config, manifest, cache, student, arm, out,
-            "--seed", str(seed), "--stop-at-step", str(step), "--resume", "auto",
-        )  # fmt: skip
+        run_stage2(config, manifest, cache, student, run)
     name = point_name(arm, seed, step)
     model = export_checkpoint(checkpoint, config.out / "models" / name, overwrite=True)
     evaluate_models(config, settings, {name: model})
@@ -68,24 +63,13 @@ def evaluate_point(
 
 
 def run_curve(config: CurveConfig, manifest: Path) -> Path:
-    from pipeline.models.teacher_assets import prepare_smollm2_teacher
-
     stage2, settings, prereg = check_curve(config, manifest)
     config.out.mkdir(parents=True, exist_ok=True)
     steps = StepTimings(config.out)
-    log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
-    teacher = (
-        Path(config.teacher)
-        if config.teacher
-        else steps.timed("teacher", False, prepare_smollm2_teacher)
-    )
+    teacher = teacher_folder(config, steps)
     log(f"warm start: {config.student}, {config.warm_start_steps} plain steps")
     student = steps.timed("warm-start", warm_start_done(config), make_warm_start, config, stage2)
-    corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
-    log(f"stage 1: scoring {config.train_docs:,} documents with the teacher")
-    cache = steps.timed(
-        "stage1", cache_done(config), score_with_ray, config, manifest, teacher, corpus
-    )
+    cache = score_train_docs(config, manifest, teacher, steps)
     steps.timed(
         "eval-warm-start", eval_path(config, "warm-start").exists(), evaluate_models,
         config, settings, {"warm-start": student},

@@ -9,20 +9,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 
-from apps.analysis.configs import SelectionConfig
+from apps.demo.arms import ArmRun, selection_diagnostic, selection_done, train_arm
 from apps.demo.run import (
     StepTimings,
-    cache_done,
     check_stage_tables,
     eval_path,
     evaluate_models,
     make_warm_start,
-    run_stage2,
-    score_with_ray,
+    score_train_docs,
+    teacher_folder,
     warm_start_done,
     write_corpus_slice,
 )
@@ -48,27 +46,6 @@ def rung_config(config: DoseConfig, steps: int) -> DoseConfig:
     return dataclasses.replace(config, out=rung_folder(config.out, steps), warm_start_steps=steps)
 
 
-def selection_done(rung: DoseConfig) -> bool:
-    return (rung.out / "selection" / "selection.json").exists()
-
-
-def selection_diagnostic(rung: DoseConfig, stage2: TrainConfig, cache: Path, student: Path):
-    """`vocagno analyze selection` of the warm start, with the arms' shape and selection."""
-    from apps.analysis.selection import run_selection_report
-
-    if selection_done(rung):
-        return
-    run_selection_report(
-        SelectionConfig(
-            cache=str(cache), student=str(student), student_tokenizer=rung.student_tokenizer,
-            tokens=rung.selection_tokens, seq_len=stage2.data.seq_len,
-            micro_batch_size=stage2.optimizer.micro_batch_size, packing=stage2.data.packing,
-            topk=stage2.guidance.topk, unmapped=stage2.guidance.unmapped,
-            aggregate=stage2.guidance.aggregate, out=rung.out / "selection",
-        )
-    )  # fmt: skip
-
-
 def train_and_evaluate(
     rung: DoseConfig, stage2: TrainConfig, settings: dict, manifest: Path, cache: Path,
     student: Path, arm: str, seed: int, lr: float | None, heldout: list[str],
@@ -79,17 +56,14 @@ def train_and_evaluate(
     from apps.demo.warm_start import heldout_loss
 
     name = arm_name(arm, seed, lr)
-    out = rung.out / "arms" / name
     min_lr = None if lr is None else lr * stage2.optimizer.min_lr / stage2.optimizer.lr
-    rates = () if lr is None else ("--lr", str(lr), "--min-lr", str(min_lr))
-    if not (out / "final" / "config.json").exists():
-        run_stage2(rung, manifest, cache, student, arm, out, "--seed", str(seed), *rates)
+    run = ArmRun(name, arm, seed=seed, lr=lr, min_lr=min_lr)
+    out = train_arm(rung, manifest, cache, student, run)
     evaluate_models(rung, settings, {name: out / "final"})
     if lr is not None and not heldout_path(rung.out, name).exists():
         batch = stage2.optimizer.global_batch_tokens // stage2.data.seq_len
         loss = heldout_loss(out / "final", heldout, stage2.data.seq_len, batch)
         atomic_write_json(heldout_path(rung.out, name), {"heldout_loss": loss})
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
 
 
 class CallTime:
@@ -114,8 +88,6 @@ class CallTime:
 
 def run_dose(config: DoseConfig, manifest: Path) -> Path | None:
     """OUT/report.md, or None where `stop_after_seconds` stopped this call first."""
-    from pipeline.models.teacher_assets import prepare_smollm2_teacher
-
     stage2, settings, prereg = check_stage_tables(config, manifest)
     earlier_points(config)  # read by the report, last: a bad file is refused before the first step
     config.out.mkdir(parents=True, exist_ok=True)
@@ -130,17 +102,7 @@ def run_dose(config: DoseConfig, manifest: Path) -> Path | None:
             )
         log(f"training from the cache at {cache}")
     else:
-        log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
-        teacher = (
-            Path(config.teacher)
-            if config.teacher
-            else steps.timed("teacher", False, prepare_smollm2_teacher)
-        )
-        corpus = write_corpus_slice(config.out / "corpus" / "train.jsonl", config.train_docs)
-        log(f"stage 1: scoring {config.train_docs:,} documents with the teacher")
-        cache = steps.timed(
-            "stage1", cache_done(config), score_with_ray, config, manifest, teacher, corpus
-        )
+        cache = score_train_docs(config, manifest, teacher_folder(config, steps), steps)
     heldout_file = write_corpus_slice(
         config.out / "corpus" / "heldout.jsonl", config.heldout_docs, config.heldout_offset
     )

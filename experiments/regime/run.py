@@ -9,13 +9,19 @@ where a teacher_only run made them: no teacher runs on the GPU."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 
-from apps.demo.run import StepTimings, cache_done, run_stage2, score_with_ray
-from apps.evaluation.config import SECTION as EVAL_SECTION
+from apps.demo.arms import (
+    ArmRun,
+    Tables,
+    check_tables,
+    selection_diagnostic,
+    selection_done,
+    train_arm,
+)
+from apps.demo.run import StepTimings, cache_done, score_with_ray, teacher_folder
 from apps.evaluation.config import EvalConfig
 from experiments.regime.config import ARMS, RegimeConfig, RegimePreRegistration
 from experiments.regime.report import gate, write_regime_report
@@ -30,37 +36,20 @@ log = get_logger("regime").info
 PARTS = ("test", "validation", "cpt", "warm")
 
 
-def check_tables(config: RegimeConfig, manifest: Path):
-    """Every table checked as its reader will check it, before anything runs: stage 1's, each
-    arm's stage-2 options over [stage2], [eval], and the comparisons' arm names."""
-    from stage1_score.config import ScoreConfig
-
-    def table(section: str) -> tuple[dict, str]:
-        return load_manifest_section(manifest, section), f"{manifest} [{section}]"
-
-    stage1, where = table("stage1")
-    teacher = config.teacher or "SmolLM2-135M-Instruct"
-    from_dict(ScoreConfig, {**stage1, "teacher": teacher, "corpus": "cpt.jsonl", "out": "cache"},
-              where)  # fmt: skip
-    stage2, where = table("stage2")
-    arm_tables, _ = table(ARMS)
-    missing = [arm for arm in config.arms if not isinstance(arm_tables.get(arm), dict)]
+def check_design(config: RegimeConfig, manifest: Path) -> tuple[Tables, dict[str, dict]]:
+    """Every table checked as its reader will check it, before anything runs (apps.demo.arms),
+    each arm's stage-2 options its table in [arms] over [stage2]; and the arms' tables."""
+    tables = load_manifest_section(manifest, ARMS)
+    missing = [arm for arm in config.arms if not isinstance(tables.get(arm), dict)]
     if missing:
         raise ConfigError(f"{manifest}: no [arms.{missing[0]}] table for arm {missing[0]!r}")
-    given = {"cache": "cache", "student": config.student, "out": "arm", "max_steps": 1000,
-             "student_tokenizer": config.student_tokenizer}  # fmt: skip
-    arms = {}
-    for arm in config.arms:
-        arms[arm] = arm_tables[arm]
-        from_dict(TrainConfig, {**stage2, **given, **arms[arm]}, f"{manifest} [arms.{arm}]")
-    settings, where = table(EVAL_SECTION)
-    from_dict(EvalConfig, {**settings, "model": teacher}, where)
-    prereg = from_dict(RegimePreRegistration, *table("preregistered"))
-    try:
-        prereg.pairs(tuple(config.arms))
-    except ValueError as exc:
-        raise ConfigError(f"{manifest} [preregistered]: {exc}") from None
-    return from_dict(TrainConfig, {**stage2, **given}), settings, prereg, arms
+    arms = {arm: tables[arm] for arm in config.arms}
+    corpus = str(config.out / "corpus" / "cpt.jsonl")
+    # each arm's max_steps is one pass over the corpus part, known once the splits are written;
+    # a carried cache is checked for its chapters once they are, then by stage 2 for its columns
+    tables = check_tables(config, manifest, corpus, arms, given={"max_steps": 1000},
+                          prereg_type=RegimePreRegistration, arms_table=ARMS)  # fmt: skip
+    return tables, arms
 
 
 def write_splits(config: RegimeConfig) -> dict[str, Path]:
@@ -132,19 +121,6 @@ def make_warm_start(config: RegimeConfig, stage2: TrainConfig, parts: dict) -> P
     )  # fmt: skip
 
 
-def selection_diagnostic(config: RegimeConfig, stage2: TrainConfig, cache: Path, student: Path):
-    from apps.analysis.configs import SelectionConfig
-    from apps.analysis.selection import run_selection_report
-
-    run_selection_report(SelectionConfig(
-        cache=str(cache), student=str(student), student_tokenizer=config.student_tokenizer,
-        tokens=config.selection_tokens, seq_len=stage2.data.seq_len,
-        micro_batch_size=stage2.optimizer.micro_batch_size, packing=stage2.data.packing,
-        topk=stage2.guidance.topk, unmapped=stage2.guidance.unmapped,
-        aggregate=stage2.guidance.aggregate, out=config.out / "selection",
-    ))  # fmt: skip
-
-
 def arm_steps(config: RegimeConfig, stage2: TrainConfig, parts: dict) -> int:
     """One pass over the continual-pretraining part: its student tokens (with each document's
     EOS) // the tokens of a step."""
@@ -160,19 +136,14 @@ def run_name(arm: str, lr: float, seed: int) -> str:
     return f"{arm}-lr{lr:g}-seed{seed}"
 
 
-def train_arm(config: RegimeConfig, manifest: Path, cache: Path, student: Path, arm: str,
+def arm_model(config: RegimeConfig, manifest: Path, cache: Path, student: Path, arm: str,
               table: dict, lr: float, seed: int, max_steps: int) -> Path:  # fmt: skip
-    """One arm's stage 2 under torchrun at peak `lr` (min_lr a tenth of it); its checkpoints
-    are removed once the final model is written (disk)."""
-    out = config.out / "arms" / run_name(arm, lr, seed)
-    if not (out / "final" / "config.json").exists():
-        options = [f"--{key.replace('_', '-')}={value}" for key, value in table.items()
-                   if key != "guidance"]  # fmt: skip
-        run_stage2(config, manifest, cache, student, table["guidance"], out, "--seed", str(seed),
-                   "--lr", str(lr), "--min-lr", str(lr / 10), "--max-steps", str(max_steps),
-                   *options)  # fmt: skip
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    return out / "final"
+    """One arm's final model, trained at peak `lr` (min_lr a tenth of it), its table's options
+    over [stage2] (apps.demo.arms.train_arm)."""
+    options = {key: value for key, value in table.items() if key != "guidance"}
+    run = ArmRun(run_name(arm, lr, seed), table["guidance"], seed=seed, lr=lr, min_lr=lr / 10,
+                 max_steps=max_steps, options=options)  # fmt: skip
+    return train_arm(config, manifest, cache, student, run) / "final"
 
 
 def chosen_rate(config: RegimeConfig, settings: dict, parts: dict, arm: str) -> float:
@@ -227,9 +198,7 @@ def carried_teacher_eval(config: RegimeConfig, parts: dict) -> None:
 
 
 def run_regime(config: RegimeConfig, manifest: Path) -> Path | None:
-    from pipeline.models.teacher_assets import prepare_smollm2_teacher
-
-    stage2, teacher_settings, prereg, arms = check_tables(config, manifest)
+    (stage2, teacher_settings, prereg), arms = check_design(config, manifest)
     # A student is evaluated in windows of the length it trained on (half-overlapping), never
     # past it: its RoPE positions beyond seq_len were never trained. The teacher keeps [eval]'s.
     settings = {**teacher_settings, "max_length": stage2.data.seq_len}
@@ -243,12 +212,7 @@ def run_regime(config: RegimeConfig, manifest: Path) -> Path | None:
     if carried and config.teacher_eval:
         carried_teacher_eval(config, parts)
     if cache is None or not config.teacher_eval_path.exists():
-        log("preparing the teacher (SmolLM2-135M-Instruct, offline)")
-        teacher = (
-            Path(config.teacher)
-            if config.teacher
-            else steps.timed("teacher", False, prepare_smollm2_teacher)
-        )
+        teacher = teacher_folder(config, steps)
         if cache is None:
             log(f"stage 1: scoring the {config.cpt_docs} continual-pretraining documents")
             cache = steps.timed("stage1", cache_done(config), score_with_ray, config, manifest,
@@ -271,8 +235,8 @@ def run_regime(config: RegimeConfig, manifest: Path) -> Path | None:
     if not verdict["passed"]:
         log("the regime gate failed: no arm is trained (the report says why)")
         return write_regime_report(config, manifest, prereg, steps.seconds)
-    done = (config.out / "selection" / "selection.json").exists()
-    steps.timed("selection", done, selection_diagnostic, config, stage2, cache, student)
+    steps.timed("selection", selection_done(config), selection_diagnostic, config, stage2, cache,
+                student)  # fmt: skip
     max_steps = arm_steps(config, stage2, parts)
     log(f"arms: {max_steps} steps each (one pass over the continual-pretraining part)")
     for arm in config.arms:  # every arm at every rate, seed 0, then the rate it is compared at
@@ -280,7 +244,7 @@ def run_regime(config: RegimeConfig, manifest: Path) -> Path | None:
             name = run_name(arm, lr, config.rate_seed)
             done = (config.out / "eval" / f"{name}-validation.json").exists()
             steps.timed(name, done, lambda a=arm, r=lr, n=name: evaluate_on(
-                config, settings, train_arm(config, manifest, cache, student, a, arms[a], r,
+                config, settings, arm_model(config, manifest, cache, student, a, arms[a], r,
                                             config.rate_seed, max_steps),
                 "validation", parts, n))  # fmt: skip
     for seed in config.seeds:
@@ -291,7 +255,7 @@ def run_regime(config: RegimeConfig, manifest: Path) -> Path | None:
             name = run_name(arm, lr, seed)
             done = (config.out / "eval" / f"{name}-test.json").exists()
             steps.timed(f"{name}-test", done, lambda a=arm, r=lr, s=seed, n=name: evaluate_on(
-                config, settings, train_arm(config, manifest, cache, student, a, arms[a], r, s,
+                config, settings, arm_model(config, manifest, cache, student, a, arms[a], r, s,
                                             max_steps),
                 "test", parts, n))  # fmt: skip
     return write_regime_report(config, manifest, prereg, steps.seconds)
