@@ -15,26 +15,14 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.curve.config import SECTION, CurveConfig  # noqa: E402
-from pipeline.config import parse_config  # noqa: E402
-from pipeline.errors import exit_code  # noqa: E402
-from pipeline.log import configure  # noqa: E402
-from scripts.demo import manifest_argument  # noqa: E402
+from scripts.demo import run_entry  # noqa: E402
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "guidance-curve.toml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return exit_code("guidance curve", lambda: _curve(argv))
-
-
-def _curve(argv: list[str]) -> None:
-    argv, manifest = manifest_argument(argv, DEFAULT_MANIFEST)
-    config = parse_config(CurveConfig, argv, __doc__, SECTION)
-    configure(separated=True)  # Ray's and torchrun's output runs between the curve's lines
-    from experiments.curve.run import run_curve
-
-    run_curve(config, manifest)
+    return run_entry("guidance curve", CurveConfig, SECTION, __doc__, DEFAULT_MANIFEST,
+                     "experiments.curve.run:run_curve", argv)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,26 +20,14 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.regime.config import SECTION, RegimeConfig  # noqa: E402
-from pipeline.config import parse_config  # noqa: E402
-from pipeline.errors import exit_code  # noqa: E402
-from pipeline.log import configure  # noqa: E402
-from scripts.demo import manifest_argument  # noqa: E402
+from scripts.demo import run_entry  # noqa: E402
 
 DEFAULT_MANIFEST = Path(__file__).resolve().parents[1] / "manifests" / "regime.toml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return exit_code("regime", lambda: _regime(argv))
-
-
-def _regime(argv: list[str]) -> None:
-    argv, manifest = manifest_argument(argv, DEFAULT_MANIFEST)
-    config = parse_config(RegimeConfig, argv, __doc__, SECTION)
-    configure(separated=True)  # Ray's and torchrun's output runs between the experiment's lines
-    from experiments.regime.run import run_regime
-
-    run_regime(config, manifest)
+    return run_entry("regime", RegimeConfig, SECTION, __doc__, DEFAULT_MANIFEST,
+                     "experiments.regime.run:run_regime", argv)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Starts a private local Ray cluster and submits stage 1 as a Ray job, trains each
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -36,18 +37,29 @@ def manifest_argument(
     return ["--manifest", str(default), *argv], default
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_entry(
+    name: str, config_type: type, section: str, doc: str, default: Path, runner: str,
+    argv: list[str] | None,
+) -> int:  # fmt: skip
+    """An entry script's main (the demo's, each experiment's): the manifest in ARGV (`default`
+    if none), the options of `config_type` from its [section] and the command line, then
+    `runner` ('module:function', imported only then: --help and a bad option answer at once)
+    with both. Bad input is one line and exit 2 (pipeline.errors.exit_code)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return exit_code("demo", lambda: _demo(argv))
+
+    def run() -> None:
+        args, manifest = manifest_argument(argv, default)
+        config = parse_config(config_type, args, doc, section)
+        configure(separated=True)  # Ray's and torchrun's output runs between the runner's lines
+        module, function = runner.split(":")
+        getattr(importlib.import_module(module), function)(config, manifest)
+
+    return exit_code(name, run)
 
 
-def _demo(argv: list[str]) -> None:
-    argv, manifest = manifest_argument(argv)
-    config = parse_config(DemoConfig, argv, __doc__, SECTION)
-    configure(separated=True)  # Ray's and torchrun's output runs between the demo's lines
-    from apps.demo.run import run_demo
-
-    run_demo(config, manifest)
+def main(argv: list[str] | None = None) -> int:
+    return run_entry("demo", DemoConfig, SECTION, __doc__, DEFAULT_MANIFEST,
+                     "apps.demo.run:run_demo", argv)  # fmt: skip
 
 
 if __name__ == "__main__":
