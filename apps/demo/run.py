@@ -54,32 +54,31 @@ def make_warm_start(
 ) -> Path:
     """The student every arm continues from, pretrained once on its own slice and reused;
     `heldout` documents' loss is recorded every `every` steps (apps.demo.warm_start)."""
-    from apps.demo.warm_start import train_warm_start
-
-    folder = config.out / "warm-start"
     if warm_start_done(config):
-        return folder
+        return config.out / "warm-start"
     corpus = write_corpus_slice(
         config.out / "corpus" / "warm-start.jsonl", config.warm_start_docs, WARM_START_OFFSET
     )
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
-    return train_warm_start(
-        folder,
-        config.student,
-        config.student_tokenizer,
-        texts,
-        seed=stage2.optimizer.seed,
-        seq_len=stage2.data.seq_len,
-        batch_sequences=stage2.optimizer.global_batch_tokens // stage2.data.seq_len,
-        steps=config.warm_start_steps,
-        lr=config.warm_start_lr,
-        min_lr=config.warm_start_min_lr,
-        warmup_steps=config.warm_start_warmup,
-        weight_decay=stage2.optimizer.weight_decay,
-        threads=config.nproc_per_node,
-        heldout=heldout,
+    return train_warm_start_of(
+        config, stage2, texts, steps=config.warm_start_steps, lr=config.warm_start_lr,
+        min_lr=config.warm_start_min_lr, warmup_steps=config.warm_start_warmup, heldout=heldout,
         heldout_every=every,
-    )
+    )  # fmt: skip
+
+
+def train_warm_start_of(config, stage2: TrainConfig, texts: list[str], **schedule) -> Path:
+    """OUT/warm-start: `config.student` trained plainly on `texts` in [stage2]'s shape (seed,
+    sequence length, batch, weight decay), one thread per rank, by `schedule`
+    (apps.demo.warm_start.train_warm_start's steps, rates, held-out loss and plateau stop)."""
+    from apps.demo.warm_start import train_warm_start
+
+    return train_warm_start(
+        config.out / "warm-start", config.student, config.student_tokenizer, texts,
+        seed=stage2.optimizer.seed, seq_len=stage2.data.seq_len,
+        batch_sequences=stage2.optimizer.global_batch_tokens // stage2.data.seq_len,
+        weight_decay=stage2.optimizer.weight_decay, threads=config.nproc_per_node, **schedule,
+    )  # fmt: skip
 
 
 def cache_done(config: DemoConfig) -> bool:

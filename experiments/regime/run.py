@@ -21,7 +21,14 @@ from apps.demo.arms import (
     selection_done,
     train_arm,
 )
-from apps.demo.run import StepTimings, cache_done, score_with_ray, teacher_folder
+from apps.demo.run import (
+    StepTimings,
+    cache_done,
+    score_with_ray,
+    teacher_folder,
+    train_warm_start_of,
+    warm_start_done,
+)
 from apps.evaluation.config import EvalConfig
 from experiments.regime.config import ARMS, RegimeConfig, RegimePreRegistration
 from experiments.regime.report import gate, write_regime_report
@@ -103,18 +110,14 @@ def evaluate_on(config: RegimeConfig, settings: dict, model: Path, part: str, pa
 
 
 def make_warm_start(config: RegimeConfig, stage2: TrainConfig, parts: dict) -> Path:
-    from apps.demo.warm_start import PlateauStop, train_warm_start
+    from apps.demo.warm_start import PlateauStop
 
-    folder = config.out / "warm-start"
-    if (folder / "config.json").exists():
-        return folder
-    return train_warm_start(
-        folder, config.student, config.student_tokenizer, texts_of(parts["warm"]),
-        seed=stage2.optimizer.seed, seq_len=stage2.data.seq_len,
-        batch_sequences=stage2.optimizer.global_batch_tokens // stage2.data.seq_len,
-        steps=config.warm_start_max_steps, lr=config.warm_start_lr, min_lr=config.warm_start_lr,
-        warmup_steps=config.warm_start_warmup, weight_decay=stage2.optimizer.weight_decay,
-        threads=config.nproc_per_node, heldout=texts_of(parts["validation"]),
+    if warm_start_done(config):
+        return config.out / "warm-start"
+    return train_warm_start_of(
+        config, stage2, texts_of(parts["warm"]), steps=config.warm_start_max_steps,
+        lr=config.warm_start_lr, min_lr=config.warm_start_lr,
+        warmup_steps=config.warm_start_warmup, heldout=texts_of(parts["validation"]),
         heldout_every=config.heldout_every,
         plateau=PlateauStop(config.plateau_tolerance, config.plateau_every,
                             config.plateau_min_steps),
@@ -225,7 +228,7 @@ def run_regime(config: RegimeConfig, manifest: Path) -> Path | None:
         return None
     log(f"warm start: {config.student} until its plateau test passes "
         f"(at most {config.warm_start_max_steps} steps)")  # fmt: skip
-    student = steps.timed("warm-start", (config.out / "warm-start" / "config.json").exists(),
+    student = steps.timed("warm-start", warm_start_done(config),
                           make_warm_start, config, stage2, parts)  # fmt: skip
     for part in ("test", "validation"):
         done = (config.out / "eval" / f"warm-start-{part}.json").exists()
