@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import difflib
 import functools
+import textwrap
 import tomllib
 import typing
 from pathlib import Path
@@ -178,10 +179,23 @@ def _help(option: Declared) -> str:
     return text + " (required)"
 
 
+class _LineKeepingFormatter(argparse.HelpFormatter):
+    """Wraps each line of a description on its own: a section's overview (its `help_overview()`,
+    e.g. stage 2's guidance modes, one a line) keeps its lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        lines = text.splitlines()
+        hanging = indent + "  " if len(lines) > 1 else indent
+        return "\n".join(
+            textwrap.fill(line, width, initial_indent=indent, subsequent_indent=hanging)
+            for line in lines
+        )
+
+
 def build_parser(cls: type, description: str, section: str) -> argparse.ArgumentParser:
     """Flags for every option of `cls`, listed by group: a sectioned config's in the order its
     sections are declared, a flat one's in the order its fields first name them."""
-    parser = _ArgumentParser(description=description)
+    parser = _ArgumentParser(description=description, formatter_class=_LineKeepingFormatter)
     parser.add_argument(
         "--manifest",
         type=Path,
@@ -190,9 +204,13 @@ def build_parser(cls: type, description: str, section: str) -> argparse.Argument
         "(options on the command line win)",
     )
     groups: dict[str | None, Any] = {None: parser}
+    sections = sections_of(cls)
     for option in declared(cls):
         if option.group not in groups:
-            groups[option.group] = parser.add_argument_group(f"{option.group} options")
+            overview = getattr(sections.get(option.group), "help_overview", None)
+            groups[option.group] = parser.add_argument_group(
+                f"{option.group} options", overview() if overview else None
+            )
         add_argument = functools.partial(
             groups[option.group].add_argument,
             option.flag,

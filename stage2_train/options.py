@@ -32,6 +32,7 @@ from pipeline.distillation import Distillation
 from pipeline.distillation.teachers import mixture
 from pipeline.guidance import DEFAULT_GUIDANCE, GuidanceSettings
 from pipeline.guidance_modes import MODES, GuidanceMode
+from pipeline.models.presets import PRESETS
 from pipeline.storage import as_location, is_uri
 
 
@@ -55,11 +56,14 @@ class GuidanceOptions:
     mode: GuidanceMode = option(
         DEFAULT_GUIDANCE.mode,
         key="guidance",
-        help="the selection (or distillation term) beside the cross-entropy, one of "
-        + ", ".join(MODES)
-        + " (token: the paper's method); docs/guidance.md says what each is and where the paper "
-        "defines it",
+        help="the selection (or distillation term) beside the cross-entropy: one of the modes "
+        "above (token: the paper's method); docs/guidance.md says where the paper defines each",
     )
+
+    @staticmethod
+    def help_overview() -> str:
+        """--help's lines above this section's options: each mode and what it trains."""
+        return "\n".join(f"{name}: {mode.summary}" for name, mode in MODES.items())
     topk: float = option(
         DEFAULT_GUIDANCE.topk, help="fraction of candidate tokens kept (ceil(topk * n))"
     )
@@ -208,8 +212,8 @@ class ModelOptions:
 
     student: str = option(
         help="the student: a hub id, a local Hugging Face folder (with weights, or only a "
-        "config.json to train from scratch), a config.json file, or a preset "
-        "(llama-tiny, llama-small, tinyllama-1.1b) for training from scratch"
+        "config.json to train from scratch), a config.json file, or a preset for training "
+        f"from scratch: {', '.join(PRESETS)}"
     )
     student_tokenizer: str | None = option(
         None,
