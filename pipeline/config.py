@@ -32,12 +32,12 @@ import argparse
 import dataclasses
 import difflib
 import functools
-import textwrap
 import tomllib
 import typing
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+from pipeline.command_line import ArgumentParser, LineKeepingFormatter, option_help
 from pipeline.errors import ConfigError
 from pipeline.option_values import Refused, choices_of, fitting, scalar_type
 
@@ -158,44 +158,10 @@ def replaced(config: T, **changes: Any) -> T:
     return from_flat(type(config), {**values, **changes})
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """A bad flag is a ConfigError: one line and exit code 2 from `exit_code`, as a bad manifest
-    value is, instead of argparse's usage text."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(message)
-
-
-def _help(option: Declared) -> str:
-    """An option's --help: its text and its default, once (a text that says its default in
-    words, "default: the student's own", keeps its words)."""
-    text = option.field.metadata.get("help", "")
-    if "default:" in text:
-        return text
-    if option.field.default is not dataclasses.MISSING:
-        return text + f" (default: {option.field.default!r})"
-    if option.field.default_factory is not dataclasses.MISSING:
-        return text + f" (default: {option.field.default_factory()!r})"
-    return text + " (required)"
-
-
-class _LineKeepingFormatter(argparse.HelpFormatter):
-    """Wraps each line of a description on its own: a section's overview (its `help_overview()`,
-    e.g. stage 2's guidance modes, one a line) keeps its lines."""
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        lines = text.splitlines()
-        hanging = indent + "  " if len(lines) > 1 else indent
-        return "\n".join(
-            textwrap.fill(line, width, initial_indent=indent, subsequent_indent=hanging)
-            for line in lines
-        )
-
-
 def build_parser(cls: type, description: str, section: str) -> argparse.ArgumentParser:
     """Flags for every option of `cls`, listed by group: a sectioned config's in the order its
     sections are declared, a flat one's in the order its fields first name them."""
-    parser = _ArgumentParser(description=description, formatter_class=_LineKeepingFormatter)
+    parser = ArgumentParser(description=description, formatter_class=LineKeepingFormatter)
     parser.add_argument(
         "--manifest",
         type=Path,
@@ -204,7 +170,7 @@ def build_parser(cls: type, description: str, section: str) -> argparse.Argument
         "(options on the command line win)",
     )
     groups: dict[str | None, Any] = {None: parser}
-    sections = sections_of(cls)
+    sections, mark = sections_of(cls), getattr(cls, "help_mark", None)  # e.g. stage 1's identity
     for option in declared(cls):
         if option.group not in groups:
             overview = getattr(sections.get(option.group), "help_overview", None)
@@ -216,7 +182,7 @@ def build_parser(cls: type, description: str, section: str) -> argparse.Argument
             option.flag,
             dest=option.key,
             default=argparse.SUPPRESS,
-            help=_help(option),
+            help=option_help(option.field) + (f" {mark(option.key)}" if mark else ""),
         )
         kind = scalar_type(option.hint)
         if kind is bool:

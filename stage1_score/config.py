@@ -1,13 +1,10 @@
-"""Options of a stage-1 run (`[stage1]` in a TOML job manifest, or flags of stage1_score/run.py).
-
-`result_settings()` are the options that change what the cache holds; they are part of the
-cache's identity, and a rerun with other values refuses to mix into an existing cache. The rest
-(workers, batch sizes, where Ray runs) only change how fast it is built; they are recorded too.
-"""
+"""Options of a stage-1 run (`[stage1]` in a TOML job manifest, or flags of stage1_score/run.py);
+which of them make the cache's identity and which change only its speed: stage1_score.identity."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 from pipeline.cache.schema import MAX_TOPK, topk_id_dtype
 from pipeline.cache.settings import CacheSettings
@@ -34,6 +31,7 @@ from pipeline.config import options_of
 from pipeline.corpus import CorpusOptions
 from pipeline.scoring.switches import HeadSwitches
 from pipeline.scoring.windows import default_stride, validate_window
+from stage1_score.identity import identity_mark
 
 SECTION = "stage1"
 # Each option is listed under the component that reads it: --help's groups, [stage1.<group>] tables.
@@ -45,6 +43,7 @@ TEACHER, CORPUS, OUTPUT, BATCHING, HEAD, WORKERS, VLLM = (
 
 @dataclass(frozen=True)
 class ScoreConfig:
+    help_mark: ClassVar = staticmethod(identity_mark)  # [identity] or [run only] in --help
     teacher: str = TEACHER(
         help="teacher model: a local Hugging Face folder, a .gguf file, or a hub id owner/name"
     )

@@ -25,7 +25,9 @@ DESCRIPTION = (
     "Score every token of a corpus with a teacher into a reusable Parquet cache. Run it directly "
     "(it joins or starts a local Ray), or on a cluster with `ray job submit --address ADDR -- "
     "python stage1_score/run.py ...`. Rerunning the same command resumes; `vocagno cache verify "
-    "DIR` audits the result."
+    "DIR` audits the result. Options marked [identity] make the cache's identity: a rerun with "
+    "another value refuses to mix into the same cache; [run only] ones change how fast, where or "
+    "how visibly it is built, never its bytes."
 )
 
 

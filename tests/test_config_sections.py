@@ -98,3 +98,15 @@ def test_the_docs_list_stage_2s_options_as_declared():
     for name, flags in rows:
         listed = re.findall(r"`(--[\w-]+)`", flags)
         assert listed == [o.flag for o in declared(TrainConfig) if o.section == name], name
+
+
+def test_help_lists_every_student_preset_and_each_guidance_mode_with_its_summary():
+    from pipeline.guidance_modes import MODES
+    from pipeline.models.presets import PRESETS
+
+    shown = " ".join(build_parser(TrainConfig, "", SECTION).format_help().split())
+    assert all(preset in shown for preset in PRESETS)
+    at = [shown.index(f"{name}: {' '.join(mode.summary.split()[:4])}") for name, mode in MODES.items()]
+    assert at == sorted(at)  # one line a mode, in MODES' order, above the guidance options
+    group = shown.index("guidance options:")
+    assert group < at[0] and at[-1] < shown.index("--guidance {", group)

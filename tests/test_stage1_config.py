@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import parse_config
+from pipeline.config import build_parser, parse_config
 from pipeline.errors import ConfigError
 from stage1_score.config import SECTION, ScoreConfig, result_settings
 
@@ -104,3 +104,44 @@ def test_optional_columns_join_the_identity_only_when_asked_for():
     assert half_settings.to_json() == plain | {
         "topk_probs": 8, "topk_ids": True, "topk_id_dtype": "uint16"
     }  # fmt: skip
+
+
+class _Reads:
+    """A ScoreConfig whose option reads are recorded, methods included (they run on the proxy)."""
+
+    def __init__(self, config: ScoreConfig, read: set[str]):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_read", read)
+
+    def __getattr__(self, name: str):
+        member = getattr(type(self._config), name, None)
+        if callable(member):
+            return member.__get__(self)
+        self._read.add(name)
+        return getattr(self._config, name)
+
+
+def test_the_options_marked_identity_are_those_the_cache_identity_reads():
+    from stage1_score.identity import CACHE_IDENTITY
+
+    read: set[str] = set()
+    base = ScoreConfig(teacher="t", corpus="c.jsonl", out="o")
+    shapes = [{}, {"topk_probs": 8}, {"topk_probs": 8, "topk_mode": "sampled"},
+              {"space_logprob": True}]  # fmt: skip
+    for shape in shapes:
+        config = _Reads(dataclasses.replace(base, **shape), read)
+        result_settings(config, *config.windows(2048), 49_152, {"mask": "m"})
+        config.corpus_options()
+    # read by plan() straight into the teacher, tokenizer and corpus records
+    plan_reads = {"teacher", "teacher_revision", "dtype", "backend", "tokenizer",
+                  "student_tokenizer", "corpus"}  # fmt: skip
+    assert read | plan_reads == CACHE_IDENTITY
+    shown = parse_help(ScoreConfig)
+    for field in dataclasses.fields(ScoreConfig):
+        mark = "[identity]" if field.name in CACHE_IDENTITY else "[run only]"
+        assert mark in shown[field.name], field.name
+
+
+def parse_help(cls) -> dict[str, str]:
+    """Each option's --help text, by option name."""
+    return {a.dest: a.help for a in build_parser(cls, "", SECTION)._actions if a.dest != "help"}
