@@ -59,11 +59,6 @@ class GuidanceOptions:
         help="the selection (or distillation term) beside the cross-entropy: one of the modes "
         "above (token: the paper's method); docs/guidance.md says where the paper defines each",
     )
-
-    @staticmethod
-    def help_overview() -> str:
-        """--help's lines above this section's options: each mode and what it trains."""
-        return "\n".join(f"{name}: {mode.summary}" for name, mode in MODES.items())
     topk: float = option(
         DEFAULT_GUIDANCE.topk, help="fraction of candidate tokens kept (ceil(topk * n))"
     )
@@ -116,6 +111,10 @@ class GuidanceOptions:
         help="--guidance alm: tokenkit's alm_mode (the default is its default); naive: chunk "
         "log-probabilities only, no merging or space term, and no --space-logprob column needed",
     )
+
+    @staticmethod
+    def help_overview() -> str:  # --help's lines above the section's options, one a mode
+        return "\n".join(f"{name}: {mode.summary}" for name, mode in MODES.items())
 
     def __post_init__(self) -> None:
         _at_least_one(self, "num_chunks")
