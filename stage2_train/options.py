@@ -232,12 +232,9 @@ class ModelOptions:
         "optimizer keeps float32 weights either way; auto: bfloat16 where the compute dtype is "
         "bfloat16 (a GPU), float32 elsewhere (docs/gpu-path.md)",
     )
-    activation_checkpointing: bool = option(
-        False,
-        help="keep only each decoder layer's input and recompute the layer in the backward pass: "
-        "activations of one layer instead of all, for one more forward of the layers per step "
-        "(the same training; docs/memory.md)",
-    )
+    activation_checkpointing: bool = option(False, help="recompute each decoder layer in the "
+        "backward pass, keeping only its input: one layer's activations instead of all, for one "
+        "more forward of the layers a step (the same training; docs/memory.md)")  # fmt: skip
 
     def tokenizer_spec(self) -> str:
         """The student's tokenizer: --student-tokenizer, else the student's own."""
