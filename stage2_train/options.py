@@ -59,9 +59,8 @@ class GuidanceOptions:
         help="the selection (or distillation term) beside the cross-entropy: one of the modes "
         "above (token: the paper's method); docs/guidance.md says where the paper defines each",
     )
-    topk: float = option(
-        DEFAULT_GUIDANCE.topk, help="fraction of candidate tokens kept (ceil(topk * n))"
-    )
+    topk: float = option(DEFAULT_GUIDANCE.topk, help="fraction of candidate tokens kept "
+        "(ceil(topk * n))")  # fmt: skip
     aggregate: Aggregation = option(DEFAULT_AGGREGATION, help="how the losses of the teacher "
         "tokens covering one student token combine")  # fmt: skip
     unmapped: UnmappedStrategy = option(DEFAULT_GUIDANCE.unmapped, help="student tokens with "
@@ -153,10 +152,8 @@ class GuidanceOptions:
 class DataOptions:
     """The cache (or caches) read, and how documents become training sequences."""
 
-    cache: str = option(
-        help="stage 1 cache folder (with manifest.json): a local path or a URI (s3://bucket/prefix, "
-        "gs://…; credentials and endpoint from the environment)"
-    )
+    cache: str = option(help="stage 1 cache folder (with manifest.json): a local path or a URI "
+        "(s3://bucket/prefix, gs://…; credentials and endpoint from the environment)")  # fmt: skip
     more_caches: list[str] = option([], help="other teachers' caches of the same corpus (stage 1 "
         "with the same --corpus and --docs-per-shard), read in step: their teacher losses combine "
         "by --combine-teachers, a distillation's terms by --teacher-weights "
@@ -214,11 +211,9 @@ class ModelOptions:
         "config.json to train from scratch), a config.json file, or a preset for training "
         f"from scratch: {', '.join(PRESETS)}"
     )
-    student_tokenizer: str | None = option(
-        None,
-        help="student tokenizer spec (shipped name, tokenizer.json, folder, hub id); default: "
-        "the student's own (required for a config or preset student)",
-    )
+    student_tokenizer: str | None = option(None, help="student tokenizer spec (shipped name, "
+        "tokenizer.json, folder, hub id); default: the student's own (required for a config or "
+        "preset student)")  # fmt: skip
     fsdp: bool = option(False, help="shard the student with FSDP (students too big for a device)")
     dtype: ComputeDtype = option(
         "auto",
