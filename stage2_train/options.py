@@ -215,11 +215,8 @@ class ModelOptions:
         "tokenizer.json, folder, hub id); default: the student's own (required for a config or "
         "preset student)")  # fmt: skip
     fsdp: bool = option(False, help="shard the student with FSDP (students too big for a device)")
-    dtype: ComputeDtype = option(
-        "auto",
-        help="compute dtype: bfloat16 autocast needs a GPU; auto is bfloat16 on GPU, float32 "
-        "on CPU (weights and optimizer state stay float32)",
-    )
+    dtype: ComputeDtype = option("auto", help="compute dtype: bfloat16 autocast needs a GPU; "
+        "auto is bfloat16 on GPU, float32 on CPU (weights and optimizer state stay float32)")  # fmt: skip
     fsdp_param_dtype: FsdpParamDtype = option(
         "auto",
         help="--fsdp: the dtype FSDP2 gathers the parameters in and the forward and backward "
