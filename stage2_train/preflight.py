@@ -23,7 +23,7 @@ from pipeline.storage import Store
 from pipeline.tokenizer import TextTokenizer
 from stage2_train.config import TrainConfig
 from stage2_train.distributed import Runtime
-from stage2_train.memory import StudentShape, estimate_memory, gib
+from stage2_train.memory import MemoryEstimate, StudentShape, estimate_memory, gib
 from stage2_train.options import GuidanceOptions, ModelOptions, OptimizerOptions
 from stage2_train.resolve import Resolved
 
@@ -121,36 +121,48 @@ def check_student_fits(
             f"--seq-len {config.data.seq_len} is beyond the student's {positions} positions; "
             f"use --seq-len {positions} or less"
         )
-    estimate = estimate_memory(
-        StudentShape.of(student),
+    estimate = step_memory(config, StudentShape.of(student), runtime.world_size, resolved)
+    available = available_memory(runtime.device)
+    if estimate.total > available:
+        raise ConfigError(
+            f"a training step needs about {gib(estimate.total)} per rank ({estimate.parts()}, "
+            f"for a micro-batch of {config.optimizer.micro_batch_size} x {config.data.seq_len} "
+            f"tokens on {runtime.world_size} rank(s); an estimate) and {gib(available)} is free on "
+            f"{runtime.device}: {ways_to_fit(config, estimate, available)}"
+        )
+
+
+def step_memory(
+    config: TrainConfig, shape: StudentShape, world_size: int, resolved: Resolved
+) -> MemoryEstimate:
+    """One rank's estimate (stage2_train.memory) for this config, as resolved on its device."""
+    return estimate_memory(
+        shape,
         micro_batch_size=config.optimizer.micro_batch_size,
         seq_len=config.data.seq_len,
-        world_size=runtime.world_size,
+        world_size=world_size,
         fsdp=config.model.fsdp,
         compute_dtype=resolved.dtype,
         fsdp_param_dtype=resolved.fsdp_param_dtype,
         loss_kernel=resolved.loss_kernel,
         activation_checkpointing=config.model.activation_checkpointing,
     )
-    available = available_memory(runtime.device)
-    if estimate.total > available:
-        ways = []
-        if estimate.total - estimate.activations < available:  # the activations overflow it
-            if config.optimizer.micro_batch_size > 1:
-                ways.append("lower --micro-batch-size (the step keeps its size by accumulation)")
-            if not config.model.activation_checkpointing:
-                ways.append("add --activation-checkpointing (layers recomputed in the backward)")
-        ways.append(
-            "run more ranks (--fsdp divides the model's state among them)"
-            if config.model.fsdp
-            else "shard the model's state with --fsdp (divided among torchrun's ranks)"
-        )
-        raise ConfigError(
-            f"a training step needs about {gib(estimate.total)} per rank ({estimate.parts()}, "
-            f"for a micro-batch of {config.optimizer.micro_batch_size} x {config.data.seq_len} "
-            f"tokens on {runtime.world_size} rank(s); an estimate) and {gib(available)} is free on "
-            f"{runtime.device}: " + ", or ".join(ways)
-        )
+
+
+def ways_to_fit(config: TrainConfig, estimate: MemoryEstimate, available: int) -> str:
+    """What makes a step that does not fit a rank's `available` memory smaller."""
+    ways = []
+    if estimate.total - estimate.activations < available:  # the activations overflow it
+        if config.optimizer.micro_batch_size > 1:
+            ways.append("lower --micro-batch-size (the step keeps its size by accumulation)")
+        if not config.model.activation_checkpointing:
+            ways.append("add --activation-checkpointing (layers recomputed in the backward)")
+    ways.append(
+        "run more ranks (--fsdp divides the model's state among them)"
+        if config.model.fsdp
+        else "shard the model's state with --fsdp (divided among torchrun's ranks)"
+    )
+    return ", or ".join(ways)
 
 
 def available_memory(device: torch.device) -> int:

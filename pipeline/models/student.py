@@ -49,22 +49,12 @@ def student_tokenizer_spec(student: str, tokenizer: str | None) -> str:
 
 def build_student(spec: str, tokenizer: TextTokenizer, seed: int, seq_len: int) -> nn.Module:
     """The student as a float32 transformers causal LM; from scratch it is seeded by `seed`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    kind = student_kind(spec)
-    if kind == "pretrained":
+    if student_kind(spec) == "pretrained":
         model = _pretrained(spec)
     else:
-        if kind == "preset":
-            config = LlamaConfig(
-                vocab_size=tokenizer.vocab_size,
-                max_position_embeddings=max(2048, seq_len),
-                bos_token_id=tokenizer.bos_id,
-                eos_token_id=tokenizer.eos_id,
-                **PRESETS[spec],
-            )
-        else:
-            config = AutoConfig.from_pretrained(spec)
+        config = student_config(spec, tokenizer, seq_len)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -74,6 +64,26 @@ def build_student(spec: str, tokenizer: TextTokenizer, seed: int, seq_len: int) 
             f"student's embedding only {model.config.vocab_size}"
         )
     return model
+
+
+def student_config(spec: str, tokenizer: TextTokenizer, seq_len: int):
+    """The student's transformers config, without its weights: a preset's (its vocabulary the
+    tokenizer's), or the config.json of a file, folder or hub id."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if student_kind(spec) == "preset":
+        return LlamaConfig(
+            vocab_size=tokenizer.vocab_size,
+            max_position_embeddings=max(2048, seq_len),
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id,
+            **PRESETS[spec],
+        )
+    try:
+        return AutoConfig.from_pretrained(spec)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"cannot read the config of student {spec!r}: {first}") from None
 
 
 def load_trained_student(spec: str) -> nn.Module:
