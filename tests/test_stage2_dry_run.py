@@ -100,7 +100,10 @@ def test_the_table1_manifest_plans_one_8_gpu_node_with_16_accumulation_steps(cap
     assert main(["--manifest", str(TABLE1), *ONE_NODE]) == 0
     stdout = capsys.readouterr().out
     assert option_line(stdout, "micro_batch_size") == ("8", "manifest")
-    assert "device: assumed (--assume-device h100): NVIDIA H100 80GB HBM3, 81,559 MiB (all of it" in stdout
+    assert (
+        "device: assumed (--assume-device h100): NVIDIA H100 80GB HBM3, 81,559 MiB (all of it"
+        in stdout
+    )
     assert "world size: 8 (assumed: --assume-world-size)" in stdout
     assert "loss_kernel auto -> chunked" in stdout and "attention auto -> flex" in stdout
     assert "accumulation: 16 micro-batches of 8 x 2,048 tokens per rank and step on 8" in stdout
@@ -125,3 +128,22 @@ def test_an_assumption_without_the_dry_run_is_refused(cache, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "--assume-world-size is an assumption of --dry-run" in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_under_torchrun_rank_0_plans_for_its_world_size_and_the_others_print_nothing(
+    cache, tmp_path, capsys, monkeypatch
+):
+    argv = train_args(cache, tmp_path / "out", "--num-workers", "0", "--dry-run")
+    torchrun = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500"}  # fmt: skip
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "world size: 2 (torchrun's WORLD_SIZE)" in stdout
+    assert "accumulation: 1 micro-batches of 2 x 32 tokens per rank and step on 2" in stdout
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert main(argv) == 0
+    assert capsys.readouterr().out == ""
+    assert not dist.is_initialized() and not (tmp_path / "out").exists()
