@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -75,11 +75,11 @@ def dry_run(command: Command) -> Iterator[str]:
     yield f"\n# the plan\ndevice: {machine.said}\nworld size: {world} ({said})"
     tokenizer, student = _student(config, flags)
     if isinstance(student, str):  # why the student is unknown here
-        dtype = resolve_dtype(config.model.dtype, machine.device)
+        dtype = _on(machine, resolve_dtype, config.model.dtype)
         yield f"student: unknown: {student}"
         yield f"auto switches: dtype {config.model.dtype} -> {dtype}; the others depend on the student"
     else:
-        resolved = resolve(config, machine.device, student)
+        resolved = _on(machine, resolve, config, student)
         yield _student_line(config, flags, student)
         yield "auto switches: " + ", ".join(
             f"{name} auto -> {value}" if value_of(config, name) == "auto" else f"{name} {value}"
@@ -91,6 +91,14 @@ def dry_run(command: Command) -> Iterator[str]:
         yield "memory per rank: unknown: the student is unknown"
     else:
         yield _memory(config, StudentShape.of(student), world, resolved, machine)
+
+
+def _on(machine: Machine, decide: Callable, first, *rest):
+    """One of stage2_train.resolve's decisions, its device the machine's; a refusal names it."""
+    try:
+        return decide(first, machine.device, *rest)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (on {machine.device}; --assume-device plans for a GPU)") from None
 
 
 def _machine(assumed: str | None) -> Machine:

@@ -147,3 +147,11 @@ def test_under_torchrun_rank_0_plans_for_its_world_size_and_the_others_print_not
     assert main(argv) == 0
     assert capsys.readouterr().out == ""
     assert not dist.is_initialized() and not (tmp_path / "out").exists()
+
+
+def test_the_table1_manifest_on_this_cpu_is_refused_as_its_run_would_be(capsys):
+    """Its --dtype bfloat16 needs a GPU: the dry run says so, and how to plan for one."""
+    argv = ["--manifest", str(TABLE1), *ONE_NODE]
+    assert main([arg for arg in argv if arg not in ("--assume-device", "h100")]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype bfloat16 needs a GPU" in err and "--assume-device plans for a GPU" in err
