@@ -1,6 +1,6 @@
-"""The machinery of --print-config and --dry-run (pipeline/config_preview.py) on a flat config
-with option groups, stage 1's: each option's source is recorded (default, manifest, flag), the
-listing is a manifest of the same config, and an assumption flag needs --dry-run."""
+"""The machinery of --print-config and --dry-run (pipeline/config_preview.py) on stage 1's config
+(stage 2's: tests/test_stage2_dry_run.py): each option's source is recorded (default, manifest,
+flag), the listing is a manifest of the same config, and an assumption flag needs --dry-run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import parse_config
+from pipeline.config import grouped_table, parse_config, value_of
 from pipeline.config_preview import options_listing, parse_command
 from pipeline.errors import ConfigError
 from stage1_score.config import SECTION, ScoreConfig
@@ -20,9 +20,9 @@ ARGV = ["--manifest", str(EXAMPLE), "--stride", "100", "--dry-run"]
 
 def test_each_options_source_is_recorded_and_the_listing_is_the_same_config(tmp_path):
     command = parse_command(ScoreConfig, ARGV, "", SECTION)
-    manifest = tomllib.loads(EXAMPLE.read_text())[SECTION]
+    manifest = grouped_table(ScoreConfig, tomllib.loads(EXAMPLE.read_text())[SECTION], "")
     assert command.sources["stride"] == "flag"  # the manifest sets it too: the flag wins
-    assert command.config.stride == 100
+    assert value_of(command.config, "stride") == 100
     for key, source in command.sources.items():
         if key != "stride":
             assert source == ("manifest" if key in manifest else "default"), key
