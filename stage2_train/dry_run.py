@@ -187,10 +187,9 @@ def _epochs(config: TrainConfig, tokenizer) -> str:
 
 
 def _memory(config, shape, world, resolved: Resolved, machine: Machine) -> str:
-    estimate = step_memory(config, shape, world, resolved)
-    verdict = (
-        "fits" if estimate.total <= machine.memory
-        else f"does not fit: the run would refuse; {ways_to_fit(config, estimate, machine.memory)}"
+    estimate, memory = step_memory(config, shape, world, resolved), machine.memory
+    verdict = "fits" if estimate.total <= memory else (
+        f"does not fit: the run would refuse; {ways_to_fit(config, estimate, memory)}"
     )  # fmt: skip
     return (f"memory per rank: about {gib(estimate.total)} ({estimate.parts()}; an estimate) "
             f"of {gib(machine.memory)}: {verdict}")  # fmt: skip
