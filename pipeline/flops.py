@@ -89,6 +89,10 @@ class StepRate:
         self.peak = device_peak_flops(device)
         self.last = time.monotonic()
 
+    def leave_out(self, seconds: float) -> None:
+        """Time spent between two steps on something else (a held-out evaluation) is no step's."""
+        self.last += seconds
+
     def fields(self, tokens: int, slots: int) -> dict:
         """Per second since the previous call, with its MFU: `tokens`, the target tokens trained
         on (`tokens_per_second`, `mfu`), and `slots`, every position computed, padding and

@@ -37,10 +37,10 @@ class MetricsLogger(Protocol):
 
 
 def scalars(metrics: dict) -> dict[str, float]:
-    """A record's numbers, each under `train/<key>`: None, the step itself, flags and text are
-    left out."""
+    """A record's numbers, each under `train/<key>`, a held-out measurement `eval_<name>` under
+    `eval/<name>`: None, the step itself, flags and text are left out."""
     return {
-        f"train/{key}": value
+        f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}": value
         for key, value in metrics.items()
         if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
     }

@@ -31,7 +31,8 @@ DESCRIPTION = (
 # Options that may differ between a run and its resumption: they change when or where the run
 # stops or saves, never what it computes.
 # (Data-loader workers only deal out the data consumers: they never change the stream; the
-# shard cache's place, size and read-ahead never change what is read.)
+# shard cache's place, size and read-ahead never change what is read; the held-out evaluation
+# reads the model and changes nothing.)
 RESUMABLE_CHANGES = frozenset(
     {
         "out",
@@ -40,6 +41,9 @@ RESUMABLE_CHANGES = frozenset(
         "save_at_end",
         "resume",
         "record_documents",
+        "eval_every",
+        "eval_data",
+        "eval_docs",
         "logger",
         "wandb_project",
         "num_workers",

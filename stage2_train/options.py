@@ -170,22 +170,18 @@ class DataOptions:
     packing_context: float = option(0.5, help="--packing documents: the continuation of a "
         "document longer than a window re-reads this fraction of a window before it as context, "
         "without loss")  # fmt: skip
-    num_workers: int = option(
-        2,
-        help="data-loader worker processes per rank (0: in the main process); fewer are started "
-        "where they would not split the rank's data consumers evenly",
-    )
+    num_workers: int = option(2, help="data-loader worker processes per rank (0: in the main "
+        "process); fewer are started where they would not split the rank's data consumers "
+        "evenly")  # fmt: skip
     data_consumers: int = option(
         16,
         help="the data stream's consumers: the cache is split into this many independent streams, "
         "dealt to the ranks, so a checkpoint resumes on any world size that divides it (16: 1, "
         "2, 4, 8 or 16 ranks); each step's documents depend on it and the global batch only",
     )
-    shard_cache: str = option(
-        "",
-        help="--cache in object storage: local folder for the verified copies of shards being "
-        "read (default: the system's temporary folder)",
-    )
+    shard_cache: str = option("", help="--cache in object storage: local folder for the "
+        "verified copies of shards being read (default: the system's temporary "
+        "folder)")  # fmt: skip
     shard_cache_gib: float = option(8.0, help="--cache in object storage: GiB of shard copies a "
         "rank keeps at most")  # fmt: skip
     read_ahead: int = option(2, help="--cache in object storage: shards fetched ahead of the one "
@@ -277,24 +273,17 @@ class KernelsOptions:
         "with or without --fsdp); plain: the model's logits, then the loss; "
         "auto: chunked on a GPU where it applies (docs/gpu-path.md)",
     )
-    compile: CompileLayers = option(
-        "auto",
-        help="layers: torch.compile each decoder layer of the student (norms, RoPE, MLP fused; "
-        "tens of seconds of compiling at the first step); off: eager; auto: layers on a GPU, "
-        "off on a CPU (docs/gpu-path.md)",
-    )
-    attention: Attention = option(
-        "auto",
-        help="how attention takes --packing documents' mask: flex: PyTorch flex_attention with "
-        "a block mask (no T x T mask; trains on a GPU only); dense: a [B, 1, T, T] boolean mask "
-        "through SDPA; auto: flex on a GPU, dense on a CPU (see docs/packing.md)",
-    )
-    adamw_kernel: AdamwKernel = option(
-        "auto",
-        help="torch's AdamW implementation: fused (one kernel updates every parameter), plain "
-        "(torch's default: foreach on a GPU, a loop over parameters on a CPU), auto: fused on "
-        "a GPU, plain on a CPU; the same update up to float rounding (docs/gpu-path.md)",
-    )
+    compile: CompileLayers = option("auto", help="layers: torch.compile each decoder layer of "
+        "the student (norms, RoPE, MLP fused; tens of seconds of compiling at the first step); "
+        "off: eager; auto: layers on a GPU, off on a CPU (docs/gpu-path.md)")  # fmt: skip
+    attention: Attention = option("auto", help="how attention takes --packing documents' mask: "
+        "flex: PyTorch flex_attention with a block mask (no T x T mask; trains on a GPU only); "
+        "dense: a [B, 1, T, T] boolean mask through SDPA; auto: flex on a GPU, dense on a CPU "
+        "(see docs/packing.md)")  # fmt: skip
+    adamw_kernel: AdamwKernel = option("auto", help="torch's AdamW implementation: fused (one "
+        "kernel updates every parameter), plain (torch's default: foreach on a GPU, a loop over "
+        "parameters on a CPU), auto: fused on a GPU, plain on a CPU; the same update up to float "
+        "rounding (docs/gpu-path.md)")  # fmt: skip
 
 
 @dataclass
@@ -331,15 +320,24 @@ class CheckpointingOptions:
 
 @dataclass
 class LoggingOptions:
-    """Where each step's numbers go beside metrics.jsonl, and what else the run records."""
+    """Where each step's numbers go beside metrics.jsonl, what else is recorded, held-out loss."""
 
-    logger: LoggerName = option(
-        "tensorboard",
-        help="where each step's numbers go beside metrics.jsonl: tensorboard (OUT/tensorboard), "
-        "wandb (Weights & Biases, OUT/wandb: offline without an API key unless WANDB_MODE says "
-        "otherwise; pip install 'vocagno[wandb]') or none (docs/stage2.md, Outputs)",
-    )
+    logger: LoggerName = option("tensorboard", help="where each step's numbers go beside "
+        "metrics.jsonl: tensorboard (OUT/tensorboard), wandb (Weights & Biases, OUT/wandb: offline "
+        "without an API key unless WANDB_MODE says otherwise; pip install 'vocagno[wandb]') or "
+        "none (docs/stage2.md, Outputs)")  # fmt: skip
     wandb_project: str = option("vocagno", help="--logger wandb: the run's wandb project (the "
         "run is named after OUT; WANDB_ENTITY picks the entity)")  # fmt: skip
     record_documents: bool = option(False, help="write OUT/documents/rank-R.jsonl: the "
         "documents each step began training on")  # fmt: skip
+    eval_every: int = option(0, help="held-out loss and bits per character of --eval-data every "
+        "N steps and at the schedule's last step; 0: never")  # fmt: skip
+    eval_data: str | None = option(None, help="--eval-every's held-out documents: any corpus "
+        "spec, as vocagno eval --data reads it; refused if the cache holds any")  # fmt: skip
+    eval_docs: int = option(200, help="--eval-every reads the first N documents of --eval-data")
+
+    def __post_init__(self) -> None:
+        _not_negative(self, "eval_every")
+        _at_least_one(self, "eval_docs")
+        if bool(self.eval_every) != (self.eval_data is not None):
+            raise ValueError("--eval-every N and --eval-data (the held-out documents) go together")

@@ -15,10 +15,12 @@ from pipeline.flops import StepRate, flop_parameters
 from pipeline.io import atomic_write_json, atomic_write_text
 from pipeline.loggers import open_logger
 from pipeline.metrics import METRICS_NAME, read_json_lines
+from pipeline.storage.store import masked
 from stage2_train.data.epochs import cache_passes, epoch_boundary
 from stage2_train.parallel import unwrapped
 
 if TYPE_CHECKING:
+    from stage2_train.evaluation import Evaluation
     from stage2_train.run_setup import Run
     from stage2_train.step import StepTotals
 
@@ -135,18 +137,33 @@ class RunLogs:
         self.started, self.step_tokens = time.monotonic(), 0
         # the newest pass over the cache this rank's documents come from (0: the first)
         self.epoch = max(position.epoch for position in run.data_state.positions.values())
+        self.heldout = ""  # the progress bar's last held-out figures
 
-    def log_step(self, step: int, lr: float, totals: StepTotals, micro_batches: list[dict]) -> None:
-        """Log one step from its totals (every rank's sums) and this rank's micro-batches."""
+    def log_step(
+        self,
+        step: int,
+        lr: float,
+        totals: StepTotals,
+        micro_batches: list[dict],
+        evaluation: Evaluation | None = None,
+    ) -> None:
+        """Log one step from its totals (every rank's sums) and this rank's micro-batches, with
+        the held-out evaluation that followed it, if one did (its time is no step's)."""
         self.step_tokens += int(totals.valid)
         tokens = step * self.global_batch_tokens
         record = step_record(step, tokens, lr, totals, self.distills)
+        if evaluation is not None:
+            record |= evaluation.fields()
+            self.started += evaluation.seconds
+            self.heldout = f"{evaluation.loss:.3f} ({evaluation.bits_per_char:.3f} bits/char)"
         if self.documents is not None:
             trained = [document for batch in micro_batches for document in batch["documents"]]
             self.documents.append({"step": step, "documents": trained})
         if self.metrics is None:  # not rank 0
             return
         self.note_epoch(step, micro_batches)
+        if evaluation is not None:
+            self.step_rate.leave_out(evaluation.seconds)
         rates = self.step_rate.fields(int(totals.valid), self.global_batch_tokens)
         self.metrics.append({**record, **rates})
         self.logger.log({**record, **rates}, step)
@@ -169,6 +186,7 @@ class RunLogs:
             loss=f"{record['loss']:.3f}" if targets else "-",
             kept=f"{record['kept_fraction']:.2f}" if targets else "-",
             tok_s=f"{rate:,.0f}",
+            **({"heldout": self.heldout} if self.heldout else {}),
             refresh=False,
         )
         self.progress.update()
@@ -189,4 +207,16 @@ def banner(run: Run) -> str:
         f"{run.accumulation} micro-batch(es) of {config.optimizer.micro_batch_size} x "
         f"{config.data.seq_len} tokens per step, guidance {config.guidance.mode}; "
         + (f"resuming at step {run.start_step}" if run.start_step else "starting at step 0")
+        + (heldout_note(run) if run.heldout is not None else "")
+    )
+
+
+def heldout_note(run: Run) -> str:
+    """What --eval-every measures, and how often."""
+    heldout = run.heldout
+    return (
+        f"; held-out loss every {run.config.logging.eval_every} steps on {heldout.documents} "
+        f"document(s) of {masked(heldout.spec)} ({heldout.tokens:,} tokens, "
+        f"{heldout.characters:,} characters, {len(heldout.batches)} batches), none of them in "
+        "the cache"
     )

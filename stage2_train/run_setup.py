@@ -26,6 +26,7 @@ from stage2_train.checkpoint import check_resumable, load_checkpoint, resume_fro
 from stage2_train.checkpoint_trust import trusted_checkpoint
 from stage2_train.config import TrainConfig
 from stage2_train.data.documents import choose_alignment
+from stage2_train.data.heldout import HeldOut, check_unseen, read_heldout
 from stage2_train.data.loader import batches, make_loader
 from stage2_train.data.more_teachers import run_cache_fingerprint, teacher_settings
 from stage2_train.data.plan import DataPlan, has_target_spans
@@ -71,6 +72,7 @@ class Run:
     stop_step: int
     accumulation: int  # micro-batches per rank and step
     subset: torch.Tensor | None  # a distillation's vocabulary subset (e.g. ALM's space mask)
+    heldout: HeldOut | None  # --eval-every's documents
 
     def batches(self) -> Iterator[dict]:
         """This rank's micro-batches from where the run stands."""
@@ -102,6 +104,7 @@ def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStac
     if runtime.is_main and (note := chat_template_note(manifest, tokenizer)):
         print(f"stage 2: {note}", file=sys.stderr)
     accumulation = config.accumulation_steps(runtime.world_size)
+    heldout = held_out(config, runtime, tokenizer, manifest)
     plan = data_plan(config, runtime, settings, tokenizer, distillation, manifest, more)
     check_scratch(plan.workers)
     meta = {
@@ -135,8 +138,22 @@ def build_run(config: TrainConfig, runtime: Runtime, output: contextlib.ExitStac
         scheduler=scheduler, data_state=data_state, start_step=start_step,
         stop_step=config.checkpointing.stop_at_step or config.optimizer.max_steps,
         accumulation=accumulation,
-        subset=vocabulary_subset_on(distillation, runtime.device),
+        subset=vocabulary_subset_on(distillation, runtime.device), heldout=heldout,
     )  # fmt: skip
+
+
+def held_out(
+    config: TrainConfig, runtime: Runtime, tokenizer, manifest: CacheManifest
+) -> HeldOut | None:
+    """--eval-every's documents (stage2_train.data.heldout), refused if the cache holds any."""
+    options = config.logging
+    if not options.eval_every:
+        return None
+    heldout = read_heldout(options.eval_data, options.eval_docs, tokenizer, config.data.seq_len,
+                           config.optimizer.micro_batch_size)  # fmt: skip
+    check_unseen(heldout, config.data.cache, manifest.shards, runtime.rank, runtime.world_size,
+                 runtime.all_gather_objects)  # fmt: skip
+    return heldout
 
 
 def data_plan(

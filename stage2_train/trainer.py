@@ -25,6 +25,7 @@ from pipeline.versions import software_versions
 from stage2_train.checkpoint import complete_checkpoints, save_checkpoint
 from stage2_train.config import TrainConfig
 from stage2_train.distributed import Runtime
+from stage2_train.evaluation import Evaluation, evaluate
 from stage2_train.parallel import full_state_dict, unwrapped
 from stage2_train.run_log import RunLogs, diverged
 from stage2_train.run_setup import Run, build_run
@@ -60,7 +61,7 @@ def _train(
         sums.stop_votes.fill_(stop.vote)  # every rank learns of a stop request at the same step
         totals = sums.read(runtime, grad_norm)  # the step's one host sync
         refuse_divergence(run, step, totals)
-        logs.log_step(step, lr, totals, micro_batches)
+        logs.log_step(step, lr, totals, micro_batches, evaluate_at(run, step))
         stopping = totals.stop_votes > 0
         at_end = step == run.stop_step and config.checkpointing.save_at_end
         if stopping or step % config.checkpointing.save_every == 0 or at_end:
@@ -86,6 +87,16 @@ def refuse_divergence(run: Run, step: int, totals: StepTotals) -> None:
         kept_at = complete_checkpoints(run.config.checkpointing.out)
         loss = totals.kept_loss / max(totals.kept, 1)
         raise TrainingDiverged(diverged(kept_at, step, loss, totals.grad_norm))
+
+
+def evaluate_at(run: Run, step: int) -> Evaluation | None:
+    """The held-out evaluation at every --eval-every-th step and the schedule's last."""
+    every = run.config.logging.eval_every
+    if run.heldout is None or (step % every and step != run.config.optimizer.max_steps):
+        return None
+    return evaluate(
+        run.model, run.heldout, run.runtime, run.resolved.autocast, run.resolved.loss_kernel
+    )
 
 
 def save(run: Run, step: int) -> Path:

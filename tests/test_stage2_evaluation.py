@@ -1,5 +1,6 @@
-"""Stage 2's held-out evaluation: it measures what `vocagno eval` measures, refuses held-out
-documents the cache trains on, and gives the same values on 1 and 2 torchrun ranks (gloo)."""
+"""Stage 2's held-out evaluation (--eval-every): it measures what `vocagno eval` measures, refuses
+held-out documents the cache trains on, gives the same values on 1 and 2 torchrun ranks (gloo),
+logs at the same steps with the same values after a resume, and leaves training as it was."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ from pipeline.tokenizer import load_tokenizer
 from stage2_train.data.heldout import check_unseen, read_heldout
 from stage2_train.distributed import Runtime
 from stage2_train.evaluation import evaluate
+from stage2_train.train import main
 from tests.cache_fixtures import build_cache, corpus_documents
 from tests.stage1_helpers import make_tiny_teacher, shipped_documents, write_jsonl_corpus
+from tests.stage2_runs import read_metrics, train_args
 
 RANKS = Path(__file__).resolve().parent / "evaluate_on_ranks.py"
 SHORT = ["Question: 3 + 4?\nAnswer: 7", "Ünïcode ✓ 12,5 and\ttabs  here.", "x", "A short one."]
@@ -133,3 +136,75 @@ def test_the_evaluation_is_the_same_to_the_bit_on_1_and_2_ranks(tmp_path):
     assert results["1"]["batches"] % 2 == 1
     assert results["ddp"] == results["1"]
     assert results["fsdp"] == results["1"]
+
+
+EVAL_FIELDS = ("eval_loss", "eval_bits_per_char")
+
+
+def eval_records(out: Path) -> dict[int, tuple]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: tuple(r[f] for f in EVAL_FIELDS) for r in records if "eval_loss" in r}
+
+
+EVALUATED = ("--eval-every", "4", "--eval-docs", "5")
+
+
+@pytest.fixture(scope="module")
+def heldout_run(tmp_path_factory) -> dict:
+    """6 steps evaluated every 4, so at 4 and at the last, 6."""
+    root = tmp_path_factory.mktemp("eval-runs")
+    cache = root / "cache"
+    build_cache(cache, documents=corpus_documents(8), docs_per_shard=4)
+    corpus = write_jsonl_corpus(root / "heldout.jsonl", corpus_documents(6, skip=8))
+    run = {"cache": cache, "args": (*EVALUATED, "--eval-data", str(corpus)), "out": root / "whole"}
+    assert main(train_args(cache, run["out"], *run["args"])) == 0
+    return run
+
+
+def test_the_held_out_figures_reach_metrics_and_tensorboard(heldout_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    whole = eval_records(heldout_run["out"])
+    assert sorted(whole) == [4, 6]
+    assert all(0 < loss < 20 and 0 < bits < 20 for loss, bits in whole.values())
+    events = EventAccumulator(str(heldout_run["out"] / "tensorboard"))
+    events.Reload()
+    for index, tag in enumerate(("eval/loss", "eval/bits_per_char")):
+        logged = {e.step: e.value for e in events.Scalars(tag)}
+        assert logged == pytest.approx({step: values[index] for step, values in whole.items()})
+
+
+@pytest.mark.slow
+def test_a_resumed_run_evaluates_at_the_same_steps_with_the_same_values(heldout_run, tmp_path):
+    out = tmp_path / "parts"
+    assert (
+        main(train_args(heldout_run["cache"], out, *heldout_run["args"], "--stop-at-step", "5"))
+        == 0
+    )
+    assert sorted(eval_records(out)) == [4]
+    assert main(train_args(heldout_run["cache"], out, *heldout_run["args"])) == 0
+    assert eval_records(out) == eval_records(heldout_run["out"])  # floats compared exactly
+
+
+@pytest.mark.slow
+def test_evaluating_leaves_training_as_it_was(heldout_run, tmp_path):
+    plain = tmp_path / "plain"
+    assert main(train_args(heldout_run["cache"], plain)) == 0
+    assert read_metrics(heldout_run["out"]) == read_metrics(plain)
+    assert (heldout_run["out"] / "final" / "model.safetensors").read_bytes() == (
+        plain / "final" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_a_run_whose_held_out_documents_are_trained_on_is_refused_before_it_writes(
+    heldout_run, tmp_path, capsys
+):
+    trained = write_jsonl_corpus(tmp_path / "trained.jsonl", corpus_documents(2, skip=3))
+    out = tmp_path / "out"
+    args = ("--eval-every", "2", "--eval-data", str(trained))
+    assert main(train_args(heldout_run["cache"], out, *args)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "held-out document 'trained.jsonl:0' is trained on" in err and "\n" not in err
+    assert not out.exists()
+    assert main(train_args(heldout_run["cache"], out, "--eval-every", "2")) == 2
+    assert "--eval-every N and --eval-data" in capsys.readouterr().err
