@@ -47,7 +47,11 @@ def size_pool(config: ScoreConfig) -> tuple[int, int, int]:
     import ray
 
     resources = ray.cluster_resources()
-    total_cpus, total_gpus = int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
+    return pool_shape(config, int(resources.get("CPU", 0)), int(resources.get("GPU", 0)))
+
+
+def pool_shape(config: ScoreConfig, total_cpus: int, total_gpus: int) -> tuple[int, int, int]:
+    """(workers, CPUs per worker, GPUs per worker) on a cluster of these resources."""
     if total_gpus:
         workers, cpus, gpus = config.num_workers or total_gpus, config.cpus_per_worker or 1, 1
     else:

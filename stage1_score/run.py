@@ -3,6 +3,7 @@
 On a laptop:   python stage1_score/run.py --teacher T --corpus C --out DIR
 On a cluster:  ray job submit --address ADDR -- python stage1_score/run.py --teacher T ...
 From a file:   python stage1_score/run.py --manifest manifests/stage1-example.toml
+Before it:     add --dry-run (options, switches as resolved here, the plan) or --print-config
 
 Rerunning the same command resumes: finished shards are verified and kept. The cache folder's
 manifest.json is written last; `vocagno cache verify DIR` audits the result.
@@ -16,7 +17,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import parse_config  # noqa: E402
+from pipeline.config_preview import options_listing, parse_command  # noqa: E402
 from pipeline.errors import exit_code  # noqa: E402
 from pipeline.log import configure  # noqa: E402
 from stage1_score.config import SECTION, ScoreConfig  # noqa: E402
@@ -36,11 +37,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _score(argv: list[str] | None) -> None:
-    config = parse_config(ScoreConfig, argv, description=DESCRIPTION, section=SECTION)
+    command = parse_command(ScoreConfig, argv, DESCRIPTION, SECTION)
+    if command.flags.print_config:
+        print(options_listing(command, SECTION))
+        return
     configure()
+    if command.flags.dry_run:
+        from stage1_score.dry_run import dry_run
+
+        for block in dry_run(command):
+            print(block, flush=True)
+        return
     from stage1_score.job import run
 
-    run(config)
+    run(command.config)
 
 
 if __name__ == "__main__":
