@@ -68,3 +68,13 @@ def test_a_token_takes_the_bytes_of_the_schemas_per_token_columns():
     assert token_bytes(topk, "float32") == 4 + 4 + 4 + 4 + 9 + 16 + 2
     # as float16: 8 probabilities and 8 ids of 2 bytes each
     assert token_bytes(CacheSettings(topk_probs=8, topk_id_dtype="uint16"), "float16") == 14 + 34
+
+
+def test_print_config_lists_each_option_with_its_source(capsys, teacher, corpus, tmp_path):
+    argv = ["--teacher", str(teacher), "--corpus", str(corpus), "--out", str(tmp_path / "c"),
+            "--max-docs", "7", "--print-config"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"^max_docs = 7 +# flag$", printed, re.M)
+    assert re.search(r"^docs_per_shard = 1000 +# default$", printed, re.M)
+    assert "# the plan" not in printed and not (tmp_path / "c").exists()
