@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
         tokenizer = load_tokenizer("tinyllama")
         heldout = read_heldout(corpus, int(docs), tokenizer, int(seq_len), int(rows))
         student = build_student("llama-tiny", tokenizer, seed=0, seq_len=int(seq_len))
-        model = wrap(student, runtime, "--fsdp" in argv, "none", "float32")
+        model = wrap(student, runtime, "--fsdp" in argv, "none", "float32", False)
         result = evaluate(model, heldout, runtime, contextlib.nullcontext, "plain")
         if runtime.is_main:
             fields = {"loss": result.loss, "bits_per_char": result.bits_per_char,
