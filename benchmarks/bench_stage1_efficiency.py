@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from stage1_runs import batch_inputs  # noqa: E402
 
 from pipeline.cache.settings import CacheSettings  # noqa: E402
+from pipeline.config import from_flat  # noqa: E402
 from pipeline.corpus import Corpus, CorpusOptions  # noqa: E402
 from pipeline.log import configure  # noqa: E402
 from pipeline.scoring.resolve import Asked, resolve  # noqa: E402
@@ -64,10 +65,10 @@ def main() -> int:
     documents = itertools.islice(Corpus(CORPUS, CorpusOptions(id_column="id")), args.docs)
     unit = next(plan_units(documents, args.docs))
     with tempfile.TemporaryDirectory() as out:
-        config = ScoreConfig(
-            teacher=args.teacher, corpus=str(CORPUS), out=out, dtype="float32",
-            batch_tokens=args.batch_tokens, progress_seconds=1e9,
-        )  # fmt: skip
+        config = from_flat(ScoreConfig, {
+            "teacher": args.teacher, "corpus": str(CORPUS), "out": out, "dtype": "float32",
+            "batch_tokens": args.batch_tokens, "progress_seconds": 1e9,
+        })  # fmt: skip
         windows = CacheSettings(max_length=args.max_length, stride=args.stride, loss_dtype="float16")
         spec = WorkerSpec(
             config, resolve(Asked.of(config), torch.device("cpu")), resolve_teacher(args.teacher),

@@ -25,7 +25,7 @@ from pipeline.cache.manifest import (
 )
 from pipeline.cache.settings import CacheSettings
 from pipeline.choices import OWN_CHAT_TEMPLATES
-from pipeline.config import to_dict
+from pipeline.config import replaced, to_dict
 from pipeline.corpus import Corpus
 from pipeline.corpus.own_template import OwnTemplate, own_template
 from pipeline.errors import ConfigError, CorpusError
@@ -111,9 +111,9 @@ def teacher_dtype(config: ScoreConfig) -> str:
     (pipeline.scoring.resolve) for the device each worker gets, a GPU where the Ray cluster the
     run joins has GPUs, else CPUs; the cluster is asked without joining it
     (stage1_score.cluster.cluster_gpus), and only for auto."""
-    if config.dtype != "auto":
-        return config.dtype
-    device = torch.device("cuda" if cluster_gpus(config.ray_address) else "cpu")
+    if config.teacher.dtype != "auto":
+        return config.teacher.dtype
+    device = torch.device("cuda" if cluster_gpus(config.workers.ray_address) else "cpu")
     return resolve(Asked.of(config), device).dtype
 
 
@@ -122,18 +122,19 @@ def plan(config: ScoreConfig) -> Plan:
     options = config.corpus_options()  # read before the teacher unless its tokenizer renders it
     own = options.targets == "chat" and options.chat_template in OWN_CHAT_TEMPLATES
     corpus = None if own else checked_corpus(config)
-    teacher = resolve_teacher(config.teacher, config.teacher_revision)
+    teacher = resolve_teacher(config.teacher.model, config.teacher.teacher_revision)
     teacher_config = load_teacher_config(teacher)
     check_weights_readable(teacher)
     check_model_weights(teacher, teacher_config)
-    tokenizer = load_teacher_tokenizer(teacher, config.tokenizer)
-    check_tokenizer_fits(tokenizer, teacher_config, teacher, config.force_tokenizer)
+    tokenizer = load_teacher_tokenizer(teacher, config.teacher.tokenizer)
+    check_tokenizer_fits(tokenizer, teacher_config, teacher, config.teacher.force_tokenizer)
     if corpus is None:
-        owner = load_tokenizer(config.student_tokenizer) if config.student_tokenizer else tokenizer
+        student = config.corpus.student_tokenizer
+        owner = load_tokenizer(student) if student else tokenizer
         corpus = checked_corpus(config, own_template(options.chat_template, owner))
     context = teacher_context_length(teacher_config)
     try:
-        max_length, stride = config.windows(context)
+        max_length, stride = config.batching.windows(context)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if context is not None and max_length > context:
@@ -146,8 +147,8 @@ def plan(config: ScoreConfig) -> Plan:
         "teacher": teacher_identity(teacher)
         | {
             "dtype": dtype,
-            "backend": config.backend,
-            "backend_version": backend_version(config.backend),
+            "backend": config.teacher.backend,
+            "backend_version": backend_version(config.teacher.backend),
             "architecture": describe_config(teacher_config),
         },
         "tokenizer": {
@@ -155,7 +156,7 @@ def plan(config: ScoreConfig) -> Plan:
             "vocab_size": tokenizer.vocab_size,
             "add_bos": tokenizer.policy.add_bos,
             "bos_token": tokenizer.policy.bos_token,
-            "source": "teacher" if config.tokenizer is None else "--tokenizer",
+            "source": "teacher" if config.teacher.tokenizer is None else "--tokenizer",
         },
         "settings": settings.to_json(),
         "corpus": corpus.describe(),
@@ -164,8 +165,8 @@ def plan(config: ScoreConfig) -> Plan:
 
 
 def checked_corpus(config: ScoreConfig, template: OwnTemplate | None = None) -> Corpus:
-    corpus = Corpus(config.corpus, config.corpus_options(), template)
-    check_out_apart(as_location(config.out), corpus)
+    corpus = Corpus(config.corpus.location, config.corpus_options(), template)
+    check_out_apart(as_location(config.output.out), corpus)
     return corpus
 
 
@@ -203,24 +204,25 @@ def head_size(teacher_config, tokenizer) -> int:
 def _head(config: ScoreConfig, teacher_config, tokenizer) -> tuple[int, dict | None]:
     """(head size, space mask identity or None) for the optional columns' settings."""
     size = head_size(teacher_config, tokenizer)
-    if not config.space_logprob:
+    if not config.output.space_logprob:
         return size, None
     return size, space_mask(tokenizer, size)[1]
 
 
 def run(config: ScoreConfig) -> CacheManifest:
-    """Score the corpus into `config.out`; returns the manifest written there."""
+    """Score the corpus into `config.output.out`; returns the manifest written there."""
     # Ray is joined only once a unit needs scoring; an address where nobody answers is refused
     # first, in seconds, before the output folder is touched.
-    config = replace(config, ray_address=reachable_ray_address(config.ray_address, log.warning))
+    address = reachable_ray_address(config.workers.ray_address, log.warning)
+    config = replaced(config, ray_address=address)
     job = plan(config)
     log.info(
-        f"teacher {config.teacher} ({config.backend}, {job.dtype}), windows of "
-        f"{job.max_length} tokens every {job.stride}; corpus {config.corpus} "
+        f"teacher {config.teacher.model} ({config.teacher.backend}, {job.dtype}), windows of "
+        f"{job.max_length} tokens every {job.stride}; corpus {config.corpus.location} "
         f"({counted(len(job.corpus.sources), 'source')}, {job.corpus.total_bytes:,} bytes)"
     )
     shipped = shipped_working_dir()
-    out = as_location(config.out)
+    out = as_location(config.output.out)
     check_output_outside(shipped, out)
     # A teacher inside the shipped working directory is opened in each worker's own copy of it.
     teacher = job.teacher
@@ -228,16 +230,16 @@ def run(config: ScoreConfig) -> CacheManifest:
         teacher = replace(teacher, path=relative_to_shipped(shipped, teacher.path))
     with (
         corpus_kept_from_shipped(shipped, job.corpus) as kept,
-        output_held(out, config.lock_lease, log.warning) as lock,
+        output_held(out, config.output.lock_lease, log.warning) as lock,
     ):
         if kept:
             log.info(
                 f"{counted(kept, 'corpus file')} in the shipped working directory held for the "
                 "run (joining Ray deletes the driver's copy of it)"
             )
-        run_fingerprint = prepare_output(out, job.identity, config.overwrite, log.info)
-        if config.profile_unit is not None:  # an earlier run's trace is not this run's
-            Store(out).delete(profile_name(config.profile_unit))
+        run_fingerprint = prepare_output(out, job.identity, config.output.overwrite, log.info)
+        if config.output.profile_unit is not None:  # an earlier run's trace is not this run's
+            Store(out).delete(profile_name(config.output.profile_unit))
 
         # the pool adds what it resolves for its workers' device, and their threads
         spec = functools.partial(
@@ -264,10 +266,10 @@ def run(config: ScoreConfig) -> CacheManifest:
             store.write_json(RUN_RECORD_NAME, {"config": to_dict(config)} | pool.record())
         lock.check()
         write_manifest(out, manifest)
-        if config.profile_unit is not None:
-            _report_trace(store, config.profile_unit, len(manifest.shards))
+        if config.output.profile_unit is not None:
+            _report_trace(store, config.output.profile_unit, len(manifest.shards))
     log.info(
-        f"wrote {config.out}: {counted(len(manifest.shards), 'shard')}, "
+        f"wrote {config.output.out}: {counted(len(manifest.shards), 'shard')}, "
         f"{counted(manifest.total_rows, 'document')}, "
         f"{counted(manifest.total_teacher_tokens, 'teacher token')}, {len(manifest.skipped):,} "
         "skipped"
@@ -293,16 +295,18 @@ def _report_trace(store: Store, unit: int, units: int) -> None:
 
 def _score_corpus(job: Plan, pool: WorkerPool, run_fingerprint: str) -> CacheManifest:
     config = job.config
+    corpus, out = config.corpus.location, as_location(config.output.out)
+    per_unit = config.batching.docs_per_shard
     unit_hashes: list[str] = []
     skipped: list[SkippedDocument] = []
-    progress = Progress(job.corpus.fraction_read, config.progress_seconds)
+    progress = Progress(job.corpus.fraction_read, config.output.progress_seconds)
 
     def units() -> Iterator[WorkUnit]:
-        for unit in plan_units(job.corpus, config.docs_per_shard, job.corpus.fraction_read):
+        for unit in plan_units(job.corpus, per_unit, job.corpus.fraction_read):
             if not len(unit):
                 first = unit.skipped[0]
                 raise CorpusError(
-                    f"no documents to score in {config.corpus}: all {len(unit.skipped)} records "
+                    f"no documents to score in {corpus}: all {len(unit.skipped)} records "
                     f"were skipped (first: {first.source} record {first.record}: {first.reason})"
                 )
             unit_hashes.append(unit.content_sha256)
@@ -310,13 +314,11 @@ def _score_corpus(job: Plan, pool: WorkerPool, run_fingerprint: str) -> CacheMan
             yield unit
 
     def finished(unit: WorkUnit) -> Sidecar | None:
-        return finished_shard(
-            as_location(config.out), unit.index, unit.content_sha256, run_fingerprint, log.info
-        )
+        return finished_shard(out, unit.index, unit.content_sha256, run_fingerprint, log.info)
 
     shards = pool.score(units(), finished, progress)
     if not shards:
-        raise CorpusError(f"corpus {config.corpus} holds no documents")
+        raise CorpusError(f"corpus {corpus} holds no documents")
     progress.report(final=True)
     documents = sum(s.shard.rows for s in shards.values())
     if documents != progress.planned_docs or sorted(shards) != list(range(len(unit_hashes))):

@@ -22,6 +22,7 @@ from pipeline.log import counted, get_logger
 from pipeline.scoring.resolve import Asked, resolve
 from stage1_score.cluster import connect_ray, describe_cluster
 from stage1_score.config import ScoreConfig
+from stage1_score.options import WorkersOptions
 from stage1_score.output import Sidecar
 from stage1_score.progress import Progress
 from stage1_score.units import WorkUnit
@@ -42,7 +43,7 @@ class ScoringError(VocagnoError):
     """A worker failed in a way that is not the input's fault (it died, ran out of memory...)."""
 
 
-def size_pool(config: ScoreConfig) -> tuple[int, int, int]:
+def size_pool(config: WorkersOptions) -> tuple[int, int, int]:
     """(workers, CPUs per worker, GPUs per worker) from the options and the cluster's resources."""
     import ray
 
@@ -129,9 +130,9 @@ class WorkerPool:
     def start(self) -> None:
         import ray
 
-        self.started_ray = connect_ray(self.config.ray_address)
+        self.started_ray = connect_ray(self.config.workers.ray_address)
         log.info(describe_cluster())
-        workers, cpus, gpus = size_pool(self.config)
+        workers, cpus, gpus = size_pool(self.config.workers)
         # every choice of the device each worker gets (a GPU each, or CPUs), the dtype the identity's
         asked = replace(Asked.of(self.config), dtype=self.dtype)
         resolved = resolve(asked, torch.device("cuda" if gpus else "cpu"))

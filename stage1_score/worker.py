@@ -97,14 +97,14 @@ def load_scorer(spec: WorkerSpec, extras: HeadExtras):
     before it loads anything."""
     config = spec.config
     windows = {"max_length": spec.settings.max_length, "stride": spec.settings.stride}
-    if config.backend == "vllm":
+    if config.teacher.backend == "vllm":
         from stage1_score.backends.vllm_backend import VLLMScorer
 
         dtype, threads = spec.resolved.dtype, spec.threads
-        return VLLMScorer(spec.teacher, config, dtype, threads, extras=extras, **windows).load()
+        return VLLMScorer(spec.teacher, config.vllm, dtype, threads, extras=extras, **windows).load()
     from pipeline.scoring.hf import HFScorer
 
-    asked, batch_tokens = Asked.of(config), config.batch_tokens
+    asked, batch_tokens = Asked.of(config), config.batching.batch_tokens
     scorer = HFScorer(spec.teacher, asked=asked, batch_tokens=batch_tokens, extras=extras, **windows)
     check_worker(spec.resolved, resolve(scorer.asked, scorer.device))
     return scorer.load()
@@ -133,7 +133,7 @@ class UnitScorer:
         import torch
 
         torch.set_num_threads(self.spec.threads)
-        self._tokenizer = load_teacher_tokenizer(self.spec.teacher, self.spec.config.tokenizer)
+        self._tokenizer = load_teacher_tokenizer(self.spec.teacher, self.spec.config.teacher.tokenizer)
         self._extras = head_extras(self.spec, self._tokenizer)
         self._scorer = load_scorer(self.spec, self._extras)
         # once the teacher is loaded, so that each package it imported names its build
@@ -167,9 +167,9 @@ class UnitScorer:
             plan = self._scorer.plan(ids)
         lengths = [len(e) for e in encodings]
         scorable = sum(max(n - 1, 0) for n in lengths)  # token 0 has no prediction
-        config = self.spec.config
-        report = _ProgressLog(self.worker, unit.index, scorable, config.progress_seconds)
-        with traced(unit.index == config.profile_unit) as trace:
+        output = self.spec.config.output
+        report = _ProgressLog(self.worker, unit.index, scorable, output.progress_seconds)
+        with traced(unit.index == output.profile_unit) as trace:
             with self._device, phase(phases, "score"):
                 queued = self._scorer.queue_columns(ids, progress=report, plan=plan)
             # The teacher is released: the next unit queues its batches behind this one's last.

@@ -92,7 +92,7 @@ def test_what_stage_1_writes_now_reads_back_as_what_it_wrote():
     for parts in itertools.product(*OPTIONS):
         config = parse_config(ScoreConfig, REQUIRED + sum(parts, []), "", SECTION)
         for head in (49152, 151936):
-            ours = result_settings(config, 64, 32, head, SPACE if config.space_logprob else None)
+            ours = result_settings(config, 64, 32, head, SPACE if config.output.space_logprob else None)
             read = CacheSettings.from_json(json.loads(json.dumps(ours.to_json())))
             assert read == ours and read.to_json() == ours.to_json(), parts
 

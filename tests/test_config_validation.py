@@ -68,7 +68,7 @@ OUT_OF_RANGE = {
         "max_steps": 0, "num_chunks": 0, "seq_len": 0, "save_every": 0,
         "global_batch_tokens": 0, "micro_batch_size": 0, "warmup_steps": -1, "num_workers": -1,
         "weight_decay": -0.1, "grad_clip": -1, "stop_at_step": 0, "min_lr": 0,
-        "adam_beta1": 1, "adam_beta2": 1.5, "topk": 1.5,
+        "adam_beta1": 1, "adam_beta2": 1.5, "topk": 1.5, "eval_every": -1, "eval_docs": 0,
     },
     EvalConfig: {
         "num_docs": -1, "accuracy_problems": -1, "shots": -1, "max_new_tokens": 0,
@@ -107,6 +107,8 @@ COMPANIONS = {  # a value that needs another option beside it
     (ScoreConfig, "student_tokenizer"): {"chat_template": "student"},
     (TrainConfig, "teacher_weights"): {"guidance": "uld", "more_caches": ["b"]},
     (TrainConfig, "source_teachers"): {"more_caches": ["b"], "combine_teachers": "source"},
+    (TrainConfig, "eval_every"): {"eval_data": "heldout.jsonl"},
+    (TrainConfig, "eval_data"): {"eval_every": 100},
     (SelectionConfig, "source_teachers"): {"more_caches": ["b"], "combine_teachers": "source"},
     (EvalConfig, "targets"): {"accuracy_problems": 0, "answer_problems": 5},
 }
@@ -410,7 +412,7 @@ def test_a_manifest_may_group_a_stages_options_in_sub_tables(tmp_path):
                        'text_column = "body"\n[stage1.output]\nout = "o"\n'
                        "[stage1.batching]\nbatch_tokens = 4096\n")  # fmt: skip
     configs = [parse_config(ScoreConfig, ["--manifest", str(p)], "", "stage1") for p in (flat, grouped)]
-    assert configs[0] == configs[1] and configs[1].text_column == "body"
+    assert configs[0] == configs[1] and configs[1].corpus.text_column == "body"
     cases = {
         '[stage1.corpus]\nbatch_tokens = 4096\n': "batch_tokens is a [batching] option, not a "
         "[corpus] one",

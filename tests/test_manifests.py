@@ -103,7 +103,7 @@ def _scored_caches() -> dict[str, list[tuple[Path, ScoreConfig]]]:
         stage1 = _tables(path).get("stage1", {})
         if "out" in stage1:
             config = from_dict(ScoreConfig, {**PLACEHOLDERS["stage1"], **stage1}, str(path))
-            scored.setdefault(str(config.out), []).append((path, config))
+            scored.setdefault(str(config.output.out), []).append((path, config))
     return scored
 
 
@@ -125,7 +125,8 @@ def test_a_cache_another_manifest_scores_has_the_columns_the_reading_run_needs()
         stage2 = _tables(path).get("stage2", {})
         if stage2.get("cache") not in scored:
             continue
-        (_, stage1), *_ = scored[stage2["cache"]]
+        (_, score), *_ = scored[stage2["cache"]]
+        stage1 = score.output
         guidance, checked = stage2.get("guidance", "token"), checked + 1
         needs = {"uld": stage1.topk_probs > 0, "kld": stage1.topk_probs > 0 and stage1.topk_ids,
                  "alm": bool(stage1.space_logprob)}  # fmt: skip

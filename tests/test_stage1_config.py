@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import build_parser, parse_config
+from pipeline.config import build_parser, declared, parse_config, replaced
 from pipeline.errors import ConfigError
 from stage1_score.config import SECTION, ScoreConfig, result_settings
 
@@ -18,17 +18,18 @@ REQUIRED = ["--teacher", "t", "--corpus", "c.jsonl", "--out", "o"]
 
 def test_the_example_manifest_sets_real_options_and_documents_every_option():
     config = parse_config(ScoreConfig, ["--manifest", str(EXAMPLE)], "", SECTION)
-    assert config.docs_per_shard == 1000 and config.id_column == "id"
-    assert config.windows(None) == (512, 256)
+    assert config.batching.docs_per_shard == 1000 and config.corpus.id_column == "id"
+    assert config.batching.windows(None) == (512, 256)
     text = EXAMPLE.read_text()
-    assert set(tomllib.loads(text)[SECTION]) <= {f.name for f in dataclasses.fields(ScoreConfig)}
-    for field in dataclasses.fields(ScoreConfig):
-        assert field.name in text, f"{field.name} is not documented in {EXAMPLE.name}"
+    keys = [option.key for option in declared(ScoreConfig)]
+    assert set(tomllib.loads(text)[SECTION]) <= set(keys)
+    for key in keys:
+        assert key in text, f"{key} is not documented in {EXAMPLE.name}"
 
 
 def test_command_line_wins_over_the_manifest():
     config = parse_config(ScoreConfig, ["--manifest", str(EXAMPLE), "--stride", "100"], "", SECTION)
-    assert config.windows(None) == (512, 100)
+    assert config.batching.windows(None) == (512, 100)
 
 
 @pytest.mark.parametrize(
@@ -65,9 +66,9 @@ def test_missing_required_options_are_named():
 
 def test_window_defaults_come_from_the_teacher():
     config = parse_config(ScoreConfig, REQUIRED, "", SECTION)
-    assert config.windows(2048) == (2048, 1024)
+    assert config.batching.windows(2048) == (2048, 1024)
     with pytest.raises(ValueError, match="pass --max-length"):
-        config.windows(None)
+        config.batching.windows(None)
     assert result_settings(config, 2048, 1024).to_json() == {
         "max_length": 2048,
         "stride": 1024,
@@ -78,7 +79,8 @@ def test_window_defaults_come_from_the_teacher():
 
 def test_optional_columns_join_the_identity_only_when_asked_for():
     config = parse_config(ScoreConfig, REQUIRED, "", SECTION)
-    assert config.topk_probs == 0 and config.topk_ids and not config.space_logprob
+    output = config.output
+    assert output.topk_probs == 0 and output.topk_ids and not output.space_logprob
     plain = result_settings(config, 64, 32, 49152, {"sha256": "x"}).to_json()
     assert plain == result_settings(config, 64, 32).to_json()  # no new keys: old caches keep their identity
     asked = parse_config(ScoreConfig, [*REQUIRED, "--topk-probs", "8", "--space-logprob"], "", SECTION)
@@ -106,40 +108,49 @@ def test_optional_columns_join_the_identity_only_when_asked_for():
     }  # fmt: skip
 
 
-class _Reads:
-    """A ScoreConfig whose option reads are recorded, methods included (they run on the proxy)."""
+# each section's field names as the option keys they are (`--teacher` is TeacherOptions' `model`)
+KEYS = {(d.section, d.field.name): d.key for d in declared(ScoreConfig)}
 
-    def __init__(self, config: ScoreConfig, read: set[str]):
+
+class _Reads:
+    """A ScoreConfig or one of its sections whose option reads are recorded by option key,
+    methods included (they run on the proxy)."""
+
+    def __init__(self, config, read: set[str], section: str | None = None):
         object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_read", read)
+        object.__setattr__(self, "_section", section)
 
     def __getattr__(self, name: str):
         member = getattr(type(self._config), name, None)
         if callable(member):
             return member.__get__(self)
-        self._read.add(name)
-        return getattr(self._config, name)
+        value = getattr(self._config, name)
+        if dataclasses.is_dataclass(value):
+            return _Reads(value, self._read, name)
+        self._read.add(KEYS.get((self._section, name), name))
+        return value
 
 
 def test_the_options_marked_identity_are_those_the_cache_identity_reads():
     from stage1_score.identity import CACHE_IDENTITY
 
     read: set[str] = set()
-    base = ScoreConfig(teacher="t", corpus="c.jsonl", out="o")
+    base = parse_config(ScoreConfig, REQUIRED, "", SECTION)
     shapes = [{}, {"topk_probs": 8}, {"topk_probs": 8, "topk_mode": "sampled"},
               {"space_logprob": True}]  # fmt: skip
     for shape in shapes:
-        config = _Reads(dataclasses.replace(base, **shape), read)
-        result_settings(config, *config.windows(2048), 49_152, {"mask": "m"})
+        config = _Reads(replaced(base, **shape), read)
+        result_settings(config, *config.batching.windows(2048), 49_152, {"mask": "m"})
         config.corpus_options()
     # read by plan() straight into the teacher, tokenizer and corpus records
     plan_reads = {"teacher", "teacher_revision", "dtype", "backend", "tokenizer",
                   "student_tokenizer", "corpus"}  # fmt: skip
     assert read | plan_reads == CACHE_IDENTITY
     shown = parse_help(ScoreConfig)
-    for field in dataclasses.fields(ScoreConfig):
-        mark = "[identity]" if field.name in CACHE_IDENTITY else "[run only]"
-        assert mark in shown[field.name], field.name
+    for option in declared(ScoreConfig):
+        mark = "[identity]" if option.key in CACHE_IDENTITY else "[run only]"
+        assert mark in shown[option.key], option.key
 
 
 def parse_help(cls) -> dict[str, str]:

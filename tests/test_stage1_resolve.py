@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.config import from_flat
 from pipeline.errors import ConfigError
 from pipeline.scoring.head import HeadExtras
 from pipeline.scoring.hf import HFScorer
@@ -40,10 +41,10 @@ def test_auto_is_each_fast_path_on_a_gpu_and_the_plain_path_on_a_cpu():
 
 
 def test_what_is_asked_for_stands_and_stage_1s_config_is_read_as_asked():
-    config = ScoreConfig(
-        teacher="t", corpus="c", out="o", dtype="float16", unit_overlap="on", head_kernel="fused",
-        row_packing="packed", attention="dense",
-    )  # fmt: skip
+    config = from_flat(ScoreConfig, {
+        "teacher": "t", "corpus": "c", "out": "o", "dtype": "float16", "unit_overlap": "on",
+        "head_kernel": "fused", "row_packing": "packed", "attention": "dense",
+    })  # fmt: skip
     resolved = resolve(Asked.of(config), CPU)
     assert (resolved.dtype, resolved.unit_overlap) == ("float16", "on")
     assert (resolved.switches.head_kernel, resolved.switches.row_packing) == ("fused", "packed")

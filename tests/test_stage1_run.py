@@ -518,15 +518,17 @@ def loaded_worker(teacher: Path, out: Path):
     import torch
 
     from pipeline.cache.settings import CacheSettings
+    from pipeline.config import from_flat
     from pipeline.scoring.resolve import Asked, resolve
     from pipeline.scoring.teacher import resolve_teacher
     from stage1_score.config import ScoreConfig
     from stage1_score.worker import UnitScorer, WorkerSpec
 
-    config = ScoreConfig(
-        teacher=str(teacher), corpus=str(out), out=str(out), dtype="float32", batch_tokens=128,
-        loss_dtype="float32", progress_seconds=1e9, batch_overlap="on",
-    )  # fmt: skip
+    config = from_flat(ScoreConfig, {
+        "teacher": str(teacher), "corpus": str(out), "out": str(out), "dtype": "float32",
+        "batch_tokens": 128, "loss_dtype": "float32", "progress_seconds": 1e9,
+        "batch_overlap": "on",
+    })  # fmt: skip
     spec = WorkerSpec(
         config, resolve(Asked.of(config), torch.device("cpu")), resolve_teacher(str(teacher)),
         CacheSettings(max_length=MAX_LENGTH, stride=STRIDE, loss_dtype="float32"), out,

@@ -22,8 +22,8 @@ from pipeline.scoring.resolve import Asked
 from pipeline.scoring.teacher import resolve_teacher
 from pipeline.tokenizer import load_tokenizer
 from stage1_score.backends.vllm_backend import PromptLogprobsError, VLLMScorer, prompt_columns
-from stage1_score.config import ScoreConfig
 from stage1_score.job import backend_version
+from stage1_score.options import VllmOptions
 from tests.stage1_helpers import load_model, make_tiny_teacher
 
 
@@ -185,7 +185,7 @@ def test_the_space_logprob_is_refused_by_the_vllm_backend():
     environment = dict(os.environ)
     with pytest.raises(ValueError, match="computes no space log-probability"):
         VLLMScorer(
-            resolve_teacher("x/y"), ScoreConfig(teacher="x/y", corpus="c", out="o"), "float32", 1,
+            resolve_teacher("x/y"), VllmOptions(), "float32", 1,
             max_length=16, stride=6, extras=HeadExtras(space_mask=np.ones(8, dtype=bool)),
         )  # fmt: skip
     # nothing of vLLM's settings (OMP_NUM_THREADS=1 among them) is left to later subprocesses

@@ -269,7 +269,7 @@ from pipeline.tokenizer import load_tokenizer
 from pipeline.scoring.hf import HFScorer
 from pipeline.scoring.resolve import Asked
 from stage1_score.backends.vllm_backend import VLLMScorer
-from stage1_score.config import ScoreConfig
+from stage1_score.options import VllmOptions
 from pipeline.scoring.teacher import resolve_teacher
 
 def engines():
@@ -290,11 +290,10 @@ window = dict(max_length=context, stride=context // 2)
 teacher = resolve_teacher(folder)
 hf = HFScorer(teacher, asked=Asked("float32"), batch_tokens=4096, device="cpu", **window)
 hf = hf.load().score(ids)
-config = ScoreConfig(
-    teacher=folder, corpus=folder, out=folder, vllm_max_num_batched_tokens=4096,
-    vllm_gpu_memory_utilization=0.5, vllm_cpu_kvcache_gib=1, vllm_enforce_eager=True,
+engine = VllmOptions(
+    max_num_batched_tokens=4096, gpu_memory_utilization=0.5, cpu_kvcache_gib=1, enforce_eager=True
 )
-scorer = VLLMScorer(teacher, config, "float32", 2, **window).load()
+scorer = VLLMScorer(teacher, engine, "float32", 2, **window).load()
 try:
     ours = scorer.score(ids)
     assert engines(), "no engine process to see"

@@ -371,7 +371,7 @@ def test_the_comparison_manifests_differ_only_in_the_objective():
     stage1 = from_dict(
         ScoreConfig, load_manifest_section(paper / "alm-comparison-alm.toml", "stage1")
     )
-    assert stage1.space_logprob and str(stage1.out) == str(runs["alm"]["cache"])
+    assert stage1.output.space_logprob and str(stage1.output.out) == str(runs["alm"]["cache"])
     assert {mode: run["guidance"] for mode, run in runs.items()} == {m: m for m in runs}
     same = lambda run: {k: v for k, v in run.items() if k not in ("guidance", "out")}  # noqa: E731
     assert same(runs["alm"]) == same(runs["token"]) == same(runs["none"])

@@ -57,8 +57,9 @@ class Asked:
 
     @classmethod
     def of(cls, config) -> Asked:
-        """What a config asks: any object with these options (stage 1's ScoreConfig)."""
-        return cls(config.dtype, HeadSwitches.asked_by(config), config.unit_overlap)
+        """What stage 1's ScoreConfig asks (its teacher's, head's and batching's sections)."""
+        switches = HeadSwitches.asked_by(config.head, config.batching)
+        return cls(config.teacher.dtype, switches, config.batching.unit_overlap)
 
 
 @dataclass(frozen=True)

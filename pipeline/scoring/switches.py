@@ -29,10 +29,13 @@ class HeadSwitches:
     compile: CompileLayers = "auto"
 
     @classmethod
-    def asked_by(cls, config) -> HeadSwitches:
-        """The switches a config asks for: any object with these attributes (stage 1's
-        ScoreConfig declares each as a flag under its --help group)."""
-        return cls(**{field.name: getattr(config, field.name) for field in dataclasses.fields(cls)})
+    def asked_by(cls, *sections) -> HeadSwitches:
+        """The switches a config asks for, each read from the first of its `sections` that has
+        it (stage 1's: the head's and the batching's)."""
+        return cls(**{
+            field.name: next(getattr(s, field.name) for s in sections if hasattr(s, field.name))
+            for field in dataclasses.fields(cls)
+        })  # fmt: skip
 
     def saved(self) -> dict[str, str | None]:
         return dataclasses.asdict(self)

@@ -39,7 +39,7 @@ from pipeline.scoring.device import QueuedColumns
 from pipeline.scoring.head import HeadExtras, empty_columns
 from pipeline.scoring.teacher import TeacherSource
 from pipeline.scoring.windows import plan_document_windows
-from stage1_score.config import ScoreConfig
+from stage1_score.options import VllmOptions
 
 PROMPTS_PER_CALL = 1024  # windows per generate() call: big enough to batch, small for progress
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's own default of the engine's max_logprobs
@@ -120,7 +120,7 @@ class VLLMScorer:
     def __init__(
         self,
         teacher: TeacherSource,
-        config: ScoreConfig,
+        config: VllmOptions,
         dtype: str,
         threads: int,
         *,
@@ -128,7 +128,7 @@ class VLLMScorer:
         stride: int,
         extras: HeadExtras | None = None,
     ):
-        """Cheap: `load()` starts the engine. `config`: stage 1's (its `vllm_*` options);
+        """Cheap: `load()` starts the engine. `config`: stage 1's vllm section;
         `dtype`: the teacher's, resolved (pipeline.scoring.resolve); `threads`: the worker's."""
         self.extras = extras or HeadExtras()
         if self.extras.space_mask is not None:  # refused before the process's environment changes
@@ -152,15 +152,15 @@ class VLLMScorer:
         if current_platform.is_cpu():
             # On CPUs vLLM sizes the KV cache from this variable; gpu_memory_utilization would
             # instead reserve that share of the machine's RAM.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.vllm_cpu_kvcache_gib)
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_gib)
             # vLLM's automatic binding pins every engine on a node to the same cores, knowing
             # nothing of the other workers: leave placement to the OS and use the worker's
             # share of threads instead, unless the user chose a binding.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             os.environ["OMP_NUM_THREADS"] = str(self.threads)  # read by the engine's processes
-            memory, engine_memory = {"cpu_kvcache_gib": config.vllm_cpu_kvcache_gib}, {}
+            memory, engine_memory = {"cpu_kvcache_gib": config.cpu_kvcache_gib}, {}
         else:
-            memory = engine_memory = {"gpu_memory_utilization": config.vllm_gpu_memory_utilization}
+            memory = engine_memory = {"gpu_memory_utilization": config.gpu_memory_utilization}
         # K + 1 log-probabilities per prompt position: the prompt token's and the top K's
         logprobs = max(self.extras.topk, 1)
         model, kwargs = self.teacher.load_args
@@ -171,10 +171,10 @@ class VLLMScorer:
             revision=kwargs.get("revision"),
             dtype="auto" if dtype == "checkpoint" else dtype,  # vLLM's auto: the checkpoint's
             max_model_len=self.max_length + 1,
-            max_num_batched_tokens=config.vllm_max_num_batched_tokens,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=False,
             skip_tokenizer_init=True,  # prompts are token ids; no detokenized log-probs needed
-            enforce_eager=config.vllm_enforce_eager,
+            enforce_eager=config.enforce_eager,
             max_logprobs=max(logprobs, DEFAULT_MAX_LOGPROBS),
             logprobs_mode="raw_logprobs",
             seed=0,
@@ -185,9 +185,9 @@ class VLLMScorer:
         )
         self.settings = {
             "platform": current_platform.device_type,
-            "max_num_batched_tokens": config.vllm_max_num_batched_tokens,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
             "dtype": dtype,
-            "enforce_eager": config.vllm_enforce_eager,
+            "enforce_eager": config.enforce_eager,
             "prompt_logprobs": logprobs,
             "enable_prefix_caching": False,
         } | memory
