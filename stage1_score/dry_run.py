@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 from typing import NamedTuple
 
 import pyarrow as pa
 import torch
 
 from pipeline.cache.schema import TARGET_SPANS, cache_schema
+from pipeline.config import replaced
 from pipeline.config_preview import Command, options_listing
 from pipeline.corpus import Document
 from pipeline.log import counted
@@ -41,32 +41,34 @@ def dry_run(command: Command) -> list[str]:
     """The dry run's blocks of text, in the order printed: options, switches, plan."""
     config = command.config
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    sampled = bool(config.topk_probs) and config.topk_mode == "sampled"
-    extras = HeadExtras(topk=config.topk_probs, sampled=sampled)
+    output, batching, workers_asked = config.output, config.batching, config.workers
+    sampled = bool(output.topk_probs) and output.topk_mode == "sampled"
+    extras = HeadExtras(topk=output.topk_probs, sampled=sampled)
     resolved = resolve(Asked.of(config), device, extras=extras)
-    job = plan(replace(config, dtype=resolved.dtype))  # the dtype as this device resolves it
+    job = plan(replaced(config, dtype=resolved.dtype))  # the dtype as this device resolves it
     read = _read(job.corpus)
     documents, characters, sample = read.documents, read.characters, read.sample
-    tokenizer = load_teacher_tokenizer(job.teacher, config.tokenizer)
+    tokenizer = load_teacher_tokenizer(job.teacher, config.teacher.tokenizer)
     sample_tokens = sum(len(e) for e in tokenizer.encode_batch([d.text for d in sample]))
     sample_characters = sum(len(d.text) for d in sample)
     per_character = sample_tokens / max(1, sample_characters)
     tokens = round(characters * per_character)
-    row_bytes = token_bytes(job.settings, config.loss_dtype)
+    row_bytes = token_bytes(job.settings, output.loss_dtype)
     cache_bytes = tokens * row_bytes + read.document_bytes
     cpus, gpus = os.cpu_count() or 1, torch.cuda.device_count()
-    workers, worker_cpus, worker_gpus = pool_shape(config, cpus, gpus)
-    units = math.ceil(documents / config.docs_per_shard)
-    sliced = f", its first {config.max_docs:,} records" if config.max_docs else ""
-    asked_cluster = f" (--ray-address {config.ray_address} not asked)" if config.ray_address else ""
+    workers, worker_cpus, worker_gpus = pool_shape(workers_asked, cpus, gpus)
+    units = math.ceil(documents / batching.docs_per_shard)
+    max_docs, ray_address = config.corpus.max_docs, workers_asked.ray_address
+    sliced = f", its first {max_docs:,} records" if max_docs else ""
+    asked_cluster = f" (--ray-address {ray_address} not asked)" if ray_address else ""
     plan_lines = [
         f"device: this machine's ({device.type}), assumed to be the workers' (a dry run asks no "
         "Ray cluster)",
         "auto switches: " + ", ".join(_switches(config, resolved)),
-        f"corpus: {config.corpus} ({counted(len(job.corpus.sources), 'source')}, "
+        f"corpus: {config.corpus.location} ({counted(len(job.corpus.sources), 'source')}, "
         f"{job.corpus.total_bytes:,} bytes){sliced}",
         f"documents: {documents:,} ({characters:,} characters)",
-        f"units: {units:,} of up to {config.docs_per_shard:,} documents (one shard each)",
+        f"units: {units:,} of up to {batching.docs_per_shard:,} documents (one shard each)",
         f"windows: {job.max_length:,} tokens every {job.stride:,}",
         f"workers: {workers} x ({counted(worker_cpus, 'CPU')}, {counted(worker_gpus, 'GPU')}), "
         f"assuming a local Ray of this machine's {counted(cpus, 'CPU')} and "
@@ -89,16 +91,16 @@ def dry_run(command: Command) -> list[str]:
 def _switches(config, resolved: Resolved) -> list[str]:
     """Each device-dependent switch, `asked -> resolved` where they differ; the hf backend's
     head switches only under it (vllm reads none of them)."""
-    asked = {"dtype": config.dtype, "unit_overlap": config.unit_overlap}
+    asked = {"dtype": config.teacher.dtype, "unit_overlap": config.batching.unit_overlap}
     got = {"dtype": resolved.dtype, "unit_overlap": resolved.unit_overlap}
-    if config.backend == "hf":
-        asked |= HeadSwitches.asked_by(config).saved()
+    if config.teacher.backend == "hf":
+        asked |= HeadSwitches.asked_by(config.head, config.batching).saved()
         got |= resolved.switches.saved()
     said = [
         f"{name} {value}" if got[name] == value else f"{name} {value} -> {got[name] or 'unused'}"
         for name, value in asked.items()
     ]
-    if config.backend == "hf":  # what HFScorer.load decides with the teacher on its device
+    if config.teacher.backend == "hf":  # what HFScorer.load decides with the teacher on its device
         said[-1] += "; at load, a teacher may take back packing, onepass or compile"
     return said
 

@@ -51,7 +51,7 @@ def size_pool(config: WorkersOptions) -> tuple[int, int, int]:
     return pool_shape(config, int(resources.get("CPU", 0)), int(resources.get("GPU", 0)))
 
 
-def pool_shape(config: ScoreConfig, total_cpus: int, total_gpus: int) -> tuple[int, int, int]:
+def pool_shape(config: WorkersOptions, total_cpus: int, total_gpus: int) -> tuple[int, int, int]:
     """(workers, CPUs per worker, GPUs per worker) on a cluster of these resources."""
     if total_gpus:
         workers, cpus, gpus = config.num_workers or total_gpus, config.cpus_per_worker or 1, 1
